@@ -1,0 +1,1 @@
+"""ckptless.chaos: fault injectors, seeded schedules and the scenario runner."""

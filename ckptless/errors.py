@@ -1,0 +1,123 @@
+"""One typed error tree for everything ckptless raises.
+
+Why one tree: callers (the launcher, the job loop, user code) need to tell
+"retry later" from "your input is wrong" from "data is corrupt" without
+string matching, and every boundary (etcd client, torch.distributed, disk)
+translates foreign exceptions into these with ``raise ... from exc`` so the
+original cause stays attached.
+"""
+
+from __future__ import annotations
+
+
+class CkptlessError(Exception):
+    """Root of every error ckptless raises on purpose."""
+
+
+# --- input -------------------------------------------------------------------
+class ConfigError(CkptlessError, ValueError):
+    """Invalid configuration or command-line input.
+
+    Always names the offending field and value so one line is enough to fix it.
+    """
+
+    def __init__(self, field: str, value: object, reason: str) -> None:
+        self.field = field
+        self.value = value
+        self.reason = reason
+        super().__init__(f"invalid {field}={value!r}: {reason}")
+
+
+# --- coordination (etcd) -----------------------------------------------------
+class CoordinatorError(CkptlessError):
+    """Anything that went wrong talking to the coordination store."""
+
+
+class CoordinatorUnavailable(CoordinatorError):
+    """etcd could not be reached before the deadline (retryable)."""
+
+
+class CoordinatorTimeout(CoordinatorUnavailable):
+    """An etcd call or a wait on etcd ran past its deadline."""
+
+
+class CoordinatorAuthError(CoordinatorError):
+    """etcd refused our credentials or TLS setup."""
+
+
+class FencingError(CoordinatorError):
+    """A fenced transaction lost: someone else changed the guarded key first.
+
+    Never retried blindly: the caller must re-read state and re-decide.
+    """
+
+
+class SessionExpired(CoordinatorError):
+    """Our lease is gone; everything attached to it has been deleted by etcd."""
+
+
+class NotLeader(CoordinatorError):
+    """An operation that only the elected leader may do was tried by a non-leader."""
+
+
+class EtcdServerError(CoordinatorError):
+    """The embedded etcd server failed to start or stopped unexpectedly."""
+
+
+# --- rendezvous / launcher ---------------------------------------------------
+class RendezvousError(CkptlessError):
+    """Nodes could not form (or re-form) a job."""
+
+
+class RendezvousClosed(RendezvousError):
+    """The job's rendezvous was closed; no new nodes are admitted."""
+
+
+class StaleGeneration(CkptlessError):
+    """A message or record belongs to an older generation (or another job)."""
+
+
+class WorkerError(CkptlessError):
+    """A worker process failed to start or exited abnormally."""
+
+
+# --- state and mirroring -----------------------------------------------------
+class StateError(CkptlessError):
+    """Capture or restore of training state failed."""
+
+
+class ManifestError(StateError):
+    """A manifest is malformed, of an unknown format version, or mismatched."""
+
+
+class IntegrityError(StateError):
+    """Bytes failed checksum verification (a corrupt replica or transfer)."""
+
+
+class MirrorError(CkptlessError):
+    """Peer mirroring failed (transport, placement or peer store)."""
+
+
+class TransportError(MirrorError):
+    """A collective or point-to-point transfer failed or timed out."""
+
+
+class PlacementError(MirrorError):
+    """No valid placement exists for the requested world, K and node layout."""
+
+
+# --- recovery ---------------------------------------------------------------
+class RecoveryError(CkptlessError):
+    """A recovery could not be planned or executed."""
+
+
+class UnrecoverableError(RecoveryError):
+    """Neither peer memory nor disk holds a complete image: the job must end."""
+
+
+class SnapshotError(CkptlessError):
+    """A disk snapshot could not be written, verified or loaded."""
+
+
+class DiskFullError(SnapshotError):
+    """The snapshot directory ran out of space; nothing older was deleted."""

@@ -1,0 +1,1 @@
+"""ckptless.launcher: `ckptless-run`, the torchrun-compatible launcher and node agent."""
