@@ -69,6 +69,10 @@ class RendezvousError(CkptlessError):
     """Nodes could not form (or re-form) a job."""
 
 
+class RendezvousTimeout(RendezvousError):
+    """Not enough nodes joined before the rendezvous deadline."""
+
+
 class RendezvousClosed(RendezvousError):
     """The job's rendezvous was closed; no new nodes are admitted."""
 

@@ -1,0 +1,86 @@
+"""Every etcd key ckptless uses, in one place (documented in docs/keyspace.md).
+
+Why one module: the keyspace is the protocol between agents, workers and the
+leader. Keeping all key shapes here makes it reviewable and lets tests assert
+that nothing writes outside ``/ckptless/<job-id>/``.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from ckptless.errors import ConfigError
+
+ROOT = "/ckptless"
+_JOB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+def validate_job_id(job_id: str) -> str:
+    if not isinstance(job_id, str) or not _JOB_ID.match(job_id):
+        raise ConfigError("rdzv_id", job_id, "job ids are 1-128 characters of letters, digits, '.', '_' or '-'")
+    return job_id
+
+
+@dataclass(frozen=True)
+class Keyspace:
+    job_id: str
+
+    def __post_init__(self) -> None:
+        validate_job_id(self.job_id)
+
+    @property
+    def prefix(self) -> str:
+        return f"{ROOT}/{self.job_id}/"
+
+    # --- rendezvous --------------------------------------------------------
+    @property
+    def nodes_prefix(self) -> str:
+        """``nodes/<node-id>`` -> JSON node record, on the agent's lease."""
+        return f"{self.prefix}nodes/"
+
+    def node(self, node_id: str) -> str:
+        return f"{self.nodes_prefix}{node_id}"
+
+    @property
+    def rdzv_state(self) -> str:
+        """The rendezvous round: JSON {round, state, participants}; fenced on mod revision."""
+        return f"{self.prefix}rdzv/state"
+
+    # --- election and generation --------------------------------------------
+    @property
+    def election_prefix(self) -> str:
+        """``election/<lease-hex>`` per contender; lowest create revision leads."""
+        return f"{self.prefix}election/"
+
+    @property
+    def generation(self) -> str:
+        """Monotonic generation counter, advanced only by fenced transactions."""
+        return f"{self.prefix}generation"
+
+    # --- workers -------------------------------------------------------------
+    @property
+    def exits_prefix(self) -> str:
+        """``exits/<global-rank>`` -> JSON exit record (code/signal, node, time)."""
+        return f"{self.prefix}exits/"
+
+    def worker_exit(self, rank: int) -> str:
+        return f"{self.exits_prefix}{rank}"
+
+    @property
+    def heartbeats_prefix(self) -> str:
+        """``heartbeat/<global-rank>`` -> last step, on the worker's agent lease."""
+        return f"{self.prefix}heartbeat/"
+
+    def heartbeat(self, rank: int) -> str:
+        return f"{self.heartbeats_prefix}{rank}"
+
+    @property
+    def spares_prefix(self) -> str:
+        """``spares/<worker-id>`` -> JSON spare record, on its agent's lease."""
+        return f"{self.prefix}spares/"
+
+    @property
+    def status(self) -> str:
+        """Job status: running / succeeded / failed (written once at the end)."""
+        return f"{self.prefix}status"

@@ -1,0 +1,205 @@
+"""Node rendezvous over etcd: agents with one job id agree on node ranks.
+
+Why not torch's etcd rendezvous: it speaks the etcd v2 API (gone from etcd
+3.4+ by default) and re-uses a shared store across rounds, which made
+restarted workers read the previous round's keys here. Ours is a single JSON
+record ``rdzv/state`` changed only by transactions fenced on its mod revision:
+
+* ``joining``: agents append themselves to ``participants`` (order = node rank);
+* it closes when ``max_nodes`` joined, or ``min_nodes`` joined and no new
+  agent arrived for ``last_call_s``;
+* ``closed``: the membership is fixed; node ranks are indices. A closed round
+  whose participants' node keys are all gone (a previous run with the same id)
+  is replaced by a fresh round.
+
+The pure decisions (``decide_*``) are kept apart from the etcd I/O.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from ckptless.coordinator.client import Compare, EtcdClient, Put
+from ckptless.coordinator.keyspace import Keyspace
+from ckptless.coordinator.session import Session
+from ckptless.errors import ConfigError, RendezvousClosed, RendezvousError, RendezvousTimeout
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    """What an agent advertises about itself."""
+
+    node_id: str
+    host: str
+    nproc: int
+    store_port: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, doc: dict[str, Any]) -> NodeInfo:
+        try:
+            return cls(str(doc["node_id"]), str(doc["host"]), int(doc["nproc"]), int(doc.get("store_port", 0)))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise RendezvousError(f"malformed node record {doc!r}") from exc
+
+
+@dataclass(frozen=True)
+class RoundState:
+    round: int = 0
+    state: str = "joining"
+    participants: tuple[NodeInfo, ...] = ()
+    min_nodes: int = 1
+    max_nodes: int = 1
+
+    def to_bytes(self) -> bytes:
+        doc = {
+            "round": self.round,
+            "state": self.state,
+            "participants": [p.to_json() for p in self.participants],
+            "min_nodes": self.min_nodes,
+            "max_nodes": self.max_nodes,
+        }
+        return json.dumps(doc, sort_keys=True).encode()
+
+    @classmethod
+    def from_bytes(cls, raw: bytes) -> RoundState:
+        try:
+            doc = json.loads(raw)
+            return cls(
+                round=int(doc["round"]),
+                state=str(doc["state"]),
+                participants=tuple(NodeInfo.from_json(p) for p in doc["participants"]),
+                min_nodes=int(doc["min_nodes"]),
+                max_nodes=int(doc["max_nodes"]),
+            )
+        except (ValueError, KeyError, TypeError) as exc:
+            raise RendezvousError(f"corrupt rendezvous record: {raw[:200]!r}") from exc
+
+    def ids(self) -> list[str]:
+        return [p.node_id for p in self.participants]
+
+
+@dataclass(frozen=True)
+class RendezvousResult:
+    round: int
+    node_rank: int
+    nnodes: int
+    participants: tuple[NodeInfo, ...]
+    # global rank of this node's local rank 0, and the world size
+    rank_offset: int
+    world_size: int
+    master: NodeInfo = field(repr=False, default=NodeInfo("", "", 0))
+
+
+# --- pure decisions --------------------------------------------------------
+def decide_join(state: RoundState | None, me: NodeInfo, min_nodes: int, max_nodes: int, live_ids: set[str]) -> RoundState | None:
+    """The record to write so that ``me`` joins, or None when nothing needs writing."""
+    if state is None or (state.state == "closed" and not (set(state.ids()) & live_ids)):
+        nxt = 0 if state is None else state.round + 1
+        return RoundState(nxt, "joining", (me,), min_nodes, max_nodes)
+    if me.node_id in state.ids():
+        return None
+    if state.state == "closed":
+        raise RendezvousClosed(
+            f"rendezvous round {state.round} is closed with {len(state.participants)} node(s); "
+            "this agent arrived late (start it as a spare, or use a new --rdzv-id)"
+        )
+    if (state.min_nodes, state.max_nodes) != (min_nodes, max_nodes):
+        raise ConfigError("nnodes", f"{min_nodes}:{max_nodes}", f"other agents of this job use {state.min_nodes}:{state.max_nodes}")
+    # Drop joiners whose agents died while the round was open.
+    alive = tuple(p for p in state.participants if p.node_id in live_ids)
+    if len(alive) >= max_nodes:
+        raise RendezvousClosed(f"rendezvous round {state.round} is full ({max_nodes} nodes)")
+    return RoundState(state.round, "joining", alive + (me,), min_nodes, max_nodes)
+
+
+def decide_close(state: RoundState, live_ids: set[str], last_call_expired: bool) -> RoundState | None:
+    """The closed record to write, or None when the round must stay open."""
+    if state.state != "joining":
+        return None
+    alive = tuple(p for p in state.participants if p.node_id in live_ids)
+    if len(alive) >= state.max_nodes or (len(alive) >= state.min_nodes and last_call_expired):
+        return RoundState(state.round, "closed", alive, state.min_nodes, state.max_nodes)
+    return None
+
+
+def result_for(state: RoundState, node_id: str) -> RendezvousResult:
+    ids = state.ids()
+    rank = ids.index(node_id)
+    offset = sum(p.nproc for p in state.participants[:rank])
+    world = sum(p.nproc for p in state.participants)
+    return RendezvousResult(state.round, rank, len(ids), state.participants, offset, world, state.participants[0])
+
+
+# --- etcd I/O ----------------------------------------------------------------
+class Rendezvous:
+    def __init__(self, client: EtcdClient, keyspace: Keyspace, session: Session) -> None:
+        self._client = client
+        self._ks = keyspace
+        self._session = session
+
+    def register(self, me: NodeInfo) -> None:
+        """Advertise this node on the session lease (deleted by etcd when we die)."""
+        self._client.put(self._ks.node(me.node_id), json.dumps(me.to_json()), lease=self._session.lease_id)
+
+    def live_node_ids(self) -> set[str]:
+        kvs, _ = self._client.get_prefix(self._ks.nodes_prefix)
+        return {kv.key.rsplit("/", 1)[1] for kv in kvs}
+
+    def _read(self) -> tuple[RoundState | None, int]:
+        kv = self._client.get(self._ks.rdzv_state)
+        if kv is None:
+            return None, 0
+        return RoundState.from_bytes(kv.value), kv.mod_revision
+
+    def _write(self, new: RoundState, mod_revision: int) -> bool:
+        guard = Compare(self._ks.rdzv_state, "mod", "==", mod_revision) if mod_revision else Compare(
+            self._ks.rdzv_state, "create", "==", 0
+        )
+        return self._client.txn([guard], [Put(self._ks.rdzv_state, new.to_bytes())]).succeeded
+
+    def join(self, me: NodeInfo, min_nodes: int, max_nodes: int, timeout_s: float, last_call_s: float = 1.0) -> RendezvousResult:
+        """Join (or rejoin) the current round and block until it closes or ``timeout_s`` passes."""
+        if not 1 <= min_nodes <= max_nodes:
+            raise ConfigError("nnodes", f"{min_nodes}:{max_nodes}", "need 1 <= MIN <= MAX")
+        self.register(me)
+        deadline = time.monotonic() + timeout_s
+        changed = threading.Event()
+        watch = self._client.watch_prefix(self._ks.prefix, lambda _evs: changed.set())
+        try:
+            last_size = -1
+            last_change = time.monotonic()
+            while True:
+                self._session.check()
+                changed.clear()
+                state, rev = self._read()
+                live = self.live_node_ids()
+                if state is not None and state.state == "closed" and me.node_id in state.ids():
+                    return result_for(state, me.node_id)
+                new = decide_join(state, me, min_nodes, max_nodes, live)
+                if new is not None:
+                    self._write(new, rev)
+                    continue
+                assert state is not None
+                if len(state.participants) != last_size:
+                    last_size, last_change = len(state.participants), time.monotonic()
+                closed = decide_close(state, live, time.monotonic() - last_change >= last_call_s)
+                if closed is not None:
+                    self._write(closed, rev)
+                    continue
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise RendezvousTimeout(
+                        f"rendezvous for job {self._ks.job_id!r} timed out after {timeout_s}s with "
+                        f"{len(state.participants)} of {min_nodes}..{max_nodes} node(s)"
+                    )
+                # Wake on any change under the job prefix, or to re-check the last call.
+                changed.wait(min(remaining, max(0.05, last_call_s - (time.monotonic() - last_change))))
+        finally:
+            watch.cancel()
