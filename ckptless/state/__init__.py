@@ -1,1 +1,33 @@
-"""ckptless.state"""
+"""ckptless.state: capture of training state into flat checksummed CPU buffers, and exact restore.
+
+Public API::
+
+    reg = StateRegistry()                      # RNG streams included as "rng"
+    reg.protect(model=model, optimizer=opt, scheduler=sched, data=loader)
+    cap = Capturer(reg, job_id="job", owner=rank)
+    img = cap.capture(version=step, generation=gen, out=buf)   # StateImage
+    restore(reg, img)                          # verifies checksums first
+"""
+
+from ckptless.state.capture import ALIGN, Capturer, StateImage, restore
+from ckptless.state.checksum import DEFAULT_CHUNK_BYTES
+from ckptless.state.manifest import Manifest, TensorEntry
+from ckptless.state.registry import RNG_NAME, Stateful, StateRegistry
+from ckptless.state.rng import RNGState
+from ckptless.state.tree import decode, encode
+
+__all__ = [
+    "ALIGN",
+    "Capturer",
+    "DEFAULT_CHUNK_BYTES",
+    "Manifest",
+    "RNGState",
+    "RNG_NAME",
+    "StateImage",
+    "StateRegistry",
+    "Stateful",
+    "TensorEntry",
+    "decode",
+    "encode",
+    "restore",
+]

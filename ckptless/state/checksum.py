@@ -25,7 +25,7 @@ def chunk_bounds(total_bytes: int, chunk_bytes: int) -> list[tuple[int, int]]:
 def _as_memoryview(buf: torch.Tensor, offset: int, length: int) -> memoryview:
     if buf.dtype != torch.uint8 or buf.dim() != 1 or not buf.is_contiguous() or buf.device.type != "cpu":
         raise TypeError("checksummed buffers must be contiguous 1-D CPU uint8 tensors")
-    return memoryview(buf[offset : offset + length].numpy())
+    return buf[offset : offset + length].numpy().data
 
 
 def crc_of(buf: torch.Tensor, offset: int = 0, length: int | None = None) -> int:

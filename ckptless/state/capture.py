@@ -1,0 +1,227 @@
+"""Capture the protected state into one flat checksummed buffer; restore it.
+
+Why one flat buffer: the mirror ships an image to peers as raw bytes over a
+single collective (no per-tensor messages, no pickling), a peer can hold it
+in preallocated memory, and per-chunk CRC32C lets any holder verify a stripe
+on its own. Capture copies into a *reused* buffer because on this class of
+machine a copy into preallocated memory runs at 3.5-4 GB/s while ``clone()``
+into fresh pages manages 1.0-1.3 GB/s: after the first step, capture
+allocates nothing large.
+
+Layout: tensors in state-dict traversal order, each at a 64-byte aligned
+offset (so every dtype can be viewed in place and copies stay vectorised);
+padding bytes are zeroed so identical states give identical images.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ckptless.errors import ConfigError, ManifestError, StateError
+from ckptless.state import checksum
+from ckptless.state.checksum import DEFAULT_CHUNK_BYTES
+from ckptless.state.manifest import Manifest, TensorEntry, dtype_from_name, dtype_name
+from ckptless.state.registry import StateRegistry
+from ckptless.state.tree import decode, encode
+
+ALIGN = 64
+
+
+@dataclass
+class StateImage:
+    """One captured version of a rank's state: manifest plus raw bytes.
+
+    ``buffer`` is a 1-D contiguous uint8 CPU tensor of at least
+    ``manifest.total_bytes`` bytes (it may be a larger reused buffer; only the
+    first ``total_bytes`` are part of the image).
+    """
+
+    manifest: Manifest
+    buffer: torch.Tensor
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def _layout(tensors: list[torch.Tensor]) -> tuple[list[TensorEntry], int]:
+    entries: list[TensorEntry] = []
+    end = 0
+    for t in tensors:
+        off = _align(end)
+        nbytes = t.numel() * t.element_size()
+        entries.append(TensorEntry(dtype_name(t.dtype), tuple(t.shape), off, nbytes))
+        end = off + nbytes
+    return entries, end
+
+
+def _check_buffer(buf: torch.Tensor, what: str) -> None:
+    if (
+        not isinstance(buf, torch.Tensor)
+        or buf.dtype != torch.uint8
+        or buf.dim() != 1
+        or not buf.is_contiguous()
+        or buf.device.type != "cpu"
+    ):
+        raise StateError(f"{what} must be a 1-D contiguous uint8 CPU tensor")
+
+
+def _slot(buf: torch.Tensor, entry: TensorEntry, dtype: torch.dtype) -> torch.Tensor:
+    """View of ``buf`` where ``entry``'s tensor lives, with its dtype and shape."""
+    return buf[entry.offset : entry.offset + entry.nbytes].view(dtype).view(entry.shape)
+
+
+class Capturer:
+    """Captures a :class:`StateRegistry` into :class:`StateImage` s.
+
+    Typical use reuses one buffer (the first ``capture`` allocates it)::
+
+        img = cap.capture(version=0, generation=g)
+        img = cap.capture(version=1, generation=g, out=img.buffer)
+    """
+
+    def __init__(self, registry: StateRegistry, job_id: str, owner: int, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
+        if not isinstance(job_id, str) or not job_id:
+            raise ConfigError("job_id", job_id, "must be a non-empty string")
+        if type(owner) is not int or owner < 0:
+            raise ConfigError("owner", owner, "must be a non-negative int (the owning rank)")
+        if type(chunk_bytes) is not int or chunk_bytes <= 0:
+            raise ConfigError("chunk_bytes", chunk_bytes, "must be a positive int")
+        self.registry = registry
+        self.job_id = job_id
+        self.owner = owner
+        self.chunk_bytes = chunk_bytes
+        self._stream: Any = None  # CUDA side stream, created on first use
+
+    def _collect(self) -> tuple[Any, list[torch.Tensor]]:
+        states: dict[str, Any] = {}
+        for name, obj in self.registry.items():
+            try:
+                states[name] = obj.state_dict()
+            except StateError:
+                raise
+            except Exception as exc:
+                raise StateError(f"{name}.state_dict() failed: {exc}") from exc
+        return encode(states)
+
+    def required_bytes(self) -> int:
+        """Bytes an image of the current state needs (state sizes may grow,
+        e.g. optimizer moments appear after the first step: ask again)."""
+        _, tensors = self._collect()
+        return _layout(tensors)[1]
+
+    def allocate(self, nbytes: int | None = None) -> torch.Tensor:
+        """A buffer for :meth:`capture` (pinned when CUDA is present, so
+        device-to-host copies can run asynchronously)."""
+        n = self.required_bytes() if nbytes is None else nbytes
+        pin = torch.cuda.is_available()
+        return torch.empty(n, dtype=torch.uint8, pin_memory=pin)
+
+    def capture(self, version: int, generation: int, out: torch.Tensor | None = None) -> StateImage:
+        """Copy the current state into ``out`` (allocated when None) and checksum it.
+
+        Raises :class:`StateError` when ``out`` is too small (with both sizes)
+        or when some state cannot be represented.
+        """
+        if type(version) is not int or version < 0:
+            raise ConfigError("version", version, "must be a non-negative int")
+        if type(generation) is not int or generation < 0:
+            raise ConfigError("generation", generation, "must be a non-negative int")
+        tree, tensors = self._collect()
+        entries, total = _layout(tensors)
+        if out is None:
+            out = self.allocate(total)
+        _check_buffer(out, "capture buffer")
+        if out.numel() < total:
+            raise StateError(f"capture buffer too small: state needs {total} bytes, buffer has {out.numel()}")
+        self._copy(out, tensors, entries)
+        sums = checksum.chunk_checksums(out, self.chunk_bytes, total)
+        manifest = Manifest(
+            job_id=self.job_id,
+            owner=self.owner,
+            version=version,
+            generation=generation,
+            total_bytes=total,
+            chunk_bytes=self.chunk_bytes,
+            chunk_checksums=tuple(sums),
+            tensors=tuple(entries),
+            tree=tree,
+        )
+        return StateImage(manifest=manifest, buffer=out)
+
+    def _copy(self, out: torch.Tensor, tensors: list[torch.Tensor], entries: list[TensorEntry]) -> None:
+        end = 0
+        on_device: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for t, e in zip(tensors, entries):
+            if e.offset > end:
+                out[end : e.offset].zero_()
+            dst = _slot(out, e, t.dtype)
+            if t.device.type == "cpu":
+                dst.copy_(t)
+            else:
+                on_device.append((dst, t))
+            end = e.offset + e.nbytes
+        if on_device:
+            self._copy_from_device(on_device)
+
+    def _copy_from_device(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Device-to-host copies on a side stream, then wait (not run on CPU CI).
+
+        The side stream first waits for the compute stream so it reads
+        finished values; we synchronise before returning because the caller
+        checksums (and may ship) the bytes right away.
+        """
+        if not torch.cuda.is_available():
+            raise StateError(f"tensor on {pairs[0][1].device} but CUDA is not available")
+        if self._stream is None:
+            self._stream = torch.cuda.Stream()
+        stream = self._stream
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for dst, src in pairs:
+                dst.copy_(src, non_blocking=True)
+        stream.synchronize()
+
+
+def restore(registry: StateRegistry, image: StateImage, verify: bool = True) -> None:
+    """Load ``image`` into the registry's objects, exactly.
+
+    Order of checks, all before any object is touched: buffer shape, manifest
+    structure, checksums (:class:`IntegrityError`), the tree, and that the
+    image holds exactly the registry's object names. Tensors handed to
+    ``load_state_dict`` are fresh clones, since the image buffer is reused.
+    If an object's ``load_state_dict`` itself fails, objects before it in
+    registry order are already loaded: treat the process state as undefined
+    and restore again.
+    """
+    m = image.manifest
+    buf = image.buffer
+    _check_buffer(buf, "image buffer")
+    m.validate()
+    if buf.numel() < m.total_bytes:
+        raise ManifestError(f"image buffer has {buf.numel()} bytes, manifest says {m.total_bytes}")
+    if verify:
+        checksum.verify(
+            buf, m.chunk_bytes, list(m.chunk_checksums), m.total_bytes,
+            what=f"image of owner {m.owner} version {m.version} (generation {m.generation})",
+        )
+    tensors = [_slot(buf, e, dtype_from_name(e.dtype)).clone() for e in m.tensors]
+    states = decode(m.tree, tensors)
+    if not isinstance(states, dict) or not all(isinstance(k, str) for k in states):
+        raise ManifestError("state tree root is not a dict of object names")
+    want, have = set(registry.names()), set(states)
+    if want != have:
+        raise StateError(
+            f"image objects {sorted(have)} do not match protected objects {sorted(want)}"
+            f" (missing from image: {sorted(want - have)}, unknown: {sorted(have - want)})"
+        )
+    for name, obj in registry.items():
+        try:
+            obj.load_state_dict(states[name])
+        except StateError:
+            raise
+        except Exception as exc:
+            raise StateError(f"{name}.load_state_dict() failed: {exc}") from exc

@@ -1,0 +1,90 @@
+"""The process-global random streams as one ``Stateful``.
+
+Why: a restored run must draw exactly the numbers the uninterrupted run would
+have drawn (dropout masks, augmentation, shuffles), so every global generator
+a training step may touch is captured with the rest of the state: Python's
+``random``, NumPy's legacy global ``RandomState`` (what ``np.random.rand``
+uses), torch's CPU generator, and every CUDA device's generator when CUDA is
+available. Generators the user creates (``torch.Generator``,
+``np.random.default_rng``) are their own state: protect the objects owning them.
+
+The large state vectors are stored as int64 tensors, not JSON lists, so they
+travel in the raw buffer instead of bloating the manifest.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import numpy as np
+import torch
+
+from ckptless.errors import StateError
+
+_KEYS = {"python", "numpy", "torch", "cuda"}
+
+
+class RNGState:
+    """``Stateful`` snapshot/restore of all process-global generators.
+
+    The CUDA path (``torch.cuda.get_rng_state_all``) only runs where
+    ``torch.cuda.is_available()``; it is not exercised by the CPU test suite.
+    """
+
+    def state_dict(self) -> dict[str, Any]:
+        version, internal, gauss = random.getstate()
+        name, key, pos, has_gauss, cached = np.random.get_state(legacy=True)
+        cuda: list[torch.Tensor] = []
+        if torch.cuda.is_available():
+            cuda = list(torch.cuda.get_rng_state_all())
+        return {
+            "python": {"version": version, "state": torch.tensor(internal, dtype=torch.int64), "gauss": gauss},
+            "numpy": {
+                "name": str(name),
+                "key": torch.from_numpy(np.asarray(key, dtype=np.int64)),
+                "pos": int(pos),
+                "has_gauss": int(has_gauss),
+                "cached_gaussian": float(cached),
+            },
+            "torch": torch.get_rng_state(),
+            "cuda": cuda,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if not isinstance(state, dict) or set(state) != _KEYS:
+            got = sorted(state) if isinstance(state, dict) else type(state).__name__
+            raise StateError(f"RNG state must have keys {sorted(_KEYS)}, got {got}")
+        try:
+            py = state["python"]
+            py_state = (int(py["version"]), tuple(int(x) for x in py["state"].tolist()), py["gauss"])
+            nps = state["numpy"]
+            np_state = (
+                str(nps["name"]),
+                np.asarray(nps["key"].numpy(), dtype=np.uint32),
+                int(nps["pos"]),
+                int(nps["has_gauss"]),
+                float(nps["cached_gaussian"]),
+            )
+            torch_state = state["torch"]
+            cuda = list(state["cuda"])
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise StateError(f"malformed RNG state: {exc}") from exc
+        if cuda:
+            self._check_cuda(len(cuda))
+        # Everything is parsed above before any generator is touched, so a
+        # malformed state leaves the process's streams as they were.
+        try:
+            random.setstate(py_state)
+            np.random.set_state(np_state)
+            torch.set_rng_state(torch_state)
+            if cuda:
+                torch.cuda.set_rng_state_all(cuda)
+        except (TypeError, ValueError, RuntimeError) as exc:
+            raise StateError(f"could not restore RNG state: {exc}") from exc
+
+    @staticmethod
+    def _check_cuda(n: int) -> None:
+        have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if have != n:
+            raise StateError(f"RNG state holds {n} CUDA generator(s) but this process sees {have} CUDA device(s)")

@@ -1,0 +1,269 @@
+"""Tagged JSON encoding of nested state dicts, with tensors pulled out.
+
+Why not pickle: images travel between processes and come back from disk, and
+unpickling foreign bytes executes code. Instead a state dict is split into
+(a) a JSON-safe tree that carries every non-tensor value *with its exact
+Python type*, and (b) the list of tensors, which the capturer lays out raw in
+a flat buffer. :func:`decode` rebuilds the original structure exactly: tuples
+stay tuples, ``int`` dict keys (optimizer state is keyed by parameter index)
+stay ``int``, ``bool`` stays ``bool``, ``nan``/``inf`` survive strict JSON.
+
+Node forms (a JSON object node always has exactly one key, the tag):
+
+======================  ==================================================
+``null`` true false     ``None``, ``bool``
+JSON integer            ``int`` (arbitrary size)
+JSON float              finite ``float`` (``repr`` round-trips exactly)
+JSON string             ``str``
+JSON array              ``list``
+``{"t": [...]}``        ``tuple``
+``{"S": [...]}``        ``torch.Size``
+``{"d": [[k, v], ..]}`` ``dict`` (keys ``str`` or ``int``; order kept)
+``{"o": [items, meta]}`` ``OrderedDict``; ``items`` as for ``d``, ``meta`` the
+                        encoded ``_metadata`` attribute (module state dicts
+                        carry per-submodule versions there) or ``null``
+``{"f": "nan"}``        non-finite ``float`` (``"nan"``, ``"inf"``, ``"-inf"``)
+``{"T": i}``            CPU tensor ``tensors[i]``
+``{"Td": [i, dev]}``    tensor ``tensors[i]`` that lived on device ``dev``
+``{"N": i}``            numpy array, stored as ``tensors[i]``
+``{"n": [dt, v]}``      numpy scalar of dtype name ``dt`` (bool/int/float)
+``{"dtype": name}``     ``torch.dtype``
+``{"device": name}``    ``torch.device``
+======================  ==================================================
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from ckptless.errors import ManifestError, StateError
+from ckptless.state.manifest import dtype_name
+
+MAX_DEPTH = 128
+"""Deeper nesting is rejected: real state dicts are < 10 levels deep, and a
+bound keeps a hostile tree from exhausting the interpreter stack."""
+
+_NP_KINDS = {"b", "i", "u", "f"}
+_NONFINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
+
+
+def _join(path: str, key: object) -> str:
+    return f"{path}.{key}" if path else str(key)
+
+
+def _where(path: str) -> str:
+    return path or "<root>"
+
+
+def encode(obj: Any, path: str = "") -> tuple[Any, list[torch.Tensor]]:
+    """Split ``obj`` into a tagged JSON-safe tree and the tensors it holds.
+
+    ``path`` prefixes the dotted location reported in errors (for example
+    ``optimizer.state.0.step``). Tensors are returned as-is (no copy); numpy
+    arrays are wrapped with :func:`torch.from_numpy` (no copy either).
+    Raises :class:`StateError` for any value it cannot represent exactly.
+    """
+    tensors: list[torch.Tensor] = []
+    tree = _enc(obj, path, tensors, 0)
+    return tree, tensors
+
+
+def _add_tensor(t: torch.Tensor, path: str, tensors: list[torch.Tensor]) -> int:
+    if t.layout != torch.strided or t.is_quantized or t.device.type == "meta":
+        raise StateError(f"cannot capture {_where(path)}: unsupported tensor layout/device ({t.layout}, {t.device})")
+    try:
+        dtype_name(t.dtype)
+    except ManifestError as exc:
+        raise StateError(f"cannot capture {_where(path)}: unsupported tensor dtype {t.dtype}") from exc
+    tensors.append(t)
+    return len(tensors) - 1
+
+
+def _enc(obj: Any, path: str, tensors: list[torch.Tensor], depth: int) -> Any:
+    if depth > MAX_DEPTH:
+        raise StateError(f"cannot capture {_where(path)}: nested deeper than {MAX_DEPTH} levels")
+    kind = type(obj)
+    if obj is None or kind is bool or kind is int or kind is str:
+        return obj
+    if kind is float:
+        return obj if math.isfinite(obj) else {"f": "nan" if math.isnan(obj) else ("inf" if obj > 0 else "-inf")}
+    if isinstance(obj, torch.Tensor):
+        if kind not in (torch.Tensor, torch.nn.Parameter):
+            raise StateError(f"cannot capture {_where(path)}: tensor subclass {kind.__qualname__} is not supported")
+        idx = _add_tensor(obj.detach(), path, tensors)
+        return {"T": idx} if obj.device.type == "cpu" else {"Td": [idx, str(obj.device)]}
+    if kind is dict:
+        return {"d": _enc_items(obj, path, tensors, depth)}
+    if kind is OrderedDict:
+        meta = getattr(obj, "_metadata", None)
+        enc_meta = None if meta is None else _enc(meta, _join(path, "_metadata"), tensors, depth + 1)
+        return {"o": [_enc_items(obj, path, tensors, depth), enc_meta]}
+    if kind is list:
+        return [_enc(v, _join(path, i), tensors, depth + 1) for i, v in enumerate(obj)]
+    if kind is tuple:
+        return {"t": [_enc(v, _join(path, i), tensors, depth + 1) for i, v in enumerate(obj)]}
+    if kind is torch.Size:
+        return {"S": [int(s) for s in obj]}
+    if kind is torch.dtype:
+        return {"dtype": str(obj).removeprefix("torch.")}
+    if kind is torch.device:
+        return {"device": str(obj)}
+    if kind is np.ndarray:
+        return {"N": _enc_ndarray(obj, path, tensors)}
+    if isinstance(obj, np.generic) and obj.dtype.kind in _NP_KINDS and obj.dtype.itemsize <= 8:
+        return {"n": [obj.dtype.name, _enc(obj.item(), path, tensors, depth + 1)]}
+    raise StateError(f"cannot capture {_where(path)}: unsupported type {kind.__module__}.{kind.__qualname__}")
+
+
+def _enc_items(obj: dict[Any, Any], path: str, tensors: list[torch.Tensor], depth: int) -> list[list[Any]]:
+    items = []
+    for k, v in obj.items():
+        if type(k) is not str and type(k) is not int:
+            raise StateError(
+                f"cannot capture {_where(path)}: dict key {k!r} has type {type(k).__qualname__} (only str and int keys)"
+            )
+        items.append([k, _enc(v, _join(path, k), tensors, depth + 1)])
+    return items
+
+
+def _enc_ndarray(arr: np.ndarray, path: str, tensors: list[torch.Tensor]) -> int:
+    try:
+        t = torch.from_numpy(np.ascontiguousarray(arr))
+    except TypeError as exc:
+        raise StateError(f"cannot capture {_where(path)}: numpy dtype {arr.dtype} has no tensor equivalent") from exc
+    return _add_tensor(t, path, tensors)
+
+
+# --- decoding ---------------------------------------------------------------
+
+
+def decode(tree: Any, tensors: Sequence[torch.Tensor]) -> Any:
+    """Rebuild the object :func:`encode` produced ``tree`` from.
+
+    ``tensors[i]`` is placed wherever the tree says ``{"T": i}``; tensors that
+    were on an accelerator are moved back to it. Anything not produced by
+    :func:`encode` raises :class:`ManifestError` naming the path: the tree may
+    come from a peer or from disk and is validated, never trusted.
+    """
+    try:
+        return _dec(tree, "", tensors, 0)
+    except RecursionError as exc:  # pragma: no cover - MAX_DEPTH stops this first
+        raise ManifestError("state tree nested too deeply") from exc
+
+
+def _bad(path: str, what: str) -> ManifestError:
+    return ManifestError(f"malformed state tree at {_where(path)}: {what}")
+
+
+def _index(raw: Any, path: str, n: int) -> int:
+    if type(raw) is not int or not 0 <= raw < n:
+        raise _bad(path, f"tensor index {raw!r} not in [0, {n})")
+    return raw
+
+
+def _dec(node: Any, path: str, tensors: Sequence[torch.Tensor], depth: int) -> Any:
+    if depth > MAX_DEPTH:
+        raise _bad(path, f"nested deeper than {MAX_DEPTH} levels")
+    kind = type(node)
+    if node is None or kind is bool or kind is int or kind is str:
+        return node
+    if kind is float:
+        if not math.isfinite(node):
+            raise _bad(path, "non-finite float must be tagged")
+        return node
+    if kind is list:
+        return [_dec(v, _join(path, i), tensors, depth + 1) for i, v in enumerate(node)]
+    if kind is not dict or len(node) != 1:
+        raise _bad(path, f"unexpected node of type {kind.__name__}")
+    ((tag, val),) = node.items()
+    if tag == "d":
+        return _dec_dict(val, path, tensors, depth, {})
+    if tag == "o":
+        if type(val) is not list or len(val) != 2:
+            raise _bad(path, "OrderedDict payload must be [items, metadata]")
+        od = _dec_dict(val[0], path, tensors, depth, OrderedDict())
+        if val[1] is not None:
+            meta = _dec(val[1], _join(path, "_metadata"), tensors, depth + 1)
+            if not isinstance(meta, dict):
+                raise _bad(path, "OrderedDict metadata is not a dict")
+            od._metadata = meta  # type: ignore[attr-defined]
+        return od
+    if tag == "t":
+        if type(val) is not list:
+            raise _bad(path, "tuple payload is not a list")
+        return tuple(_dec(v, _join(path, i), tensors, depth + 1) for i, v in enumerate(val))
+    if tag == "T":
+        return tensors[_index(val, path, len(tensors))]
+    if tag == "Td":
+        if type(val) is not list or len(val) != 2 or type(val[1]) is not str:
+            raise _bad(path, "device tensor payload must be [index, device]")
+        t = tensors[_index(val[0], path, len(tensors))]
+        try:
+            return t.to(torch.device(val[1]))
+        except (RuntimeError, AssertionError) as exc:
+            raise StateError(f"cannot restore {_where(path)} onto device {val[1]!r}: {exc}") from exc
+    if tag == "N":
+        t = tensors[_index(val, path, len(tensors))]
+        if t.device.type != "cpu":
+            raise _bad(path, "numpy array tensor is not on the CPU")
+        return t.numpy()
+    if tag == "f":
+        if val not in _NONFINITE:
+            raise _bad(path, f"unknown non-finite float {val!r}")
+        return _NONFINITE[val]
+    if tag == "S":
+        if type(val) is not list or any(type(s) is not int or s < 0 for s in val):
+            raise _bad(path, "torch.Size payload must be a list of non-negative ints")
+        return torch.Size(val)
+    if tag == "n":
+        return _dec_npscalar(val, path, tensors, depth)
+    if tag == "dtype":
+        dt = getattr(torch, val, None) if type(val) is str else None
+        if not isinstance(dt, torch.dtype):
+            raise _bad(path, f"unknown dtype {val!r}")
+        return dt
+    if tag == "device":
+        try:
+            return torch.device(val)
+        except (RuntimeError, TypeError) as exc:
+            raise _bad(path, f"invalid device {val!r}") from exc
+    raise _bad(path, f"unknown tag {tag!r}")
+
+
+def _dec_dict(val: Any, path: str, tensors: Sequence[torch.Tensor], depth: int, out: dict[Any, Any]) -> dict[Any, Any]:
+    if type(val) is not list:
+        raise _bad(path, "dict payload is not a list of pairs")
+    for pair in val:
+        if type(pair) is not list or len(pair) != 2:
+            raise _bad(path, f"dict item {pair!r} is not a [key, value] pair")
+        k, v = pair
+        if type(k) is not str and type(k) is not int:
+            raise _bad(path, f"dict key {k!r} is not a str or int")
+        if k in out:
+            raise _bad(path, f"duplicate dict key {k!r}")
+        out[k] = _dec(v, _join(path, k), tensors, depth + 1)
+    return out
+
+
+def _dec_npscalar(val: Any, path: str, tensors: Sequence[torch.Tensor], depth: int) -> Any:
+    if type(val) is not list or len(val) != 2 or type(val[0]) is not str:
+        raise _bad(path, "numpy scalar payload must be [dtype, value]")
+    try:
+        dt = np.dtype(val[0])
+    except TypeError as exc:
+        raise _bad(path, f"unknown numpy dtype {val[0]!r}") from exc
+    if dt.kind not in _NP_KINDS or dt.itemsize > 8:
+        raise _bad(path, f"numpy dtype {val[0]!r} is not a supported scalar type")
+    raw = _dec(val[1], path, tensors, depth + 1)
+    if type(raw) not in (bool, int, float):
+        raise _bad(path, "numpy scalar value is not a number")
+    try:
+        return dt.type(raw)
+    except (OverflowError, ValueError) as exc:
+        raise _bad(path, f"value {raw!r} does not fit numpy {dt.name}") from exc
