@@ -1,0 +1,249 @@
+"""Typed, validated input records for recovery planning.
+
+Why a separate module of plain records: the planner must be a pure function
+of *reported facts* (DESIGN: "recovery must not guess"). Keeping the facts in
+frozen dataclasses that validate themselves on construction means every
+inconsistency (a rank held twice, a report from a worker nobody knows, three
+versions of one replica) is rejected at the boundary with a ``ConfigError``
+naming the field, instead of surfacing as a wrong plan later.
+
+Nothing here performs I/O; the coordinator gathers these facts from etcd and
+the peer stores and hands them to :func:`ckptless.recovery.plan.plan_recovery`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Literal
+
+from ckptless.errors import ConfigError
+
+#: How many complete versions of one owner's image a holder keeps (double buffer).
+MAX_VERSIONS_PER_OWNER = 2
+
+Preference = Literal["spare", "respawn"]
+
+
+@dataclass(frozen=True)
+class Worker:
+    """A process that can hold a rank: an opaque id (e.g. ``node3/w1``) on a node."""
+
+    worker_id: str
+    node_id: str
+
+    def __post_init__(self) -> None:
+        if not self.worker_id:
+            raise ConfigError("worker_id", self.worker_id, "must be a non-empty string")
+        if not self.node_id:
+            raise ConfigError("node_id", self.node_id, f"worker {self.worker_id!r} needs a node")
+
+
+@dataclass(frozen=True)
+class RankSlot:
+    """Who held ``rank`` in the current generation, and whether it is still alive."""
+
+    rank: int
+    worker: Worker
+    alive: bool
+
+    def __post_init__(self) -> None:
+        if self.rank < 0:
+            raise ConfigError("rank", self.rank, "must be >= 0")
+
+
+@dataclass(frozen=True)
+class ReplicaFact:
+    """One version of another rank's image that a holder has *complete and verified*.
+
+    ``n_chunks`` is the image size in chunks for that version; the transfer
+    plan stripes over chunk indices ``[0, n_chunks)``.
+    """
+
+    owner: int
+    version: int
+    n_chunks: int
+
+    def __post_init__(self) -> None:
+        if self.owner < 0:
+            raise ConfigError("replica.owner", self.owner, "must be >= 0")
+        if self.version < 0:
+            raise ConfigError("replica.version", self.version, "must be >= 0")
+        if self.n_chunks < 0:
+            raise ConfigError("replica.n_chunks", self.n_chunks, "must be >= 0")
+
+
+@dataclass(frozen=True)
+class WorkerReport:
+    """What one live worker says about the images it holds.
+
+    ``local_versions`` are the versions of its *own* rank's image it can
+    restore from local memory (a survivor keeps its committed version and
+    anything newer it captured). A freshly admitted replacement that has not
+    finished restoring reports ``local_versions=frozenset()`` and ``None`` for
+    both versions: the planner then treats its rank as needing an image,
+    exactly like a lost rank (this is what makes a failure *during* recovery
+    plannable from facts alone).
+    """
+
+    worker_id: str
+    newest_captured: int | None
+    committed: int | None
+    local_versions: frozenset[int] = frozenset()
+    replicas: tuple[ReplicaFact, ...] = ()
+
+    def __post_init__(self) -> None:
+        where = f"report[{self.worker_id}]"
+        if any(v < 0 for v in self.local_versions):
+            raise ConfigError(f"{where}.local_versions", sorted(self.local_versions), "negative version")
+        newest = max(self.local_versions, default=None)
+        if newest != self.newest_captured:
+            raise ConfigError(f"{where}.newest_captured", self.newest_captured,
+                              f"must equal the newest local version ({newest})")
+        if self.committed is not None:
+            if self.committed not in self.local_versions:
+                raise ConfigError(f"{where}.committed", self.committed,
+                                  "a worker always keeps its committed version locally")
+            if any(v < self.committed for v in self.local_versions):
+                raise ConfigError(f"{where}.local_versions", sorted(self.local_versions),
+                                  f"holds versions older than its committed {self.committed}")
+        seen: dict[int, set[int]] = {}
+        for rep in self.replicas:
+            versions = seen.setdefault(rep.owner, set())
+            if rep.version in versions:
+                raise ConfigError(f"{where}.replicas", (rep.owner, rep.version), "duplicate replica")
+            versions.add(rep.version)
+            if len(versions) > MAX_VERSIONS_PER_OWNER:
+                raise ConfigError(f"{where}.replicas", (rep.owner, sorted(versions)),
+                                  f"at most {MAX_VERSIONS_PER_OWNER} versions per owner")
+
+    def replica_versions(self, owner: int) -> frozenset[int]:
+        """Complete versions of ``owner``'s image this worker holds."""
+        return frozenset(r.version for r in self.replicas if r.owner == owner)
+
+
+@dataclass(frozen=True)
+class PlanPolicy:
+    """Knobs that change *which* valid plan is chosen, never its validity.
+
+    ``prefer``: whether a lost rank goes first to a warm spare (fast, ~0.1 s)
+    or to a respawn on its own node (keeps locality, costs a cold start).
+    ``resume_beyond_committed``: whether a version newer than every reported
+    commit may be resumed from when the facts show it complete for every
+    rank. The commit record only *announces* completeness and can lag; when
+    False the planner never resumes past the newest reported commit.
+    """
+
+    prefer: Preference = "spare"
+    resume_beyond_committed: bool = True
+
+    def __post_init__(self) -> None:
+        if self.prefer not in ("spare", "respawn"):
+            raise ConfigError("policy.prefer", self.prefer, "must be 'spare' or 'respawn'")
+
+
+@dataclass(frozen=True)
+class PlanningFacts:
+    """Everything the planner may look at, for one job at one generation.
+
+    ``placement`` maps each owner rank to the ranks meant to hold its mirrors
+    (the placement function lives in ``ckptless.mirror``); it is used for
+    locality preferences and to report which owners fell below K. What is
+    actually *held* is taken from the reports only.
+
+    ``dead_nodes`` are nodes known to be lost: ranks there cannot respawn and
+    spares there are ignored.
+    """
+
+    job_id: str
+    generation: int
+    world_size: int
+    members: tuple[RankSlot, ...]
+    reports: tuple[WorkerReport, ...]
+    spares: tuple[Worker, ...] = ()
+    placement: Mapping[int, tuple[int, ...]] = field(default_factory=dict)
+    snapshot_step: int | None = None
+    dead_nodes: frozenset[str] = frozenset()
+    policy: PlanPolicy = PlanPolicy()
+
+    def __post_init__(self) -> None:
+        if not self.job_id:
+            raise ConfigError("job_id", self.job_id, "must be non-empty")
+        if self.generation < 0:
+            raise ConfigError("generation", self.generation, "must be >= 0")
+        if self.world_size < 1:
+            raise ConfigError("world_size", self.world_size, "must be >= 1")
+        if self.snapshot_step is not None and self.snapshot_step < 0:
+            raise ConfigError("snapshot_step", self.snapshot_step, "must be >= 0 or None")
+        self._check_members()
+        self._check_reports()
+        self._check_placement()
+
+    def _check_members(self) -> None:
+        ranks = sorted(s.rank for s in self.members)
+        if ranks != list(range(self.world_size)):
+            raise ConfigError("members", ranks, f"must hold each rank 0..{self.world_size - 1} once")
+        ids = [s.worker.worker_id for s in self.members]
+        if len(set(ids)) != len(ids):
+            raise ConfigError("members", sorted(ids), "a worker holds two ranks")
+        spare_ids = [w.worker_id for w in self.spares]
+        if len(set(spare_ids)) != len(spare_ids):
+            raise ConfigError("spares", sorted(spare_ids), "duplicate spare")
+        both = set(ids) & set(spare_ids)
+        if both:
+            raise ConfigError("spares", sorted(both), "a spare is also a member")
+        for slot in self.members:
+            if slot.alive and slot.worker.node_id in self.dead_nodes:
+                raise ConfigError(f"members[{slot.rank}].alive", True,
+                                  f"node {slot.worker.node_id!r} is listed dead")
+
+    def _check_reports(self) -> None:
+        alive = {s.worker.worker_id: s.rank for s in self.members if s.alive}
+        reported = [r.worker_id for r in self.reports]
+        if len(set(reported)) != len(reported):
+            raise ConfigError("reports", sorted(reported), "two reports from one worker")
+        unknown = set(reported) - set(alive)
+        if unknown:
+            raise ConfigError("reports", sorted(unknown), "reports only come from live members")
+        missing = set(alive) - set(reported)
+        if missing:
+            raise ConfigError("reports", sorted(missing), "every live member must report")
+        chunks: dict[tuple[int, int], int] = {}
+        for rep in self.reports:
+            for fact in rep.replicas:
+                if fact.owner >= self.world_size:
+                    raise ConfigError(f"report[{rep.worker_id}].replicas.owner", fact.owner,
+                                      f"outside world size {self.world_size}")
+                if fact.owner == alive[rep.worker_id]:
+                    raise ConfigError(f"report[{rep.worker_id}].replicas.owner", fact.owner,
+                                      "a worker cannot mirror its own rank")
+                key = (fact.owner, fact.version)
+                if chunks.setdefault(key, fact.n_chunks) != fact.n_chunks:
+                    raise ConfigError(f"report[{rep.worker_id}].replicas.n_chunks", fact.n_chunks,
+                                      f"owner {fact.owner} v{fact.version} is {chunks[key]} chunks elsewhere")
+
+    def _check_placement(self) -> None:
+        for owner, holders in self.placement.items():
+            if not 0 <= owner < self.world_size:
+                raise ConfigError("placement", owner, "owner outside world")
+            if owner in holders or len(set(holders)) != len(holders):
+                raise ConfigError(f"placement[{owner}]", holders, "holders must be distinct non-owners")
+            if any(not 0 <= h < self.world_size for h in holders):
+                raise ConfigError(f"placement[{owner}]", holders, "holder outside world")
+
+    # --- derived views (cheap; the planner calls each once) --------------------
+    def slot(self, rank: int) -> RankSlot:
+        for s in self.members:
+            if s.rank == rank:
+                return s
+        raise ConfigError("rank", rank, "not a member")
+
+    def report_of(self, worker_id: str) -> WorkerReport | None:
+        for r in self.reports:
+            if r.worker_id == worker_id:
+                return r
+        return None
+
+    @property
+    def lost_ranks(self) -> tuple[int, ...]:
+        return tuple(sorted(s.rank for s in self.members if not s.alive))

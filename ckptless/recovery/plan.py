@@ -1,0 +1,395 @@
+"""Pure recovery planning: reported facts in, one decision out.
+
+Why pure: the leader must be able to re-plan at any moment (a second failure
+during recovery simply means "plan again from the updated facts at the next
+generation"), tests must be able to enumerate thousands of worlds, and two
+leaders given the same facts must produce the same plan. So this module has
+no clock, no I/O, no randomness, and normalises input order before deciding.
+
+The rules (numbered as in docs/recovery.md):
+
+R1  Survivors keep their rank numbers; only lost ranks get new workers.
+R2  A lost rank goes to a warm spare or a respawn on its own (live) node,
+    per ``policy.prefer``; spares are scored to keep a rank off the nodes of
+    its own mirror holders, then off nodes already running ranks.
+R3  avail(r) = versions r's own live worker holds locally, plus versions any
+    *other* live worker holds complete for owner r.
+R4  R = max of the intersection of avail(r) over all ranks (capped at the
+    newest reported commit unless ``resume_beyond_committed``).
+R5  Ranks whose worker holds R locally and captured past R roll back.
+R6  Every rank whose worker lacks R locally receives R, striped in balanced
+    contiguous chunk ranges over all live holders of (r, R), each stripe with
+    all other such holders as ordered fallbacks.
+R7  No common version: DiskFallback to the newest snapshot, else
+    Unrecoverable. Unrecoverable wins over WaitForReplacement; otherwise a
+    missing replacement yields WaitForReplacement at the *same* generation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, NoReturn, Union
+
+from ckptless.errors import UnrecoverableError
+from ckptless.recovery.facts import PlanningFacts, Worker
+
+Source = Literal["survivor", "spare", "respawn"]
+
+
+def respawn_worker_id(node_id: str, generation: int, rank: int) -> str:
+    """The id a respawned worker must use: deterministic and unique per plan."""
+    return f"{node_id}/respawn-g{generation}-r{rank}"
+
+
+@dataclass(frozen=True)
+class Assignment:
+    """Who runs ``rank`` in the new generation and where it came from."""
+
+    rank: int
+    worker_id: str
+    node_id: str
+    source: Source
+
+
+@dataclass(frozen=True)
+class Stripe:
+    """Chunks ``[start, stop)`` of ``owner``'s image, fetched from ``source``.
+
+    If the stripe fails its checksum (or the source dies), the receiver tries
+    ``fallbacks`` in order; all of them hold the same version complete.
+    """
+
+    owner: int
+    start: int
+    stop: int
+    source: str
+    fallbacks: tuple[str, ...]
+
+    @property
+    def n_chunks(self) -> int:
+        return self.stop - self.start
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """How rank ``owner`` (a replacement, or a worker lacking R) gets version R."""
+
+    owner: int
+    receiver: str
+    version: int
+    n_chunks: int
+    holders: tuple[str, ...]
+    stripes: tuple[Stripe, ...]
+
+
+@dataclass(frozen=True)
+class Rollback:
+    """A survivor that captured past R and must restore R from local memory."""
+
+    rank: int
+    worker_id: str
+    from_version: int
+    to_version: int
+
+
+@dataclass(frozen=True)
+class RecoveryPlan:
+    """Recover from peer memory: the normal, fast path."""
+
+    job_id: str
+    generation: int
+    assignments: tuple[Assignment, ...]
+    lost_ranks: tuple[int, ...]
+    resume_version: int
+    rollbacks: tuple[Rollback, ...]
+    transfers: tuple[Transfer, ...]
+    replace_mirrors: bool
+    owners_below_k: tuple[int, ...]
+    steps_lost: int
+
+    @property
+    def resume_step(self) -> int:
+        """Training resumes with the step after the resumed version."""
+        return self.resume_version + 1
+
+    @property
+    def rank_to_worker(self) -> dict[int, str]:
+        return {a.rank: a.worker_id for a in self.assignments}
+
+
+@dataclass(frozen=True)
+class DiskFallback:
+    """Memory cannot cover the loss: every rank restores ``snapshot_step`` from disk."""
+
+    job_id: str
+    generation: int
+    assignments: tuple[Assignment, ...]
+    lost_ranks: tuple[int, ...]
+    snapshot_step: int
+    reason: str
+    lost_ranks_without_replica: tuple[int, ...]
+    steps_lost: int
+
+    @property
+    def rank_to_worker(self) -> dict[int, str]:
+        return {a.rank: a.worker_id for a in self.assignments}
+
+
+@dataclass(frozen=True)
+class WaitForReplacement:
+    """Recoverable, but some lost rank has no worker yet; re-plan when one joins.
+
+    The generation is *not* bumped: nothing has been decided yet.
+    """
+
+    job_id: str
+    generation: int
+    unassigned_ranks: tuple[int, ...]
+    then: Literal["memory", "disk"]
+    reason: str
+
+
+@dataclass(frozen=True)
+class Unrecoverable:
+    """Neither peer memory nor disk holds a complete image of every rank."""
+
+    job_id: str
+    generation: int
+    reason: str
+    lost_ranks_without_replica: tuple[int, ...]
+
+    def raise_error(self) -> NoReturn:
+        raise UnrecoverableError(f"job {self.job_id} gen {self.generation}: {self.reason}")
+
+
+Decision = Union[RecoveryPlan, DiskFallback, WaitForReplacement, Unrecoverable]
+
+
+# --- R3/R4: which version ----------------------------------------------------
+def available_versions(facts: PlanningFacts) -> dict[int, frozenset[int]]:
+    """R3: every version of each rank's image some live worker can provide."""
+    holders = _replica_index(facts)
+    avail: dict[int, frozenset[int]] = {}
+    for slot in facts.members:
+        own: frozenset[int] = frozenset()
+        if slot.alive:
+            rep = facts.report_of(slot.worker.worker_id)
+            own = rep.local_versions if rep is not None else frozenset()
+        from_peers = {v for (owner, v) in holders if owner == slot.rank}
+        avail[slot.rank] = own | from_peers
+    return avail
+
+
+def trusted_ceiling(facts: PlanningFacts) -> int | None:
+    """R4's cap: None = no cap; else the newest reported commit (-1 if none)."""
+    if facts.policy.resume_beyond_committed:
+        return None
+    commits = [r.committed for r in facts.reports if r.committed is not None]
+    return max(commits, default=-1)
+
+
+def resume_version(facts: PlanningFacts) -> int | None:
+    """R4: newest version every rank can get, or None if there is none."""
+    avail = available_versions(facts)
+    common = frozenset.intersection(*avail.values())
+    cap = trusted_ceiling(facts)
+    if cap is not None:
+        common = frozenset(v for v in common if v <= cap)
+    return max(common, default=None)
+
+
+def _replica_index(facts: PlanningFacts) -> dict[tuple[int, int], list[tuple[int, str, int]]]:
+    """(owner, version) -> [(holder rank, holder worker id, n_chunks)], live holders only."""
+    index: dict[tuple[int, int], list[tuple[int, str, int]]] = {}
+    rank_of = {s.worker.worker_id: s.rank for s in facts.members if s.alive}
+    for rep in facts.reports:
+        for fact in rep.replicas:
+            index.setdefault((fact.owner, fact.version), []).append(
+                (rank_of[rep.worker_id], rep.worker_id, fact.n_chunks))
+    for entries in index.values():
+        entries.sort()
+    return index
+
+
+# --- R2: who takes a lost rank ---------------------------------------------------
+def assign_replacements(facts: PlanningFacts, new_generation: int) -> tuple[list[Assignment], list[int]]:
+    """R1+R2: the new rank map, plus the lost ranks nobody can take (yet).
+
+    Greedy: ranks on dead nodes first (they have no respawn option), then in
+    rank order. Deterministic, and it assigns every lost rank whenever
+    ``#lost ranks on dead nodes <= #live spares``; versus an optimal matching
+    it can only lose locality, never coverage.
+    """
+    alive_nodes = {s.worker.node_id for s in facts.members if s.alive}
+    spares = sorted((w for w in facts.spares if w.node_id not in facts.dead_nodes),
+                    key=lambda w: (w.node_id, w.worker_id))
+    assignments = [Assignment(s.rank, s.worker.worker_id, s.worker.node_id, "survivor")
+                   for s in facts.members if s.alive]
+    used_nodes = set(alive_nodes)
+    unassigned: list[int] = []
+    # Ranks whose node is gone can only take a spare: serve them first so a rank
+    # that could respawn never takes the last spare from one that cannot.
+    order = sorted(facts.lost_ranks,
+                   key=lambda r: (facts.slot(r).worker.node_id not in facts.dead_nodes, r))
+    for rank in order:
+        slot = facts.slot(rank)
+        holder_nodes = set()
+        for h in facts.placement.get(rank, ()):
+            hs = facts.slot(h)
+            if hs.alive:
+                holder_nodes.add(hs.worker.node_id)
+        can_respawn = slot.worker.node_id not in facts.dead_nodes
+        spare = _best_spare(spares, holder_nodes, used_nodes)
+        choice: Assignment | None = None
+        respawn = Assignment(rank, respawn_worker_id(slot.worker.node_id, new_generation, rank),
+                             slot.worker.node_id, "respawn")
+        if facts.policy.prefer == "respawn" and can_respawn:
+            choice = respawn
+        elif spare is not None:
+            spares.remove(spare)
+            choice = Assignment(rank, spare.worker_id, spare.node_id, "spare")
+        elif can_respawn:
+            choice = respawn
+        if choice is None:
+            unassigned.append(rank)
+        else:
+            used_nodes.add(choice.node_id)
+            assignments.append(choice)
+    assignments.sort(key=lambda a: a.rank)
+    return assignments, unassigned
+
+
+def _best_spare(spares: list[Worker], holder_nodes: set[str], used_nodes: set[str]) -> Worker | None:
+    """Prefer a node without the rank's own mirrors (a node loss would take both),
+    then a node running no rank yet (spreads load and failure domains)."""
+    if not spares:
+        return None
+    return min(spares, key=lambda w: (w.node_id in holder_nodes, w.node_id in used_nodes,
+                                      w.node_id, w.worker_id))
+
+
+# --- R6: striping --------------------------------------------------------------
+def stripe_image(owner: int, n_chunks: int, holders: tuple[str, ...]) -> tuple[Stripe, ...]:
+    """Split ``[0, n_chunks)`` into one contiguous range per holder, sizes within 1.
+
+    The holder order is rotated by ``owner`` so that when several owners are
+    rebuilt at once, the big (first) stripes land on different holders.
+    Every stripe lists all other holders as fallbacks, nearest-next first.
+    """
+    if not holders:
+        return ()
+    h = len(holders)
+    shift = owner % h
+    order = holders[shift:] + holders[:shift]
+    base, extra = divmod(n_chunks, h)
+    stripes: list[Stripe] = []
+    start = 0
+    for i, src in enumerate(order):
+        size = base + (1 if i < extra else 0)
+        if size == 0:
+            continue
+        fallbacks = order[i + 1:] + order[:i]
+        stripes.append(Stripe(owner, start, start + size, src, fallbacks))
+        start += size
+    return tuple(stripes)
+
+
+# --- the planner -----------------------------------------------------------------
+def plan_recovery(facts: PlanningFacts) -> Decision:
+    """Decide how the job continues after the failures described by ``facts``.
+
+    Derived only from ``facts``; input order is irrelevant (all lookups are
+    sorted). Re-planning after a failure *during* recovery is the same call
+    with the updated facts, whose generation is then one higher.
+    """
+    new_gen = facts.generation + 1
+    lost = facts.lost_ranks
+    version = resume_version(facts)
+    newest_seen = max((r.newest_captured for r in facts.reports if r.newest_captured is not None),
+                      default=None)
+    if version is None:
+        missing = _ranks_without_replica(facts)
+        if facts.snapshot_step is None:
+            return Unrecoverable(facts.job_id, facts.generation,
+                                 "no version is available for every rank in memory and no disk "
+                                 f"snapshot exists; ranks without a usable image: {list(missing)}",
+                                 missing)
+    assignments, unassigned = assign_replacements(facts, new_gen)
+    if unassigned:
+        return WaitForReplacement(
+            facts.job_id, facts.generation, tuple(sorted(unassigned)),
+            "memory" if version is not None else "disk",
+            f"no live spare and no live node to respawn ranks {sorted(unassigned)} on")
+    if version is None:
+        assert facts.snapshot_step is not None
+        missing = _ranks_without_replica(facts)
+        lost_steps = max(0, (newest_seen if newest_seen is not None else facts.snapshot_step)
+                         - facts.snapshot_step)
+        return DiskFallback(
+            facts.job_id, new_gen, tuple(assignments), lost, facts.snapshot_step,
+            f"no version of every rank survives in memory (ranks {list(missing)} lack one); "
+            f"restoring snapshot step {facts.snapshot_step}",
+            missing, lost_steps)
+    return _memory_plan(facts, new_gen, assignments, version, newest_seen)
+
+
+def _memory_plan(facts: PlanningFacts, new_gen: int, assignments: list[Assignment],
+                 version: int, newest_seen: int | None) -> RecoveryPlan:
+    index = _replica_index(facts)
+    worker_of = {a.rank: a.worker_id for a in assignments}
+    rollbacks: list[Rollback] = []
+    transfers: list[Transfer] = []
+    for rank in range(facts.world_size):
+        slot = facts.slot(rank)
+        rep = facts.report_of(slot.worker.worker_id) if slot.alive else None
+        if rep is not None and version in rep.local_versions:
+            assert rep.newest_captured is not None
+            if rep.newest_captured > version:
+                rollbacks.append(Rollback(rank, rep.worker_id, rep.newest_captured, version))
+            continue
+        entries = index[(rank, version)]
+        holders = tuple(w for (_, w, _) in entries)
+        n_chunks = entries[0][2]
+        transfers.append(Transfer(rank, worker_of[rank], version, n_chunks, holders,
+                                  stripe_image(rank, n_chunks, holders)))
+    lost = facts.lost_ranks
+    below_k = _owners_below_k(facts)
+    steps_lost = max(0, (newest_seen if newest_seen is not None else version) - version)
+    return RecoveryPlan(
+        job_id=facts.job_id, generation=new_gen, assignments=tuple(assignments),
+        lost_ranks=lost, resume_version=version, rollbacks=tuple(rollbacks),
+        transfers=tuple(transfers), replace_mirrors=bool(lost or below_k or transfers),
+        owners_below_k=below_k, steps_lost=steps_lost)
+
+
+def _owners_below_k(facts: PlanningFacts) -> tuple[int, ...]:
+    """Owners whose placed holders include a lost rank: their mirrors need re-placing
+    (a lost owner's holders also need its *new* worker's image, hence included)."""
+    lost = set(facts.lost_ranks)
+    return tuple(sorted(o for o, hs in facts.placement.items() if lost & set(hs) or o in lost))
+
+
+def _ranks_without_replica(facts: PlanningFacts) -> tuple[int, ...]:
+    """Explain a missing common version (R7).
+
+    C = versions every rank with a local image can provide. Listed: ranks
+    needing an image (no local copy) whose available versions miss C entirely;
+    if there are none (the sets merely fail to overlap jointly, or C is empty),
+    every rank needing an image is listed.
+    """
+    avail = available_versions(facts)
+    cap = trusted_ceiling(facts)
+    if cap is not None:
+        avail = {r: frozenset(v for v in vs if v <= cap) for r, vs in avail.items()}
+    local: dict[int, frozenset[int]] = {}
+    for slot in facts.members:
+        rep = facts.report_of(slot.worker.worker_id) if slot.alive else None
+        local[slot.rank] = rep.local_versions if rep is not None else frozenset()
+    needing = [r for r in range(facts.world_size) if not local[r]]
+    with_local = [avail[r] for r in range(facts.world_size) if local[r]]
+    common = frozenset.intersection(*with_local) if with_local else None
+    if common:
+        strict = tuple(r for r in needing if not (avail[r] & common))
+        if strict:
+            return strict
+    return tuple(needing)

@@ -1,0 +1,344 @@
+"""Properties of the pure recovery planner over random worlds.
+
+Each world: W ranks on nodes, a ring placement with K mirrors, a committed
+version C, per-rank local images, per-holder replicas (honest or arbitrary),
+a random failure set (ranks and whole nodes), spares and maybe a snapshot.
+The test recomputes the key quantities with a deliberately naive oracle and
+checks the planner against it.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, replace
+
+import pytest
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+from ckptless.errors import ConfigError, UnrecoverableError
+from ckptless.recovery import (
+    DiskFallback,
+    PlanningFacts,
+    PlanPolicy,
+    RankSlot,
+    RecoveryPlan,
+    ReplicaFact,
+    Unrecoverable,
+    WaitForReplacement,
+    Worker,
+    WorkerReport,
+    plan_recovery,
+    stripe_image,
+)
+
+SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def ring(world: int, k: int) -> dict[int, tuple[int, ...]]:
+    return {r: tuple((r + i) % world for i in range(1, k + 1)) for r in range(world)}
+
+
+@dataclass(frozen=True)
+class World:
+    facts: PlanningFacts
+    committed: int
+    honest: bool
+
+
+@st.composite
+def worlds(draw: st.DrawFn, honest: bool | None = None) -> World:
+    w = draw(st.integers(2, 64))
+    k = draw(st.integers(1, min(3, w - 1)))
+    per_node = draw(st.integers(1, 4))
+    node = {r: f"n{r // per_node}" for r in range(w)}
+    placement = ring(w, k)
+    c = draw(st.integers(0, 12))
+    is_honest = draw(st.booleans()) if honest is None else honest
+    # per-rank detail from one seeded Random: keeps generation cheap for W=64
+    rnd = random.Random(draw(st.integers(0, 2**32)))
+    committed = {r: rnd.choice([c, max(0, c - 1)]) for r in range(w)}
+    newest = {r: c + rnd.randint(0, 2) for r in range(w)}
+    local = {r: frozenset(range(committed[r], newest[r] + 1)) for r in range(w)}
+    size = {r: rnd.randint(0, 40) for r in range(w)}
+    # failures: whole nodes and single ranks
+    nodes = sorted(set(node.values()))
+    dead_nodes = frozenset(draw(st.sets(st.sampled_from(nodes), max_size=2)))
+    if len(dead_nodes) == len(nodes):
+        dead_nodes = frozenset(sorted(dead_nodes)[1:])
+    killed = draw(st.sets(st.integers(0, w - 1), max_size=min(w - 1, 5)))
+    lost = {r for r in range(w) if r in killed or node[r] in dead_nodes}
+    if len(lost) == w:
+        lost.discard(min(r for r in range(w) if node[r] not in dead_nodes))
+    # replicas held by live holders
+    held: dict[int, list[ReplicaFact]] = {r: [] for r in range(w)}
+    for owner in range(w):
+        for holder in placement[owner]:
+            if holder in lost:
+                continue
+            if is_honest:
+                versions = {c, newest[owner]}
+            else:
+                pool = sorted(range(max(0, c - 2), c + 3))
+                versions = set(rnd.sample(pool, rnd.randint(0, 2)))
+            held[holder] += [ReplicaFact(owner, v, size[owner] + v % 3) for v in sorted(versions)]
+    members = tuple(RankSlot(r, Worker(f"{node[r]}/w{r}", node[r]), r not in lost) for r in range(w))
+    reports = tuple(WorkerReport(f"{node[r]}/w{r}", newest[r], committed[r], local[r], tuple(held[r]))
+                    for r in range(w) if r not in lost)
+    spare_nodes = nodes + ["s0", "s1"]
+    spares = tuple(Worker(f"{n}/spare{i}", n) for i, n in enumerate(
+        draw(st.lists(st.sampled_from(spare_nodes), max_size=4))))
+    snapshot = None if draw(st.integers(0, 4)) == 0 else draw(st.integers(0, c))
+    policy = PlanPolicy(prefer=draw(st.sampled_from(["spare", "respawn"])),
+                        resume_beyond_committed=draw(st.booleans()))
+    facts = PlanningFacts("job", draw(st.integers(0, 5)), w, members, reports, spares, placement,
+                          snapshot, dead_nodes, policy)
+    return World(facts, c, is_honest)
+
+
+def oracle_avail(f: PlanningFacts) -> dict[int, set[int]]:
+    alive = {s.worker.worker_id: s.rank for s in f.members if s.alive}
+    avail: dict[int, set[int]] = {r: set() for r in range(f.world_size)}
+    for rep in f.reports:
+        avail[alive[rep.worker_id]] |= rep.local_versions
+        for rf in rep.replicas:
+            avail[rf.owner].add(rf.version)
+    if not f.policy.resume_beyond_committed:
+        cap = max((r.committed for r in f.reports if r.committed is not None), default=-1)
+        avail = {r: {v for v in vs if v <= cap} for r, vs in avail.items()}
+    return avail
+
+
+def check_assignments(f: PlanningFacts, plan: RecoveryPlan | DiskFallback) -> None:
+    ranks = [a.rank for a in plan.assignments]
+    assert ranks == list(range(f.world_size)), "every rank exactly once, sorted"
+    ids = [a.worker_id for a in plan.assignments]
+    assert len(set(ids)) == len(ids), "no worker twice"
+    spare_ids = {w.worker_id: w for w in f.spares}
+    for a in plan.assignments:
+        slot = f.slot(a.rank)
+        if slot.alive:
+            assert a.source == "survivor" and a.worker_id == slot.worker.worker_id
+        elif a.source == "spare":
+            assert a.worker_id in spare_ids and spare_ids[a.worker_id].node_id not in f.dead_nodes
+        else:
+            assert a.source == "respawn" and a.node_id == slot.worker.node_id
+            assert a.node_id not in f.dead_nodes
+    assert plan.generation == f.generation + 1
+
+
+def check_stripes(n: int, holders: tuple[str, ...], stripes: tuple) -> None:
+    covered = [c for s in stripes for c in range(s.start, s.stop)]
+    assert covered == list(range(n)), "every chunk exactly once, in order"
+    assert all(s.source in holders for s in stripes)
+    assert len({s.source for s in stripes}) == len(stripes)
+    if stripes:
+        sizes = [s.n_chunks for s in stripes] + [0] * (len(holders) - len(stripes))
+        assert max(sizes) - min(sizes) <= 1, "balanced within one chunk"
+    for s in stripes:
+        assert s.source not in s.fallbacks and set(s.fallbacks) | {s.source} == set(holders)
+
+
+@SETTINGS
+@given(worlds())
+def test_plan_matches_oracle(world: World) -> None:
+    f = world.facts
+    d = plan_recovery(f)
+    event(type(d).__name__)
+    avail = oracle_avail(f)
+    common = set.intersection(*avail.values())
+    dead_node_lost = [r for r in f.lost_ranks if f.slot(r).worker.node_id in f.dead_nodes]
+    live_spares = [s for s in f.spares if s.node_id not in f.dead_nodes]
+    needs_wait = len(dead_node_lost) > len(live_spares)
+    if not common and f.snapshot_step is None:
+        assert isinstance(d, Unrecoverable)
+        with pytest.raises(UnrecoverableError):
+            d.raise_error()
+        return
+    if needs_wait:
+        assert isinstance(d, WaitForReplacement) and d.generation == f.generation
+        assert d.then == ("memory" if common else "disk")
+        assert set(d.unassigned_ranks) <= set(dead_node_lost)
+        return
+    if not common:
+        # DiskFallback iff no version is available for every rank (state of R3/R4).
+        assert isinstance(d, DiskFallback)
+        check_assignments(f, d)
+        assert d.snapshot_step == f.snapshot_step and d.steps_lost >= 0
+        assert d.lost_ranks_without_replica
+        return
+    assert isinstance(d, RecoveryPlan)
+    check_assignments(f, d)
+    r = d.resume_version
+    assert r == max(common), "newest version complete everywhere"
+    assert all(r in vs for vs in avail.values()), "never resume from a version some rank lacks"
+    survivors = [rep for rep in f.reports]
+    if world.honest:
+        assert r >= min(rep.committed for rep in survivors if rep.committed is not None)
+    alive_rank = {s.worker.worker_id: s.rank for s in f.members if s.alive}
+    local = {alive_rank[rep.worker_id]: rep for rep in f.reports}
+    expected_transfers = sorted(x for x in range(f.world_size)
+                                if x not in local or r not in local[x].local_versions)
+    assert [t.owner for t in d.transfers] == expected_transfers
+    for t in d.transfers:
+        holders_with_r = {rep.worker_id for rep in f.reports
+                          if any(rf.owner == t.owner and rf.version == r for rf in rep.replicas)}
+        assert set(t.holders) == holders_with_r and t.version == r
+        assert t.receiver == d.rank_to_worker[t.owner]
+        check_stripes(t.n_chunks, t.holders, t.stripes)
+    expected_rb = sorted(x for x, rep in local.items()
+                         if r in rep.local_versions and (rep.newest_captured or 0) > r)
+    assert [b.rank for b in d.rollbacks] == expected_rb
+    assert all(b.to_version == r < b.from_version for b in d.rollbacks)
+    assert d.replace_mirrors == bool(f.lost_ranks or d.owners_below_k or d.transfers)
+
+
+@SETTINGS
+@given(worlds(honest=True))
+def test_honest_world_within_k_recovers_from_memory(world: World) -> None:
+    """Commit invariant holds and every lost owner keeps >= 1 live holder:
+    memory recovery, resuming at committed-or-newer."""
+    f = world.facts
+    lost = set(f.lost_ranks)
+    covered = all(any(h not in lost for h in f.placement[r]) for r in lost)
+    d = plan_recovery(f)
+    newest_commit = max(rep.committed or 0 for rep in f.reports)
+    if covered and not isinstance(d, WaitForReplacement):
+        if f.policy.resume_beyond_committed or newest_commit == world.committed:
+            assert isinstance(d, RecoveryPlan)
+            assert d.resume_version >= world.committed
+        if isinstance(d, RecoveryPlan) and not f.policy.resume_beyond_committed:
+            assert d.resume_version == newest_commit
+    if not covered and f.snapshot_step is None:
+        assert isinstance(d, Unrecoverable)
+
+
+@SETTINGS
+@given(worlds(), st.integers(0, 2**32))
+def test_deterministic_and_order_independent(world: World, seed: int) -> None:
+    f = world.facts
+    rnd = random.Random(seed)
+
+    def shuffled(xs: tuple) -> tuple:
+        out = list(xs)
+        rnd.shuffle(out)
+        return tuple(out)
+
+    reports = shuffled(tuple(replace(rep, replicas=shuffled(rep.replicas)) for rep in f.reports))
+    g = replace(f, members=shuffled(f.members), reports=reports, spares=shuffled(f.spares),
+                placement=dict(reversed(list(f.placement.items()))))
+    assert plan_recovery(f) == plan_recovery(f) == plan_recovery(g)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(0, 200), st.lists(st.text("abc", min_size=1, max_size=3), min_size=1,
+                                     max_size=8, unique=True), st.integers(0, 64))
+def test_stripe_image_covers_and_balances(n: int, holders: list[str], owner: int) -> None:
+    stripes = stripe_image(owner, n, tuple(holders))
+    check_stripes(n, tuple(holders), stripes)
+    assert len(stripes) == min(n, len(holders))
+
+
+# --- worked examples (the ones in docs/recovery.md) ---------------------------------
+def _example(spares: tuple[Worker, ...] = (), dead: frozenset[str] = frozenset(),
+             prefer: str = "spare", snapshot: int | None = 90) -> PlanningFacts:
+    """4 ranks on 2 nodes, K=1 ring; rank 1 (node a) dies after capturing 101."""
+    node = {0: "a", 1: "a", 2: "b", 3: "b"}
+    members = tuple(RankSlot(r, Worker(f"{node[r]}/w{r}", node[r]), r != 1) for r in range(4))
+    reps = {
+        0: WorkerReport("a/w0", 101, 100, frozenset({100, 101}), (ReplicaFact(3, 100, 8), ReplicaFact(3, 101, 8))),
+        2: WorkerReport("b/w2", 100, 100, frozenset({100}), (ReplicaFact(1, 99, 10), ReplicaFact(1, 100, 10))),
+        3: WorkerReport("b/w3", 101, 100, frozenset({100, 101}), (ReplicaFact(2, 100, 8),)),
+    }
+    return PlanningFacts("demo", 7, 4, members, tuple(reps.values()), spares, ring(4, 1),
+                         snapshot, dead, PlanPolicy(prefer=prefer))  # type: ignore[arg-type]
+
+
+def test_example_memory_plan() -> None:
+    d = plan_recovery(_example(spares=(Worker("b/spare", "b"), Worker("c/spare", "c"))))
+    assert isinstance(d, RecoveryPlan)
+    assert d.generation == 8 and d.resume_version == 100 and d.resume_step == 101
+    # rank 1's only holder (rank 2) lives on node b: the spare on c is preferred
+    assert d.rank_to_worker == {0: "a/w0", 1: "c/spare", 2: "b/w2", 3: "b/w3"}
+    assert [(b.rank, b.from_version) for b in d.rollbacks] == [(0, 101), (3, 101)]
+    (t,) = d.transfers
+    assert (t.owner, t.version, t.holders, t.receiver) == (1, 100, ("b/w2",), "c/spare")
+    assert [(s.start, s.stop, s.source) for s in t.stripes] == [(0, 10, "b/w2")]
+    assert d.steps_lost == 1 and d.replace_mirrors and d.owners_below_k == (0, 1)
+
+
+def test_example_respawn_and_wait() -> None:
+    d = plan_recovery(_example(prefer="respawn", spares=(Worker("c/spare", "c"),)))
+    assert isinstance(d, RecoveryPlan)
+    assert d.rank_to_worker[1] == "a/respawn-g8-r1"
+    w = plan_recovery(_example(spares=()))
+    assert isinstance(w, RecoveryPlan)  # no spare, but node a is alive: respawn
+    assert w.assignments[1].source == "respawn"
+    members = tuple(replace(s, alive=s.rank not in (0, 1)) for s in _example().members)
+    f = replace(_example(), members=members, reports=_example().reports[1:], dead_nodes=frozenset({"a"}))
+    w2 = plan_recovery(f)
+    assert isinstance(w2, WaitForReplacement) and w2.unassigned_ranks == (0, 1) and w2.generation == 7
+
+
+def test_example_disk_fallback_and_unrecoverable() -> None:
+    base = _example(spares=(Worker("c/spare", "c"),))
+    reports = tuple(replace(r, replicas=()) if r.worker_id == "b/w2" else r for r in base.reports)
+    d = plan_recovery(replace(base, reports=reports))
+    assert isinstance(d, DiskFallback)
+    assert d.snapshot_step == 90 and d.lost_ranks_without_replica == (1,) and d.steps_lost == 11
+    u = plan_recovery(replace(base, reports=reports, snapshot_step=None))
+    assert isinstance(u, Unrecoverable) and u.lost_ranks_without_replica == (1,)
+    with pytest.raises(UnrecoverableError, match="no disk snapshot"):
+        u.raise_error()
+
+
+def test_never_resumes_beyond_commit_when_told() -> None:
+    """101 is complete for every rank but nobody has heard it committed yet."""
+    base = _example(spares=(Worker("c/spare", "c"),))
+    reps = tuple(WorkerReport("b/w2", 101, 100, frozenset({100, 101}),
+                              (ReplicaFact(1, 100, 10), ReplicaFact(1, 101, 10)))
+                 if r.worker_id == "b/w2" else r for r in base.reports)
+    eager = plan_recovery(replace(base, reports=reps))
+    strict = plan_recovery(replace(base, reports=reps, policy=PlanPolicy(resume_beyond_committed=False)))
+    assert isinstance(eager, RecoveryPlan) and eager.resume_version == 101 and not eager.rollbacks
+    assert isinstance(strict, RecoveryPlan) and strict.resume_version == 100
+    assert len(strict.rollbacks) == 3
+
+
+@pytest.mark.parametrize("mutate, field", [
+    (lambda f: replace(f, world_size=5), "members"),
+    (lambda f: replace(f, reports=f.reports[1:]), "reports"),
+    (lambda f: replace(f, reports=f.reports + (WorkerReport("zz", None, None),)), "reports"),
+    (lambda f: replace(f, spares=(Worker("a/w0", "a"),)), "spares"),
+    (lambda f: replace(f, dead_nodes=frozenset({"b"})), "members[2].alive"),
+    (lambda f: replace(f, placement={0: (0,)}), "placement[0]"),
+    (lambda f: replace(f, snapshot_step=-1), "snapshot_step"),
+    (lambda f: replace(f, generation=-1), "generation"),
+])
+def test_inconsistent_facts_are_rejected(mutate, field) -> None:
+    with pytest.raises(ConfigError) as exc:
+        mutate(_example())
+    assert exc.value.field == field
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(newest_captured=5, committed=4, local_versions=frozenset({5})), "report[x].committed"),
+    (dict(newest_captured=6, committed=5, local_versions=frozenset({5})), "report[x].newest_captured"),
+    (dict(newest_captured=6, committed=6, local_versions=frozenset({5, 6})), "report[x].local_versions"),
+    (dict(newest_captured=None, committed=None,
+          replicas=(ReplicaFact(1, 1, 1), ReplicaFact(1, 2, 1), ReplicaFact(1, 3, 1))), "report[x].replicas"),
+    (dict(newest_captured=None, committed=None,
+          replicas=(ReplicaFact(1, 1, 1), ReplicaFact(1, 1, 1))), "report[x].replicas"),
+])
+def test_bad_reports_are_rejected(kwargs, field) -> None:
+    with pytest.raises(ConfigError) as exc:
+        WorkerReport("x", **kwargs)
+    assert exc.value.field == field
+
+
+def test_chunk_count_disagreement_rejected() -> None:
+    base = _example()
+    reps = tuple(replace(r, replicas=(ReplicaFact(1, 100, 9),)) if r.worker_id == "b/w3" else r
+                 for r in base.reports)
+    with pytest.raises(ConfigError, match="chunks elsewhere"):
+        replace(base, reports=reps)
