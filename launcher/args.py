@@ -1,0 +1,448 @@
+"""Command line of ``ckptless-run``: torchrun's flags, plus ckptless's own.
+
+Why a copy instead of importing ``torch.distributed.run``: that pulls in all of
+torch (2+ s), and we need another default backend, our own flags and typed,
+validated results.  A test walks torchrun's ``get_args_parser()`` and checks
+every option string, dest, default, nargs and choices against ours.
+
+Deliberate differences (docs/launcher.md):
+
+* ``--rdzv-backend`` defaults to ``ckptless`` (etcd v3); ``etcd``/``etcd-v2``
+  are accepted as aliases, ``c10d`` is rejected, ``static`` only on one node.
+* ``--job-id`` is an alias of ``--rdzv-id``: the rendezvous id *is* the job's
+  etcd key prefix, so two names for one value would only invite mismatches.
+* No endpoint (or ``--standalone``) means an embedded etcd on this node.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import signal
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, fields
+from enum import IntFlag
+from typing import Any
+
+from ckptless.errors import ConfigError
+
+DEFAULT_ETCD_PORT = 2379
+DEFAULT_SHUTDOWN_TIMEOUT = 30.0
+BACKEND_ALIASES = {"ckptless": "ckptless", "etcd": "ckptless", "etcd-v2": "ckptless", "static": "static"}
+PLACEMENTS = ("ring", "group", "mixed")
+NUMA_MODES = ["node", "socket", "exclusive", "core-complex"]  # torch.numa.binding._AffinityMode values
+_VALUE_RE = re.compile(r"^[0123]$")
+_MAPPING_RE = re.compile(r"^(\d:[0123],)*(\d:[0123])$")
+
+
+class Std(IntFlag):
+    """Which standard streams of a worker go to a file (same bits as torchrun's Std)."""
+
+    NONE = 0
+    OUT = 1
+    ERR = 2
+    ALL = 3
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """A host and port; ``str()`` gives ``host:port`` with IPv6 bracketed."""
+
+    host: str
+    port: int
+
+    def __str__(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{host}:{self.port}"
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """Everything ``ckptless-run`` was asked to do, resolved and validated."""
+
+    min_nodes: int
+    max_nodes: int
+    nproc_per_node: int
+    rdzv_backend: str  # normalised: "ckptless" or "static"
+    rdzv_endpoint: Endpoint | None  # None: start an embedded etcd on this node
+    run_id: str  # == job id == CKPTLESS_JOB_ID
+    rdzv_configs: Mapping[str, str]
+    standalone: bool
+    node_rank: int
+    master_addr: str
+    master_port: int | None  # None: the store-hosting agent picks a free port
+    local_addr: str | None
+    max_restarts: int
+    monitor_interval: float
+    start_method: str
+    event_log_handler: str
+    role: str
+    signals_to_handle: tuple[str, ...]
+    shutdown_timeout: float
+    virtual_local_rank: bool
+    training_script: str
+    training_script_args: tuple[str, ...]
+    module: bool
+    no_python: bool
+    run_path: bool
+    log_dir: str | None
+    redirects: tuple[Std, ...]  # one entry per local rank
+    tee: tuple[Std, ...]
+    local_ranks_filter: frozenset[int] | None
+    duplicate_stdout_filters: tuple[str, ...]
+    duplicate_stderr_filters: tuple[str, ...]
+    logs_specs: str | None
+    numa_binding: str | None
+    replicas: int = 1  # ckptless's own flags from here on
+    mirror_every: int = 1
+    placement: str = "ring"
+    spares: int = 0
+    snapshot_every: int = 0
+    snapshot_dir: str | None = None
+    goodput_dir: str | None = None
+    hang_timeout: float | None = None
+    lease_ttl: float = 2.0
+    nproc_per_node_spec: str = field(default="1", compare=False)
+
+    @property
+    def embedded_etcd(self) -> bool:
+        """True when this node must start its own etcd (no endpoint given)."""
+        return self.rdzv_endpoint is None
+
+
+# Flags that parse but are not implemented: flag -> (field, default, why).  Remove
+# entries as features land; parse_args() refuses a listed flag set away from its
+# default so nobody believes a feature is on when it is not.
+UNIMPLEMENTED: dict[str, tuple[str, object, str]] = {
+    "--spares": ("spares", 0, "hot spares are not implemented yet"),
+    "--snapshot-every": ("snapshot_every", 0, "disk snapshots are not implemented yet"),
+    "--hang-timeout": ("hang_timeout", None, "hang detection is not implemented yet"),
+    "--numa-binding": ("numa_binding", None, "NUMA binding is not supported by ckptless-run"),
+    "--logs-specs": ("logs_specs", None, "custom LogsSpecs plugins are not supported by ckptless-run"),
+    "--event-log-handler": ("event_log_handler", "null", "ckptless records events in its goodput ledger"),
+    "--duplicate-stdout-filters": ("duplicate_stdout_filters", (), "log duplication is not supported"),
+    "--duplicate-stderr-filters": ("duplicate_stderr_filters", (), "log duplication is not supported"),
+}
+
+
+def unimplemented_flags(cfg: LaunchConfig) -> list[str]:
+    """Flags in ``UNIMPLEMENTED`` whose value in ``cfg`` differs from the default."""
+    return [flag for flag, (name, default, _) in UNIMPLEMENTED.items() if getattr(cfg, name) != default]
+
+
+def check_implemented(cfg: LaunchConfig) -> None:
+    """Raise ConfigError naming the first unimplemented flag that was set."""
+    for flag in unimplemented_flags(cfg):
+        name, _, why = UNIMPLEMENTED[flag]
+        raise ConfigError(name, getattr(cfg, name), f"{flag}: {why}")
+
+
+# --- argparse actions with torchrun's PET_* fallbacks ---------------------------
+def _env_actions(environ: Mapping[str, str]) -> tuple[type[argparse.Action], type[argparse.Action]]:
+    """Actions with the semantics of torch.distributed.argparse_util.env/check_env.
+
+    They read ``PET_<DEST>`` from ``environ`` (not always os.environ) so tests
+    and the agent can parse against an explicit environment.
+    """
+
+    class env(argparse.Action):
+        def __init__(self, option_strings: Sequence[str], dest: str, default: Any = None, required: bool = False,
+                     **kwargs: Any) -> None:
+            default = environ.get(f"PET_{dest.upper()}", default)
+            if default:
+                required = False
+            super().__init__(option_strings, dest, default=default, required=required, **kwargs)
+
+        def __call__(self, parser: Any, namespace: Any, values: Any, option_string: Any = None) -> None:
+            setattr(namespace, self.dest, values)
+
+    class check_env(argparse.Action):
+        def __init__(self, option_strings: Sequence[str], dest: str, default: bool = False, **kwargs: Any) -> None:
+            name = f"PET_{dest.upper()}"
+            raw = environ.get(name, "1" if default else "0")
+            try:
+                value = bool(int(raw))
+            except ValueError as exc:
+                raise ConfigError(name, raw, "must be an integer (0 = off, other = on)") from exc
+            super().__init__(option_strings, dest, const=True, default=value, nargs=0, **kwargs)
+
+        def __call__(self, parser: Any, namespace: Any, values: Any, option_string: Any = None) -> None:
+            setattr(namespace, self.dest, self.const)
+
+    return env, check_env
+
+
+def _comma_separated_list(value: str) -> list[str]:
+    """torchrun's list syntax: ``a,b``; a doubled comma escapes a literal comma."""
+    placeholder = "<COMMA_PLACEHOLDER>"
+    return [item.replace(placeholder, ",") for item in value.replace(",,", placeholder).split(",")]
+
+
+def _opt(name: str) -> list[str]:
+    """``--foo-bar`` plus torchrun's underscore spelling ``--foo_bar``."""
+    tail = name[2:]
+    return [name, "--" + tail.replace("-", "_")] if "-" in tail else [name]
+
+
+def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentParser:
+    """The ``ckptless-run`` parser; ``environ`` (default os.environ) feeds PET_* fallbacks."""
+    env, check_env = _env_actions(os.environ if environ is None else environ)
+    p = _Parser(
+        prog="ckptless-run",
+        description="Checkpointless launcher: torchrun's flags plus peer-mirrored in-memory recovery.",
+    )
+    add: Callable[..., argparse.Action] = p.add_argument
+    # torchrun: sizes
+    add("--nnodes", action=env, type=str, default="1:1", help="Number of nodes, or MIN:MAX.")
+    add(*_opt("--nproc-per-node"), action=env, type=str, default="1",
+        help="Workers per node: an int, or cpu, gpu, xpu, auto.")
+    # torchrun: rendezvous
+    add(*_opt("--rdzv-backend"), action=env, type=str, default="ckptless",
+        help="ckptless (etcd v3; 'etcd'/'etcd-v2' are aliases) or static (single node only).")
+    add(*_opt("--rdzv-endpoint"), action=env, type=str, default="",
+        help=f"etcd endpoint HOST[:PORT] (port {DEFAULT_ETCD_PORT}); empty: embedded etcd.")
+    add(*_opt("--rdzv-id"), *_opt("--job-id"), dest="rdzv_id", action=env, type=str, default="none",
+        help="Job id (etcd key prefix); --job-id is an alias.")
+    add(*_opt("--rdzv-conf"), action=env, type=str, default="", help="Extra rendezvous config k=v,k2=v2.")
+    add("--standalone", action=check_env, help="Single node with an embedded etcd and a random job id.")
+    # torchrun: worker lifecycle
+    add(*_opt("--max-restarts"), action=env, type=int, default=0, help="Max worker group restarts.")
+    add(*_opt("--monitor-interval"), action=env, type=float, default=0.1,
+        help="Seconds between agent health checks (worker exits are reported at once regardless).")
+    add(*_opt("--start-method"), action=env, type=str, default="spawn",
+        choices=["spawn", "fork", "forkserver"], help="Accepted for compatibility; workers are always exec'd.")
+    add(*_opt("--event-log-handler"), action=env, type=str, default="null", help="Only 'null' is supported.")
+    add("--role", action=env, type=str, default="default", help="Role name of the workers.")
+    add("-m", "--module", action=check_env, help="Run the script as 'python -m module'.")
+    add(*_opt("--no-python"), action=check_env, help="Execute the script directly, without python.")
+    add(*_opt("--run-path"), action=check_env, help="Run the script with runpy.run_path (absolute path).")
+    add(*_opt("--log-dir"), action=env, type=str, default=None, help="Base directory for worker logs.")
+    add("-r", "--redirects", action=env, type=str, default="0",
+        help="Redirect streams to files: 0-3, or per local rank 0:3,1:1 (1=out, 2=err, 3=both).")
+    add("-t", "--tee", action=env, type=str, default="0", help="Like --redirects, but also to console.")
+    add(*_opt("--local-ranks-filter"), action=env, type=str, default="",
+        help="Only show these local ranks' output on the console, e.g. 0,1.")
+    for stream in ("stdout", "stderr"):
+        add(*_opt(f"--duplicate-{stream}-filters"), action=env, type=_comma_separated_list, default=[],
+            help="Unsupported (accepted for compatibility).")
+    add(*_opt("--node-rank"), type=int, action=env, default=0, help="Node rank (static backend only).")
+    add(*_opt("--master-addr"), default="127.0.0.1", type=str, action=env, help="Store address (static only).")
+    add(*_opt("--master-port"), default=None, type=int, action=env,
+        help="Store port (static backend); default: a free port.")
+    add(*_opt("--local-addr"), default=None, type=str, action=env, help="Address other nodes reach this one at.")
+    add(*_opt("--logs-specs"), default=None, type=str, help="Unsupported (accepted for compatibility).")
+    add(*_opt("--numa-binding"), type=str, choices=NUMA_MODES, default=None, help="Unsupported.")
+    add(*_opt("--signals-to-handle"), action=env, type=str, default="SIGTERM,SIGINT,SIGHUP,SIGQUIT",
+        help="Signals the agent forwards to workers.")
+    add(*_opt("--shutdown-timeout"), action=env, type=int, default=None,
+        help="Seconds between SIGTERM and SIGKILL at shutdown (TORCH_ELASTIC_SHUTDOWN_TIMEOUT or 30).")
+    add(*_opt("--virtual-local-rank"), action=check_env,
+        help="LOCAL_RANK=0 for all workers; CUDA_VISIBLE_DEVICES picks each one's GPU.")
+    # ckptless
+    add("--replicas", action=env, type=int, default=1, help="K: peers holding a mirror of each shard.")
+    add("--mirror-every", action=env, type=int, default=1, help="Mirror every N steps.")
+    add("--placement", action=env, type=str, default="ring", choices=list(PLACEMENTS), help="Mirror placement.")
+    add("--spares", action=env, type=int, default=0, help="Hot spare workers per node.")
+    add("--snapshot-every", action=env, type=int, default=0, help="Disk snapshot every M steps (0: off).")
+    add("--snapshot-dir", action=env, type=str, default=None, help="Directory for disk snapshots.")
+    add("--goodput-dir", action=env, type=str, default=None, help="Directory for the goodput ledger.")
+    add("--hang-timeout", action=env, type=float, default=None,
+        help="SIGKILL a worker whose progress stalls this many seconds.")
+    add("--lease-ttl", action=env, type=float, default=2.0, help="etcd lease TTL in seconds (liveness).")
+    # positional
+    add("training_script", type=str, help="Training script (or module with -m), then its arguments.")
+    add("training_script_args", nargs=argparse.REMAINDER)
+    return p
+
+
+# --- resolution -------------------------------------------------------------
+def parse_nnodes(value: str) -> tuple[int, int]:
+    """``"N"`` or ``"MIN:MAX"`` -> (min, max) with 0 < min <= max."""
+    parts = value.split(":")
+    _check(len(parts) <= 2, "nnodes", value, 'expected "N" or "MIN:MAX"')
+    try:
+        lo, hi = int(parts[0]), int(parts[-1])
+    except ValueError as exc:
+        raise ConfigError("nnodes", value, 'expected "N" or "MIN:MAX" with integers') from exc
+    _check(0 < lo <= hi, "nnodes", value, "need 0 < MIN <= MAX")
+    return lo, hi
+
+
+def resolve_nproc(value: str) -> int:
+    """An int, or cpu/gpu/xpu/auto resolved the way torchrun does (torch imported only then)."""
+    n = int(value) if value.lstrip("-").isdigit() else _count_devices(value)
+    _check(n >= 1, "nproc_per_node", value, "must be >= 1")
+    return n
+
+
+def _count_devices(kind: str) -> int:
+    if kind == "cpu":
+        return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    _check(kind in ("gpu", "xpu", "auto"), "nproc_per_node", kind, "expected an int or cpu, gpu, xpu, auto")
+    import torch  # lazy: only device counting needs it
+
+    if kind == "gpu":
+        _check(torch.cuda.is_available(), "nproc_per_node", kind, "CUDA is not available")
+        return int(torch.cuda.device_count())
+    if kind == "xpu":
+        _check(torch.xpu.is_available(), "nproc_per_node", kind, "XPU is not available")
+        return int(torch.xpu.device_count())
+    if torch.accelerator.is_available():
+        return int(torch.accelerator.device_count())
+    return _count_devices("cpu")
+
+
+def parse_endpoint(value: str, default_port: int = DEFAULT_ETCD_PORT, field_name: str = "rdzv_endpoint",
+                   ) -> Endpoint:
+    """``host``, ``host:port``, ``[v6]:port`` or ``http://host:port`` -> Endpoint."""
+    raw = value.strip()
+    rest = (raw.split("://", 1)[1] if "://" in raw else raw).rstrip("/")
+    port_s: str | None = None
+    if rest.startswith("["):  # [v6] or [v6]:port
+        host, sep, tail = rest[1:].partition("]")
+        if not sep or (tail and not tail.startswith(":")):
+            raise ConfigError(field_name, value, "malformed [IPv6]:PORT")
+        port_s = tail[1:] if tail else None
+    elif rest.count(":") == 1:
+        host, port_s = rest.split(":")
+    else:  # plain host, or a bare IPv6 address without a port
+        host = rest
+    _check(bool(host), field_name, value, "missing host")
+    port = default_port
+    if port_s is not None:
+        try:
+            port = int(port_s)
+        except ValueError as exc:
+            raise ConfigError(field_name, value, "port is not an integer") from exc
+    _check(0 < port < 65536, field_name, value, "port must be in 1..65535")
+    return Endpoint(host, port)
+
+
+def parse_std(value: str, nproc: int, field_name: str) -> tuple[Std, ...]:
+    """torchrun's ``--redirects``/``--tee`` syntax -> one Std per local rank."""
+    if _VALUE_RE.match(value):
+        return tuple(Std(int(value)) for _ in range(nproc))
+    if _MAPPING_RE.match(value):
+        per_rank = {int(k): Std(int(v)) for k, v in (m.split(":") for m in value.split(","))}
+        return tuple(per_rank.get(i, Std.NONE) for i in range(nproc))
+    raise ConfigError(field_name, value, "expected 0-3 or LOCAL_RANK:0-3,... (1=stdout, 2=stderr, 3=both)")
+
+
+def parse_rdzv_conf(value: str) -> dict[str, str]:
+    """``k=v,k2=v2`` -> dict (same rules as torch's _parse_rendezvous_config)."""
+    out: dict[str, str] = {}
+    if not value.strip():
+        return out
+    for kv in value.strip().split(","):
+        key, _, val = kv.partition("=")
+        _check(bool(key.strip() and val.strip()), "rdzv_conf", value, "expected <k1>=<v1>,...,<kN>=<vN>")
+        out[key.strip()] = val.strip()
+    return out
+
+
+def _parse_signals(value: str) -> tuple[str, ...]:
+    names = tuple(s.strip() for s in value.split(",") if s.strip())
+    for name in names:
+        _check(isinstance(getattr(signal, name, None), signal.Signals), "signals_to_handle", value,
+               f"unknown signal {name!r}")
+    return names
+
+
+def _check(ok: bool, name: str, value: object, reason: str) -> None:
+    if not ok:
+        raise ConfigError(name, value, reason)
+
+
+class _Parser(argparse.ArgumentParser):
+    """Usage errors as ONE line (no usage dump, no traceback), exit status 2."""
+
+    def error(self, message: str) -> Any:
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def config_from_namespace(ns: argparse.Namespace, environ: Mapping[str, str] | None = None) -> LaunchConfig:
+    """Validate and resolve parsed flags into a LaunchConfig (raises ConfigError)."""
+    environ = os.environ if environ is None else environ
+    min_nodes, max_nodes = parse_nnodes(ns.nnodes)
+    backend_in = ns.rdzv_backend
+    _check(backend_in in BACKEND_ALIASES, "rdzv_backend", backend_in,
+           "ckptless-run coordinates through etcd: use ckptless (or etcd/etcd-v2), or static on one node;"
+           " c10d and others are not supported")
+    backend = BACKEND_ALIASES[backend_in]
+    run_id = ns.rdzv_id
+    endpoint: Endpoint | None = None
+    if ns.standalone:
+        _check(max_nodes == 1, "nnodes", ns.nnodes, "--standalone runs exactly one node")
+        backend, run_id = "ckptless", str(uuid.uuid4())
+    elif backend == "static":
+        _check(max_nodes == 1, "rdzv_backend", backend_in,
+               "static rendezvous is only supported on one node; multi-node needs an etcd --rdzv-endpoint")
+        backend, run_id = "ckptless", (str(uuid.uuid4()) if run_id == "none" else run_id)
+    elif ns.rdzv_endpoint:
+        endpoint = parse_endpoint(ns.rdzv_endpoint)
+    else:
+        _check(max_nodes == 1, "rdzv_endpoint", ns.rdzv_endpoint,
+               "a multi-node job needs --rdzv-endpoint=HOST[:PORT] of an etcd server")
+        if run_id == "none":  # like torchrun's implicit single-node c10d: a fresh id
+            run_id = str(uuid.uuid4())
+    _check(ns.max_restarts >= 0, "max_restarts", ns.max_restarts, "must be >= 0")
+    _check(ns.monitor_interval > 0, "monitor_interval", ns.monitor_interval, "must be > 0")
+    _check(ns.node_rank >= 0, "node_rank", ns.node_rank, "must be >= 0")
+    _check(ns.master_port is None or 0 <= ns.master_port < 65536, "master_port", ns.master_port,
+           "must be in 0..65535")
+    nproc = resolve_nproc(ns.nproc_per_node)
+    ranks_filter: frozenset[int] | None = None
+    if ns.local_ranks_filter:
+        try:
+            ranks_filter = frozenset(int(r) for r in ns.local_ranks_filter.split(","))
+        except ValueError as exc:
+            raise ConfigError("local_ranks_filter", ns.local_ranks_filter,
+                              "must be comma-separated integers, e.g. 0,1,2") from exc
+    if ns.shutdown_timeout is not None:
+        shutdown = float(ns.shutdown_timeout)
+    else:
+        raw = environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "")
+        try:
+            shutdown = float(raw) if raw else DEFAULT_SHUTDOWN_TIMEOUT
+        except ValueError as exc:
+            raise ConfigError("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", raw, "must be a number") from exc
+    _check(shutdown >= 0, "shutdown_timeout", shutdown, "must be >= 0")
+    _check(not (ns.no_python and ns.module), "module", True, "--no-python and --module are exclusive")
+    _check(not ns.run_path or os.path.isabs(ns.training_script), "training_script", ns.training_script,
+           "--run-path needs an absolute path")
+    _check(ns.replicas >= 0, "replicas", ns.replicas, "must be >= 0")
+    _check(ns.mirror_every >= 1, "mirror_every", ns.mirror_every, "must be >= 1")
+    _check(ns.spares >= 0, "spares", ns.spares, "must be >= 0")
+    _check(ns.snapshot_every >= 0, "snapshot_every", ns.snapshot_every, "must be >= 0 (0 = off)")
+    _check(ns.snapshot_every == 0 or bool(ns.snapshot_dir), "snapshot_dir", ns.snapshot_dir,
+           "--snapshot-every needs --snapshot-dir")
+    _check(ns.hang_timeout is None or ns.hang_timeout > 0, "hang_timeout", ns.hang_timeout, "must be > 0")
+    _check(ns.lease_ttl > 0, "lease_ttl", ns.lease_ttl, "must be > 0")
+    values: dict[str, Any] = {f.name: getattr(ns, f.name) for f in fields(LaunchConfig) if hasattr(ns, f.name)}
+    values.update(
+        min_nodes=min_nodes, max_nodes=max_nodes, nproc_per_node=nproc, nproc_per_node_spec=ns.nproc_per_node,
+        rdzv_backend=backend, rdzv_endpoint=endpoint, run_id=run_id, rdzv_configs=parse_rdzv_conf(ns.rdzv_conf),
+        signals_to_handle=_parse_signals(ns.signals_to_handle), shutdown_timeout=shutdown,
+        training_script_args=tuple(ns.training_script_args), local_ranks_filter=ranks_filter,
+        redirects=parse_std(ns.redirects, nproc, "redirects"), tee=parse_std(ns.tee, nproc, "tee"),
+        duplicate_stdout_filters=tuple(ns.duplicate_stdout_filters),
+        duplicate_stderr_filters=tuple(ns.duplicate_stderr_filters),
+    )
+    return LaunchConfig(**values)
+
+
+def parse_args(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None,
+               *, allow_unimplemented: bool = False) -> LaunchConfig:
+    """Parse ``argv`` (default sys.argv[1:]) into a LaunchConfig.
+
+    Usage errors (unknown flag, bad choice) exit via argparse with one line on
+    stderr; semantic errors raise ConfigError; unimplemented flags set away
+    from their defaults raise ConfigError unless ``allow_unimplemented``.
+    """
+    ns = build_parser(environ).parse_args(None if argv is None else list(argv))
+    cfg = config_from_namespace(ns, environ)
+    if not allow_unimplemented:
+        check_implemented(cfg)
+    return cfg

@@ -1,0 +1,411 @@
+"""Local worker processes: spawn, reap at once, signal, stop without orphans.
+
+Why not torch's ``PContext``: it learns of a death by polling every
+``monitor_interval`` and only for the whole group; recovery needs each
+worker's exit (code or signal, with timestamps) the moment it happens so the
+agent can record it in etcd within 100 ms, and it needs to respawn one rank.
+
+Design:
+* one reaper thread per worker blocks in ``waitid(WEXITED | WNOWAIT)``: the
+  kernel wakes it at the exit, no polling interval.  WNOWAIT leaves the
+  worker a zombie while we SIGKILL its process group, so the group id cannot
+  have been reused by an unrelated process; then we reap and report.
+* every worker runs in its own session (``start_new_session``), so signals
+  and kills address its whole process group, grandchildren included, and a
+  Ctrl-C on the agent's terminal reaches workers only through the agent.
+* ``PR_SET_PDEATHSIG(SIGKILL)`` makes the kernel kill a worker whose agent
+  was SIGKILLed.  The kernel ties it to the *thread* that forked, so all
+  spawns go through one long-lived spawner thread: a worker started from a
+  short-lived thread would be killed when that thread ends.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
+from typing import IO, Any
+
+from ckptless.launcher.args import Std
+from ckptless.launcher.worker_env import substitute_local_rank
+
+from ckptless.errors import WorkerError
+
+log = logging.getLogger(__name__)
+
+_PR_SET_PDEATHSIG = 1
+_KILL_WAIT = 5.0  # after SIGKILL the kernel needs only ms; bounded anyway
+
+
+@dataclass(frozen=True)
+class WorkerExit:
+    """One worker incarnation's end, as the reaper saw it."""
+
+    local_rank: int
+    pid: int
+    incarnation: int  # 0 for the first spawn, +1 per respawn
+    exitcode: int | None  # set when the process exited
+    signal: int | None  # set when a signal killed it
+    monotonic: float  # time.monotonic() when the reaper woke
+    wall: float  # time.time() at the same moment
+    requested: bool  # True when our stop() (or kill during stop) caused it
+
+    @property
+    def returncode(self) -> int:
+        """Popen convention: exit code, or minus the signal number."""
+        return -self.signal if self.signal is not None else int(self.exitcode or 0)
+
+    @property
+    def ok(self) -> bool:
+        return self.exitcode == 0
+
+    succeeded = ok
+
+
+@dataclass(frozen=True)
+class WorkerLogs:
+    """Where one worker's output goes (torchrun's --redirects/--tee/--local-ranks-filter)."""
+
+    stdout: str | None = None  # a file (or os.devnull); None: the agent's console
+    stderr: str | None = None
+    tee_stdout: bool = False  # also copy the file's content to the console
+    tee_stderr: bool = False
+    error_file: str | None = None  # TORCHELASTIC_ERROR_FILE for worker_env()
+
+
+def make_run_log_dir(log_dir: str | None, run_id: str) -> str:
+    """``<log_dir>/<run_id>_XXXX``, like torchrun (a temp dir when log_dir is None)."""
+    base = log_dir or tempfile.mkdtemp(prefix="ckptless_")
+    os.makedirs(base, exist_ok=True)
+    return tempfile.mkdtemp(prefix=f"{run_id}_", dir=base)
+
+
+def make_log_layout(run_log_dir: str, attempt: int, redirects: Sequence[Std], tee: Sequence[Std],
+                    local_ranks_filter: frozenset[int] | None = None) -> list[WorkerLogs]:
+    """Create ``attempt_<n>/<local_rank>/`` and say where each stream goes.
+
+    Same rules as torchrun's DefaultLogsSpecs: a tee'd stream is also
+    redirected; ranks outside the filter show nothing on the console.
+    """
+    out: list[WorkerLogs] = []
+    for rank, (rd, tt) in enumerate(zip(redirects, tee)):
+        d = os.path.join(run_log_dir, f"attempt_{attempt}", str(rank))
+        os.makedirs(d, exist_ok=True)
+        rd = Std(rd | tt)
+        shown = local_ranks_filter is None or rank in local_ranks_filter
+        hidden = None if shown else os.devnull
+        out.append(WorkerLogs(
+            stdout=os.path.join(d, "stdout.log") if rd & Std.OUT else hidden,
+            stderr=os.path.join(d, "stderr.log") if rd & Std.ERR else hidden,
+            tee_stdout=shown and bool(tt & Std.OUT), tee_stderr=shown and bool(tt & Std.ERR),
+            error_file=os.path.join(d, "error.json"),
+        ))
+    return out
+
+
+def _pdeathsig_preexec(parent_pid: int) -> Callable[[], None] | None:
+    """A preexec_fn setting PR_SET_PDEATHSIG=SIGKILL (Linux only; bound before fork)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    sigkill = int(signal.SIGKILL)
+
+    def preexec() -> None:
+        prctl(_PR_SET_PDEATHSIG, sigkill, 0, 0, 0)
+        if os.getppid() != parent_pid:  # the agent died before prctl took effect
+            os.kill(os.getpid(), sigkill)
+
+    return preexec
+
+
+_spawner_lock = threading.Lock()
+_spawner: ThreadPoolExecutor | None = None
+
+
+def _spawn_thread() -> ThreadPoolExecutor:
+    """The process-wide spawner thread (see module docstring: PDEATHSIG is per thread)."""
+    global _spawner
+    with _spawner_lock:
+        if _spawner is None:
+            _spawner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptless-spawner")
+        return _spawner
+
+
+class _Slot:
+    """Mutable state of one local rank (guarded by WorkerGroup._lock)."""
+
+    def __init__(self, argv: list[str], env: dict[str, str], logs: WorkerLogs) -> None:
+        self.argv, self.env, self.logs = argv, env, logs
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.incarnation = -1
+        self.exit: WorkerExit | None = None
+        self.done = threading.Event()
+        self.files: list[IO[bytes]] = []
+        self.pumps: list[threading.Thread] = []
+
+
+class WorkerGroup:
+    """The workers of one node; every method that blocks takes a timeout.
+
+    ``on_exit`` is called from reaper threads, one call at a time (serialised),
+    immediately after each exit; keep it short (record it, set an event).
+    ``commands[i]`` gets torchrun's ``${local_rank}`` macro replaced by ``i``.
+    Output: pass ``logs`` (see make_log_layout), or let the group build them
+    from ``log_dir``/``redirects``/``tee`` like torchrun; it then also sets
+    TORCHELASTIC_ERROR_FILE in each env.  With neither, workers write to the
+    agent's console and TORCHELASTIC_ERROR_FILE stays as given.
+    """
+
+    def __init__(self, commands: Sequence[Sequence[str]], envs: Sequence[Mapping[str, str]],
+                 on_exit: Callable[[WorkerExit], None] | None = None, *,
+                 logs: Sequence[WorkerLogs] | None = None, log_dir: str | None = None,
+                 redirects: Sequence[Std] | None = None, tee: Sequence[Std] | None = None,
+                 local_ranks_filter: frozenset[int] | None = None, attempt: int = 0,
+                 cwd: str | None = None, kill_group_on_exit: bool = True) -> None:
+        n = len(commands)
+        if len(envs) != n or (logs is not None and len(logs) != n) or not n:
+            raise WorkerError(f"need one command, env (and logs) per worker: got {n}, {len(envs)}")
+        env_list = [dict(e) for e in envs]
+        if logs is None and (log_dir is not None or any(redirects or ()) or any(tee or ())):
+            run_id = env_list[0].get("TORCHELASTIC_RUN_ID", "none")
+            logs = make_log_layout(make_run_log_dir(log_dir, run_id), attempt, redirects or [Std.NONE] * n,
+                                   tee or [Std.NONE] * n, local_ranks_filter)
+            for env, lg in zip(env_list, logs):
+                env["TORCHELASTIC_ERROR_FILE"] = lg.error_file or ""
+        logs = logs or [WorkerLogs()] * n
+        self._slots = [_Slot(substitute_local_rank(c, i), e, lg)
+                       for i, (c, e, lg) in enumerate(zip(commands, env_list, logs))]
+        self._on_exit = on_exit
+        self._cwd = cwd
+        self._kill_group_on_exit = kill_group_on_exit
+        self._lock = threading.Lock()
+        self._cb_lock = threading.Lock()
+        self._stopping = False
+        self._preexec = _pdeathsig_preexec(os.getpid())
+
+    # --- spawning ----------------------------------------------------------
+    @property
+    def size(self) -> int:
+        return len(self._slots)
+
+    def start(self, timeout: float = 30.0) -> dict[int, int]:
+        """Spawn every worker; returns {local_rank: pid}.  On failure nothing is left running."""
+        try:
+            for rank in range(self.size):
+                self._spawn(rank, timeout)
+        except BaseException:
+            self.stop(timeout=min(timeout, 5.0))
+            raise
+        return self.pids()
+
+    def respawn(self, local_rank: int, env_updates: Mapping[str, str] | None = None,
+                timeout: float = 30.0) -> int:
+        """Start a new incarnation of one (exited) worker with the same argv and env.
+
+        ``env_updates`` lets the agent bump e.g. CKPTLESS_GENERATION.  Output
+        files are appended to, so the dead incarnation's log survives.
+        """
+        slot = self._slot(local_rank)
+        with self._lock:
+            if self._stopping:
+                raise WorkerError(f"local rank {local_rank}: group is stopping, not respawning")
+            if slot.proc is not None and not slot.done.is_set():
+                raise WorkerError(f"local rank {local_rank} (pid {slot.proc.pid}) is still running")
+            slot.env.update(env_updates or {})
+        return self._spawn(local_rank, timeout)
+
+    def _spawn(self, rank: int, timeout: float) -> int:
+        fut = _spawn_thread().submit(self._spawn_here, rank)
+        try:
+            return fut.result(timeout=timeout)
+        except FutureTimeout as exc:
+            raise WorkerError(f"local rank {rank}: spawn did not finish in {timeout}s") from exc
+
+    def _spawn_here(self, rank: int) -> int:
+        """Runs on the spawner thread."""
+        slot = self._slots[rank]
+        mode = "ab" if slot.incarnation >= 0 else "wb"
+        self._close_files(slot)
+        lg = slot.logs
+        out, out_tee = self._stream(slot, lg.stdout, lg.tee_stdout, mode)
+        err, err_tee = self._stream(slot, lg.stderr, lg.tee_stderr, mode)
+        try:
+            proc = subprocess.Popen(slot.argv, env=slot.env, cwd=self._cwd, stdin=subprocess.DEVNULL,
+                                    stdout=out, stderr=err, start_new_session=True,
+                                    preexec_fn=self._preexec, close_fds=True)  # noqa: PLW1509 - see _pdeathsig_preexec
+        except OSError as exc:
+            self._close_files(slot)
+            raise WorkerError(f"local rank {rank}: cannot start {slot.argv[0]!r}: {exc}") from exc
+        with self._lock:
+            slot.proc, slot.exit = proc, None
+            slot.incarnation += 1
+            slot.done = threading.Event()
+            incarnation = slot.incarnation
+        for pipe, fobj, fd in ((proc.stdout, out_tee, 1), (proc.stderr, err_tee, 2)):
+            if pipe is not None and fobj is not None:
+                t = threading.Thread(target=_pump, args=(pipe, fobj, fd), daemon=True,
+                                     name=f"ckptless-tee-{rank}-{fd}")
+                t.start()
+                slot.pumps.append(t)
+        threading.Thread(target=self._reap, args=(rank, proc, incarnation, slot.done), daemon=True,
+                         name=f"ckptless-reaper-{rank}").start()
+        return proc.pid
+
+    @staticmethod
+    def _stream(slot: _Slot, path: str | None, tee: bool, mode: str) -> tuple[Any, IO[bytes] | None]:
+        """Popen's stdout/stderr argument, and the file a tee pump copies into."""
+        if path is None:
+            return None, None
+        f = open(path, mode)  # noqa: SIM115 - closed in _close_files
+        slot.files.append(f)
+        return (subprocess.PIPE, f) if tee else (f, None)
+
+    @staticmethod
+    def _close_files(slot: _Slot) -> None:
+        for t in slot.pumps:
+            t.join(timeout=1.0)
+        slot.pumps.clear()
+        for f in slot.files:
+            f.close()
+        slot.files.clear()
+
+    # --- reaping -----------------------------------------------------------
+    def _reap(self, rank: int, proc: subprocess.Popen[bytes], incarnation: int, done: threading.Event) -> None:
+        """Block until the worker exits; kill its group; reap; report. One thread per incarnation."""
+        code: int | None = None
+        sig: int | None = None
+        try:
+            info = os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOWAIT)
+            mono, wall = time.monotonic(), time.time()
+            if info is not None and info.si_code == os.CLD_EXITED:
+                code = info.si_status
+            elif info is not None:
+                sig = info.si_status
+            if self._kill_group_on_exit:
+                _killpg(proc.pid, signal.SIGKILL)  # still a zombie: the pgid is ours
+            proc.wait()
+        except (AttributeError, ChildProcessError, OSError):  # no waitid (macOS) or reaped elsewhere
+            rc = proc.wait()
+            mono, wall = time.monotonic(), time.time()
+            code, sig = (rc, None) if rc >= 0 else (None, -rc)
+        ex = WorkerExit(rank, proc.pid, incarnation, code, sig, mono, wall, requested=self._stopping)
+        with self._lock:
+            if self._slots[rank].incarnation == incarnation:
+                self._slots[rank].exit = ex
+        done.set()
+        if self._on_exit is not None:
+            with self._cb_lock:
+                try:
+                    self._on_exit(ex)
+                except Exception:  # a broken callback must not kill the reaper silently
+                    log.exception("on_exit callback failed for %s", ex)
+
+    # --- observing ---------------------------------------------------------
+    def _slot(self, local_rank: int) -> _Slot:
+        if not 0 <= local_rank < self.size:
+            raise WorkerError(f"no local rank {local_rank} (group has {self.size})")
+        return self._slots[local_rank]
+
+    def pids(self) -> dict[int, int]:
+        """{local_rank: pid} of workers that have not exited (as far as the reaper knows)."""
+        with self._lock:
+            return {r: s.proc.pid for r, s in enumerate(self._slots) if s.proc and not s.done.is_set()}
+
+    def exits(self) -> dict[int, WorkerExit]:
+        """{local_rank: latest WorkerExit} for workers whose current incarnation ended."""
+        with self._lock:
+            return {r: s.exit for r, s in enumerate(self._slots) if s.exit is not None}
+
+    def wait(self, timeout: float) -> dict[int, WorkerExit] | None:
+        """Wait until every worker's current incarnation exited; None on timeout."""
+        deadline = time.monotonic() + timeout
+        for slot in list(self._slots):
+            if slot.proc is None:
+                continue
+            if not slot.done.wait(max(0.0, deadline - time.monotonic())):
+                return None
+        return self.exits()
+
+    # --- signalling and stopping -------------------------------------------
+    def send_signal(self, local_rank: int, sig: int, group: bool = True) -> bool:
+        """Send ``sig`` to one worker (its whole process group by default); False if it is gone."""
+        slot = self._slot(local_rank)
+        with self._lock:
+            if slot.proc is None or slot.done.is_set():
+                return False
+            pid = slot.proc.pid
+        return _killpg(pid, sig) if group else _kill(pid, sig)
+
+    def signal_all(self, sig: int, group: bool = True) -> None:
+        """Forward ``sig`` (e.g. SIGINT/SIGTERM the agent received) to every live worker."""
+        for rank in range(self.size):
+            self.send_signal(rank, sig, group)
+
+    def stop(self, timeout: float = 30.0, sig: int = signal.SIGTERM) -> dict[int, WorkerExit]:
+        """SIGTERM every process group, wait up to ``timeout``, then SIGKILL; no orphans.
+
+        Exits caused by this call are reported with ``requested=True``.
+        Raises WorkerError only if the kernel did not take a worker down
+        within a few seconds of SIGKILL (a process stuck in the D state).
+        """
+        with self._lock:
+            self._stopping = True
+        self.signal_all(sig)
+        if self.wait(timeout) is None:
+            log.warning("workers still alive %.1fs after %s; sending SIGKILL", timeout, signal.Signals(sig).name)
+            self.signal_all(signal.SIGKILL)
+            if self.wait(_KILL_WAIT) is None:
+                raise WorkerError(f"workers {sorted(self.pids())} survived SIGKILL for {_KILL_WAIT}s")
+        for slot in self._slots:
+            self._close_files(slot)
+        return self.exits()
+
+    def __enter__(self) -> WorkerGroup:  # noqa: PYI034 - typing.Self needs 3.11
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop(timeout=5.0)
+
+
+def _pump(pipe: IO[bytes], fobj: IO[bytes], console_fd: int) -> None:
+    """Copy a worker's pipe into its log file and the agent's console (tee)."""
+    try:
+        while chunk := os.read(pipe.fileno(), 65536):
+            fobj.write(chunk)
+            fobj.flush()
+            os.write(console_fd, chunk)
+    except (OSError, ValueError):
+        pass  # file closed at stop, or console gone: nothing left to copy to
+    finally:
+        pipe.close()
+
+
+def _killpg(pgid: int, sig: int) -> bool:
+    try:
+        os.killpg(pgid, sig)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return _kill(pgid, sig)
+
+
+def _kill(pid: int, sig: int) -> bool:
+    try:
+        os.kill(pid, sig)
+        return True
+    except ProcessLookupError:
+        return False
