@@ -1,1 +1,22 @@
-"""ckptless.mirror"""
+"""ckptless.mirror: continuous peer mirroring of each rank's state image (Gemini-style).
+
+Public API:
+
+* :func:`compute_placement` / :class:`Placement` - who holds whose image (pure).
+* :class:`MirrorConfig` - validated settings.
+* :class:`PeerStore` - double-buffered replicas held for other ranks (optionally in /dev/shm).
+* :class:`MirrorEngine` - background rounds on a dedicated process group, buffer pool, commits.
+* :func:`committed_version` / :func:`decide` - the commit rule as pure functions.
+"""
+
+from ckptless.mirror.commit import RoundOutcome, committed_version, decide
+from ckptless.mirror.config import MirrorConfig
+from ckptless.mirror.mirror import MirrorEngine, RoundStats
+from ckptless.mirror.placement import Placement, compute_placement
+from ckptless.mirror.store import PeerStore, StaleVersion, StoredImage
+from ckptless.mirror.transport import MirrorTransport
+
+__all__ = [
+    "MirrorConfig", "MirrorEngine", "MirrorTransport", "PeerStore", "Placement", "RoundOutcome",
+    "RoundStats", "StaleVersion", "StoredImage", "committed_version", "compute_placement", "decide",
+]

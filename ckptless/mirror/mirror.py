@@ -1,0 +1,275 @@
+"""MirrorEngine: the background mirror loop, its owner-side buffer pool and commits.
+
+Why a background thread: the training step must only wait for its local copy
+(the capture into a pool buffer); sending to K peers and receiving their
+images run on the dedicated mirror group meanwhile.
+
+Buffer pool lifetime rules (``pool_buffers`` >= 3 recommended):
+
+* ``acquire_buffer(n)`` hands out a FREE buffer (>= n bytes) to capture into;
+  it blocks (up to ``timeout_s``) only if all buffers are busy, i.e. when
+  mirroring is slower than ``mirror_every`` steps: that is back-pressure.
+* ``submit(manifest, buffer)`` hands it to the engine; the caller must not
+  write to it afterwards. ``release_buffer`` returns an unused one.
+* The engine keeps the buffer of the newest *committed* version (the owner's
+  own copy, for local rollback: ``local_image()``); it becomes FREE when a
+  newer version commits. An in-flight buffer becomes FREE when its round ends
+  without a commit. Steady state: committed + in flight + capturing = 3.
+
+Rounds are collective: every rank must submit the same versions in the same
+order (use ``should_mirror(step)``). A round ending with corrupt replicas is
+not committed but the engine continues; a transport error, a stale or
+out-of-step peer marks the engine broken: ``error`` is set, waiters wake, and
+every later call raises. Recovery then builds a new engine on a new group,
+passing the old ``store`` along.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ckptless.errors import MirrorError, TransportError
+from ckptless.mirror.commit import RoundOutcome, decide, encode, round_ack
+from ckptless.mirror.config import MirrorConfig
+from ckptless.mirror.placement import Placement, compute_placement
+from ckptless.mirror.store import PeerStore, StoredImage
+from ckptless.mirror.transport import Deadline, MirrorTransport, RoundResult, wait_one
+from ckptless.state.manifest import Manifest
+
+log = logging.getLogger(__name__)
+
+FREE, CAPTURING, QUEUED, INFLIGHT, COMMITTED = "free", "capturing", "queued", "inflight", "committed"
+
+
+@dataclass
+class _Buf:
+    tensor: torch.Tensor
+    state: str = FREE
+    manifest: Manifest | None = None
+
+
+@dataclass(frozen=True)
+class RoundStats:
+    version: int
+    committed: int | None
+    seconds: float
+    bytes_sent: int
+    bytes_received: int
+    corrupt: dict[int, list[int]]
+
+
+class MirrorEngine:
+    """Mirrors this rank's images to its holders and holds its owners' images."""
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup,
+        job_id: str,
+        config: MirrorConfig | None = None,
+        generation: int = 0,
+        node_of: Sequence[Hashable] | None = None,
+        placement: Placement | None = None,
+        store: PeerStore | None = None,
+        on_commit: Callable[[int], None] | None = None,
+        background: bool = True,
+    ) -> None:
+        self.config = config or MirrorConfig()
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self.config.validate_for_world(self.world_size)
+        self.placement = placement or compute_placement(
+            self.world_size, self.config.replicas, self.config.placement, node_of)
+        self.job_id, self.generation = job_id, generation
+        self.store = store or PeerStore(job_id, generation, self.config.shm_dir)
+        self.store.set_generation(generation)
+        self.group = group
+        self.transport = MirrorTransport(
+            group, self.rank, self.placement.holders(self.rank), self.placement.owners_held_by(self.rank),
+            job_id, generation, self.config.wire_bytes)
+        self.on_commit = on_commit
+        self.committed_version: int | None = None
+        self.error: BaseException | None = None
+        self.history: list[RoundStats] = []
+        self._pool: list[_Buf] = []
+        self._cond = threading.Condition()
+        self._queue: queue.Queue[tuple[Manifest, torch.Tensor] | None] = queue.Queue()
+        self._thread: threading.Thread | None = None
+        if background:
+            self._thread = threading.Thread(target=self._loop, name=f"ckptless-mirror-{self.rank}", daemon=True)
+            self._thread.start()
+
+    # --- state ------------------------------------------------------------------------
+    @property
+    def broken(self) -> bool:
+        return self.error is not None
+
+    def _raise_if_broken(self) -> None:
+        if self.error is not None:
+            raise MirrorError(f"mirror engine of rank {self.rank} is broken: {self.error}") from self.error
+
+    def should_mirror(self, step: int) -> bool:
+        return step % self.config.mirror_every == 0
+
+    # --- buffer pool ----------------------------------------------------------------------
+    def acquire_buffer(self, nbytes: int, timeout: float | None = None) -> torch.Tensor:
+        """A 1-D uint8 CPU buffer of >= ``nbytes`` to capture into (see module doc for lifetime)."""
+        deadline = time.monotonic() + (self.config.timeout_s if timeout is None else timeout)
+        with self._cond:
+            while True:
+                self._raise_if_broken()
+                free = [b for b in self._pool if b.state == FREE]
+                fit = [b for b in free if b.tensor.numel() >= nbytes]
+                if fit:
+                    buf = min(fit, key=lambda b: b.tensor.numel())
+                elif free:  # grow one (sizes changed): the only allocation after warm-up
+                    buf = free[0]
+                    buf.tensor = torch.empty(nbytes, dtype=torch.uint8)
+                elif len(self._pool) < self.config.pool_buffers:
+                    buf = _Buf(torch.empty(nbytes, dtype=torch.uint8))
+                    self._pool.append(buf)
+                else:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise MirrorError(f"no free capture buffer within the deadline ({len(self._pool)} busy): "
+                                          "mirroring is slower than mirror_every steps")
+                    self._cond.wait(left)
+                    continue
+                buf.state, buf.manifest = CAPTURING, None
+                return buf.tensor
+
+    def release_buffer(self, tensor: torch.Tensor) -> None:
+        with self._cond:
+            for b in self._pool:
+                if b.tensor.data_ptr() == tensor.data_ptr() and b.state == CAPTURING:
+                    b.state = FREE
+                    self._cond.notify_all()
+
+    def _entry(self, tensor: torch.Tensor) -> _Buf | None:
+        for b in self._pool:
+            if b.tensor.data_ptr() == tensor.data_ptr():
+                return b
+        return None
+
+    def pool_ptrs(self) -> list[int]:
+        return [b.tensor.data_ptr() for b in self._pool]
+
+    def local_image(self, version: int | None = None) -> StoredImage | None:
+        """The owner's own copy of the committed version (default) for local rollback."""
+        with self._cond:
+            for b in self._pool:
+                if b.manifest is not None and b.state == COMMITTED and (version is None or b.manifest.version == version):
+                    return StoredImage(b.manifest, b.tensor[: b.manifest.total_bytes])
+        return None
+
+    # --- submission -------------------------------------------------------------------------
+    def submit(self, manifest: Manifest, buffer: torch.Tensor) -> None:
+        """Queue one image for the next round; returns at once (background) or after it."""
+        self._raise_if_broken()
+        if buffer.dtype != torch.uint8 or buffer.dim() != 1 or not buffer.is_contiguous() or buffer.numel() < manifest.total_bytes:
+            raise MirrorError("image buffer must be a contiguous 1-D uint8 tensor of >= total_bytes")
+        with self._cond:
+            entry = self._entry(buffer)
+            if entry is None:  # a foreign buffer: adopted into the pool, caller must not reuse it
+                entry = _Buf(buffer)
+                self._pool.append(entry)
+            entry.state, entry.manifest = QUEUED, manifest
+        if self._thread is None:
+            self._round(manifest, buffer)
+            self._raise_if_broken()
+        else:
+            self._queue.put((manifest, buffer))
+
+    def wait_committed(self, version: int, timeout: float) -> bool:
+        """Block until ``version`` (or newer) is committed; False on timeout; raises if broken."""
+        end = time.monotonic() + timeout
+        with self._cond:
+            while self.committed_version is None or self.committed_version < version:
+                self._raise_if_broken()
+                left = end - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(left)
+        return True
+
+    def wait_idle(self, timeout: float) -> bool:
+        """Block until every submitted round has finished (committed or not); raises if broken."""
+        end = time.monotonic() + timeout
+        with self._cond:
+            while True:
+                self._raise_if_broken()
+                if not any(b.state in (QUEUED, INFLIGHT) for b in self._pool):
+                    return True
+                left = end - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(left)
+
+    # --- the loop ------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None or self.error is not None:
+                return
+            self._round(*item)
+
+    def _round(self, manifest: Manifest, buffer: torch.Tensor) -> None:
+        t0 = time.monotonic()
+        with self._cond:
+            entry = self._entry(buffer)
+            assert entry is not None
+            entry.state = INFLIGHT
+        try:
+            deadline = Deadline(self.config.timeout_s)
+            res = self.transport.exchange(manifest, buffer, self.store, deadline)
+            outcome = self._agree(res, deadline)
+        except Exception as exc:  # any failure leaves the group in an unknown state
+            log.error("mirror round v%d failed on rank %d: %s", manifest.version, self.rank, exc)
+            with self._cond:
+                self.error = exc
+                entry.state = FREE
+                self._cond.notify_all()
+            return
+        with self._cond:
+            if outcome.advanced:
+                for b in self._pool:
+                    if b.state == COMMITTED:
+                        b.state = FREE
+                entry.state = COMMITTED
+                self.committed_version = outcome.committed
+                self.store.pin(outcome.committed)
+            else:
+                entry.state = FREE
+            self.history.append(RoundStats(manifest.version, self.committed_version, time.monotonic() - t0,
+                                           res.bytes_sent, res.bytes_received, res.corrupt))
+            if not outcome.in_step:
+                self.error = MirrorError(f"ranks are out of step in round v{manifest.version}")
+            self._cond.notify_all()
+        if outcome.advanced and self.on_commit is not None and outcome.committed is not None:
+            self.on_commit(outcome.committed)
+
+    def _agree(self, res: RoundResult, deadline: Deadline) -> RoundOutcome:
+        """One all_reduce(MIN) on the mirror group: the piggy-backed acks of this round."""
+        ok = {o: o in res.received for o in self.transport.owners}
+        vec = torch.tensor(encode(round_ack(res.version, True, ok), res.version), dtype=torch.int64)
+        vec = vec.to(self.transport.device)
+        work = dist.all_reduce(vec, op=dist.ReduceOp.MIN, group=self.group, async_op=True)
+        wait_one(work, deadline, "commit all_reduce")
+        return decide([int(x) for x in vec.cpu().tolist()], self.committed_version)
+
+    # --- shutdown ---------------------------------------------------------------------------------
+    def close(self, timeout: float = 30.0) -> None:
+        """Stop the loop after queued rounds; raises TransportError if it does not stop in time."""
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                raise TransportError(f"mirror thread of rank {self.rank} did not stop within {timeout}s")
+            self._thread = None

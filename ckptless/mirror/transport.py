@@ -1,0 +1,259 @@
+"""One mirror round on the wire: send my image to my K holders, receive the
+images I hold for others, straight into the peer store's writing slots.
+
+Wire format (per owner -> holder pair, all on the dedicated mirror group):
+
+1. header, int64[8]: ``[MAGIC, job_hash, generation, version, owner,
+   manifest_len, total_bytes, chunk_bytes]`` (tag ``TAG_HEADER``);
+2. manifest, uint8[manifest_len]: ``Manifest.to_bytes()`` JSON (``TAG_MANIFEST``);
+3. payload, ``ceil(total_bytes / wire_bytes)`` uint8 messages, message i
+   covering bytes ``[i*wire_bytes, ...)`` (tag ``TAG_PAYLOAD + i``).
+
+Why three phases: the receiver learns sizes from the header, checks job and
+generation before accepting anything bigger, then gets the slot from the store
+(``begin``) and posts the payload receives directly into it (no staging copy).
+Checksums of the chunks a message covers are verified as soon as it lands,
+overlapping with the rest of the transfer.
+
+Deadlock freedom: in every phase all receives are posted before all sends and
+all are asynchronous (Gloo ``irecv``/``isend``), so no rank waits on a peer
+that is itself waiting to send. Every wait has the round's deadline; on expiry
+:class:`TransportError` is raised and the caller must consider the group dead
+(DESIGN.md: the op keeps running after ``wait(timeout)`` returns).
+
+Device-agnostic: with an NCCL mirror group, header/manifest/payload travel
+through device tensors and are copied into the CPU store. That path is written
+but was not run here (no GPU, and NCCL cannot pair two ranks on one GPU).
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from ckptless.errors import ManifestError, MirrorError, StaleGeneration, TransportError
+from ckptless.mirror.store import PeerStore
+from ckptless.state.checksum import bad_chunks
+from ckptless.state.manifest import Manifest
+
+MAGIC = 0x636B70746C657373  # "ckptless"
+HEADER_LEN = 8
+TAG_HEADER, TAG_MANIFEST, TAG_PAYLOAD = 1, 2, 16
+MAX_MANIFEST_BYTES = 256 << 20
+
+
+def job_hash(job_id: str) -> int:
+    """63-bit stable hash of the job id (fits a signed int64)."""
+    return int.from_bytes(hashlib.blake2b(job_id.encode(), digest_size=8).digest(), "little") >> 1
+
+
+@dataclass(frozen=True)
+class Header:
+    magic: int
+    job: int
+    generation: int
+    version: int
+    owner: int
+    manifest_len: int
+    total_bytes: int
+    chunk_bytes: int
+
+    def to_list(self) -> list[int]:
+        return [self.magic, self.job, self.generation, self.version, self.owner,
+                self.manifest_len, self.total_bytes, self.chunk_bytes]
+
+    @classmethod
+    def from_tensor(cls, t: torch.Tensor) -> Header:
+        return cls(*(int(x) for x in t.cpu().tolist()))
+
+
+class Deadline:
+    """Remaining time of one round; every wait takes what is left."""
+
+    def __init__(self, seconds: float) -> None:
+        self.end = time.monotonic() + seconds
+        self.seconds = seconds
+
+    def remaining(self, what: str) -> datetime.timedelta:
+        left = self.end - time.monotonic()
+        if left <= 0:
+            raise TransportError(f"mirror round ran past its {self.seconds:.1f}s deadline before {what}")
+        return datetime.timedelta(seconds=left)
+
+
+def wait_all(works: Sequence[dist.Work | None], deadline: Deadline, what: str) -> None:
+    for w in works:
+        wait_one(w, deadline, what)
+
+
+def wait_one(work: dist.Work | None, deadline: Deadline, what: str) -> None:
+    if work is None:
+        return
+    timeout = deadline.remaining(what)
+    try:
+        ok = work.wait(timeout=timeout)
+    except RuntimeError as exc:  # Gloo: timeout, connection closed/reset by peer
+        raise TransportError(f"{what} failed: {exc}") from exc
+    if ok is False:
+        raise TransportError(f"{what} did not complete within {timeout.total_seconds():.1f}s")
+
+
+@dataclass
+class RoundResult:
+    """What one rank saw in one round."""
+
+    version: int
+    received: dict[int, Manifest] = field(default_factory=dict)  # owner -> verified manifest
+    corrupt: dict[int, list[int]] = field(default_factory=dict)  # owner -> bad chunk indices
+    bytes_sent: int = 0
+    bytes_received: int = 0
+
+
+class MirrorTransport:
+    """Runs rounds on ``group``; ``rank`` is this process's rank *in that group*."""
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup,
+        rank: int,
+        holders: Sequence[int],
+        owners: Sequence[int],
+        job_id: str,
+        generation: int,
+        wire_bytes: int,
+    ) -> None:
+        self.group = group
+        self.rank = rank
+        self.holders = tuple(holders)
+        self.owners = tuple(owners)
+        self.job_id = job_id
+        self.job = job_hash(job_id)
+        self.generation = generation
+        self.wire_bytes = wire_bytes
+        backend = str(dist.get_backend(group)).lower()
+        self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+
+    # --- p2p helpers (device-agnostic) -----------------------------------------------------
+    def _isend(self, t: torch.Tensor, dst: int, tag: int) -> dist.Work | None:
+        return dist.isend(t.to(self.device), group=self.group, group_dst=dst, tag=tag)
+
+    def _irecv(self, t: torch.Tensor, src: int, tag: int) -> tuple[dist.Work | None, torch.Tensor]:
+        """Receive into ``t`` (CPU); on a device group into a staging tensor copied later."""
+        land = t if self.device.type == "cpu" else torch.empty_like(t, device=self.device)
+        return dist.irecv(land, group=self.group, group_src=src, tag=tag), land
+
+    @staticmethod
+    def _landed(dst: torch.Tensor, land: torch.Tensor) -> None:
+        if land.data_ptr() != dst.data_ptr():
+            dst.copy_(land)  # device -> CPU; synchronous, so it is complete on return
+
+    def _spans(self, total: int) -> list[tuple[int, int]]:
+        return [(off, min(self.wire_bytes, total - off)) for off in range(0, total, self.wire_bytes)]
+
+    # --- one round -------------------------------------------------------------------------------------
+    def exchange(
+        self,
+        manifest: Manifest,
+        buffer: torch.Tensor,
+        store: PeerStore,
+        deadline: Deadline,
+        on_check: Callable[[int, Header], None] | None = None,
+    ) -> RoundResult:
+        """Send ``(manifest, buffer)`` to my holders, receive my owners' images into ``store``."""
+        if manifest.owner != self.rank or manifest.job_id != self.job_id:
+            raise MirrorError(f"rank {self.rank} asked to mirror owner {manifest.owner} of job {manifest.job_id!r}")
+        if manifest.generation != self.generation:
+            raise StaleGeneration(f"image of generation {manifest.generation}, transport at {self.generation}")
+        res = RoundResult(manifest.version)
+        mbytes = torch.frombuffer(bytearray(manifest.to_bytes()), dtype=torch.uint8)
+        mine = torch.tensor(Header(MAGIC, self.job, manifest.generation, manifest.version, self.rank,
+                                   mbytes.numel(), manifest.total_bytes, manifest.chunk_bytes).to_list(),
+                            dtype=torch.int64)
+        # Phase 1: headers.
+        hdr_bufs = {o: torch.empty(HEADER_LEN, dtype=torch.int64) for o in self.owners}
+        recvs = {o: self._irecv(hdr_bufs[o], o, TAG_HEADER) for o in self.owners}
+        sends = [self._isend(mine, h, TAG_HEADER) for h in self.holders]
+        headers: dict[int, Header] = {}
+        for o, (w, land) in recvs.items():
+            wait_one(w, deadline, f"header from rank {o}")
+            self._landed(hdr_bufs[o], land)
+            headers[o] = hdr = Header.from_tensor(hdr_bufs[o])
+            self._check_header(o, hdr, manifest)
+            if on_check is not None:
+                on_check(o, hdr)
+        wait_all(sends, deadline, "header send")
+        # Phase 2: manifests.
+        man_bufs = {o: torch.empty(headers[o].manifest_len, dtype=torch.uint8) for o in self.owners}
+        mrecvs = {o: self._irecv(man_bufs[o], o, TAG_MANIFEST) for o in self.owners}
+        sends = [self._isend(mbytes, h, TAG_MANIFEST) for h in self.holders]
+        manifests: dict[int, Manifest] = {}
+        for o, (w, land) in mrecvs.items():
+            wait_one(w, deadline, f"manifest from rank {o}")
+            self._landed(man_bufs[o], land)
+            try:
+                m = Manifest.from_bytes(bytes(man_bufs[o].numpy()))
+            except ManifestError as exc:
+                raise TransportError(f"rank {o} sent an invalid manifest") from exc
+            self._check_manifest(o, headers[o], m)
+            manifests[o] = m
+        wait_all(sends, deadline, "manifest send")
+        # Phase 3: payload straight into the store's writing slots.
+        views = {o: store.begin(m) for o, m in manifests.items()}
+        try:
+            precvs = {o: [(self._irecv(views[o][off:off + n], o, TAG_PAYLOAD + i), off, n)
+                          for i, (off, n) in enumerate(self._spans(m.total_bytes))]
+                      for o, m in manifests.items()}
+            psends: list[dist.Work | None] = []
+            for h in self.holders:
+                for i, (off, n) in enumerate(self._spans(manifest.total_bytes)):
+                    psends.append(self._isend(buffer[off:off + n], h, TAG_PAYLOAD + i))
+                    res.bytes_sent += n
+            for o, parts in precvs.items():
+                m = manifests[o]
+                bad: list[int] = []
+                for (w, land), off, n in parts:
+                    wait_one(w, deadline, f"payload from rank {o}")
+                    self._landed(views[o][off:off + n], land)
+                    res.bytes_received += n
+                    first = off // m.chunk_bytes
+                    sums = list(m.chunk_checksums[first:first + -(-n // m.chunk_bytes)])
+                    bad += [first + b for b in bad_chunks(views[o][off:off + n], m.chunk_bytes, sums, n)]
+                if bad:
+                    res.corrupt[o] = bad
+                    store.abort(o)
+                else:
+                    store.complete(o, verified=True)
+                    res.received[o] = m
+            wait_all(psends, deadline, "payload send")
+        except BaseException:
+            for o in manifests:
+                store.abort(o)
+            raise
+        return res
+
+    def _check_header(self, src: int, h: Header, mine: Manifest) -> None:
+        if h.magic != MAGIC:
+            raise TransportError(f"rank {src} sent a header with bad magic {h.magic:#x}")
+        if h.job != self.job:
+            raise StaleGeneration(f"rank {src} mirrors another job (hash {h.job:#x})")
+        if h.generation != self.generation:
+            raise StaleGeneration(f"rank {src} is at generation {h.generation}, this rank at {self.generation}")
+        if h.owner != src:
+            raise TransportError(f"rank {src} sent a header for owner {h.owner}")
+        if h.version != mine.version:
+            raise MirrorError(f"ranks out of step: rank {src} mirrors v{h.version}, this rank v{mine.version}")
+        if not (0 < h.manifest_len <= MAX_MANIFEST_BYTES) or h.total_bytes < 0 or h.chunk_bytes <= 0:
+            raise TransportError(f"rank {src} sent implausible sizes {h}")
+
+    def _check_manifest(self, src: int, h: Header, m: Manifest) -> None:
+        if (m.job_id != self.job_id or m.owner != src or m.version != h.version or m.generation != h.generation
+                or m.total_bytes != h.total_bytes or m.chunk_bytes != h.chunk_bytes):
+            raise TransportError(f"rank {src}: manifest does not match its header")
+        if self.wire_bytes % m.chunk_bytes:
+            raise TransportError(f"rank {src}: chunk_bytes {m.chunk_bytes} does not divide wire_bytes {self.wire_bytes}")
