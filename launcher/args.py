@@ -116,9 +116,6 @@ class LaunchConfig:
 # entries as features land; parse_args() refuses a listed flag set away from its
 # default so nobody believes a feature is on when it is not.
 UNIMPLEMENTED: dict[str, tuple[str, object, str]] = {
-    "--spares": ("spares", 0, "hot spares are not implemented yet"),
-    "--snapshot-every": ("snapshot_every", 0, "disk snapshots are not implemented yet"),
-    "--hang-timeout": ("hang_timeout", None, "hang detection is not implemented yet"),
     "--numa-binding": ("numa_binding", None, "NUMA binding is not supported by ckptless-run"),
     "--logs-specs": ("logs_specs", None, "custom LogsSpecs plugins are not supported by ckptless-run"),
     "--event-log-handler": ("event_log_handler", "null", "ckptless records events in its goodput ledger"),

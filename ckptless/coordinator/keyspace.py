@@ -81,6 +81,33 @@ class Keyspace:
         return f"{self.prefix}spares/"
 
     @property
+    def done_prefix(self) -> str:
+        """``done/<node-rank>`` once all of a node's workers finished (finish barrier)."""
+        return f"{self.prefix}done/"
+
+    def node_done(self, node_rank: int) -> str:
+        return f"{self.done_prefix}{node_rank}"
+
+    # --- recovery -------------------------------------------------------------
+    @property
+    def membership(self) -> str:
+        """Current generation's membership (rank -> worker, store address, the plan that made it).
+
+        Written only together with ``generation`` in one fenced transaction."""
+        return f"{self.prefix}membership"
+
+    def facts_prefix(self, generation: int) -> str:
+        """``facts/g<G>/<rank>`` -> survivor's WorkerReport for the incident ending generation G."""
+        return f"{self.prefix}facts/g{generation}/"
+
+    def facts(self, generation: int, rank: int) -> str:
+        return f"{self.facts_prefix(generation)}{rank}"
+
+    def incident(self, generation: int) -> str:
+        """Set by the leader when it sees generation G fail: tells every worker to stop and report."""
+        return f"{self.prefix}incident/g{generation}"
+
+    @property
     def status(self) -> str:
         """Job status: running / succeeded / failed (written once at the end)."""
         return f"{self.prefix}status"

@@ -169,6 +169,17 @@ class MirrorEngine:
                     return StoredImage(b.manifest, b.tensor[: b.manifest.total_bytes])
         return None
 
+    def own_images(self) -> list[StoredImage]:
+        """Every image of this rank still intact in the pool (committed, in flight or queued).
+
+        Used for rollback after the engine broke: the resume version chosen by
+        recovery may be the committed one or a newer one whose round did not
+        finish everywhere. Callers verify checksums before restoring.
+        """
+        with self._cond:
+            return [StoredImage(b.manifest, b.tensor[: b.manifest.total_bytes])
+                    for b in self._pool if b.manifest is not None and b.state != CAPTURING]
+
     # --- submission -------------------------------------------------------------------------
     def submit(self, manifest: Manifest, buffer: torch.Tensor) -> None:
         """Queue one image for the next round; returns at once (background) or after it."""

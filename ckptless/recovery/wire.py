@@ -1,0 +1,209 @@
+"""Typed JSON for what recovery puts in etcd: worker reports, memberships, decisions.
+
+Why hand-written decoders: these records cross process boundaries through
+etcd, so they are parsed strictly (never unpickled) and a malformed record
+fails with an error naming the field instead of a KeyError deep inside.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from ckptless.errors import RecoveryError
+from ckptless.recovery.facts import ReplicaFact, Worker, WorkerReport
+from ckptless.recovery.plan import (
+    Assignment,
+    Decision,
+    DiskFallback,
+    RecoveryPlan,
+    Rollback,
+    Stripe,
+    Transfer,
+    Unrecoverable,
+    WaitForReplacement,
+)
+
+
+@dataclass(frozen=True)
+class Membership:
+    """Who runs which rank in one generation, and where its store is.
+
+    Written by the leader together with the generation bump (one fenced txn);
+    ``decision`` is the plan that produced it (None for generation 0).
+    """
+
+    generation: int
+    world_size: int
+    store_host: str
+    store_port: int
+    ranks: tuple[Assignment, ...]
+    decision: Decision | None = None
+
+    def worker_of(self, rank: int) -> Assignment:
+        for a in self.ranks:
+            if a.rank == rank:
+                return a
+        raise RecoveryError(f"generation {self.generation} has no worker for rank {rank}")
+
+    def rank_of(self, worker_id: str) -> int | None:
+        for a in self.ranks:
+            if a.worker_id == worker_id:
+                return a.rank
+        return None
+
+
+def _get(doc: dict[str, Any], name: str, kind: type | tuple[type, ...], what: str) -> Any:
+    if name not in doc:
+        raise RecoveryError(f"{what}: missing field {name!r}")
+    value = doc[name]
+    if not isinstance(value, kind) or (isinstance(value, bool) and kind is int):
+        raise RecoveryError(f"{what}: field {name!r} has wrong type {type(value).__name__}")
+    return value
+
+
+def _opt_int(doc: dict[str, Any], name: str, what: str) -> int | None:
+    return None if doc.get(name) is None else int(_get(doc, name, int, what))
+
+
+# --- reports -----------------------------------------------------------------
+def report_to_json(r: WorkerReport) -> bytes:
+    return json.dumps({
+        "worker_id": r.worker_id,
+        "newest_captured": r.newest_captured,
+        "committed": r.committed,
+        "local_versions": sorted(r.local_versions),
+        "replicas": [[f.owner, f.version, f.n_chunks] for f in r.replicas],
+    }).encode()
+
+
+def report_from_json(raw: bytes) -> WorkerReport:
+    what = "worker report"
+    try:
+        doc = json.loads(raw)
+        return WorkerReport(
+            worker_id=_get(doc, "worker_id", str, what),
+            newest_captured=_opt_int(doc, "newest_captured", what),
+            committed=_opt_int(doc, "committed", what),
+            local_versions=frozenset(int(v) for v in _get(doc, "local_versions", list, what)),
+            replicas=tuple(ReplicaFact(int(o), int(v), int(n)) for o, v, n in _get(doc, "replicas", list, what)),
+        )
+    except (ValueError, TypeError) as exc:
+        raise RecoveryError(f"{what} is malformed: {raw[:200]!r}") from exc
+
+
+# --- decisions ------------------------------------------------------------------
+def _assignment(a: Assignment) -> list[Any]:
+    return [a.rank, a.worker_id, a.node_id, a.source]
+
+
+def _assignment_from(raw: Any) -> Assignment:
+    rank, worker_id, node_id, source = raw
+    return Assignment(int(rank), str(worker_id), str(node_id), source)
+
+
+def decision_to_doc(d: Decision) -> dict[str, Any]:
+    if isinstance(d, RecoveryPlan):
+        return {
+            "type": "memory", "job_id": d.job_id, "generation": d.generation,
+            "assignments": [_assignment(a) for a in d.assignments], "lost_ranks": list(d.lost_ranks),
+            "resume_version": d.resume_version,
+            "rollbacks": [[r.rank, r.worker_id, r.from_version, r.to_version] for r in d.rollbacks],
+            "transfers": [
+                {"owner": t.owner, "receiver": t.receiver, "version": t.version, "n_chunks": t.n_chunks,
+                 "holders": list(t.holders),
+                 "stripes": [[s.owner, s.start, s.stop, s.source, list(s.fallbacks)] for s in t.stripes]}
+                for t in d.transfers
+            ],
+            "replace_mirrors": d.replace_mirrors, "owners_below_k": list(d.owners_below_k), "steps_lost": d.steps_lost,
+        }
+    if isinstance(d, DiskFallback):
+        return {
+            "type": "disk", "job_id": d.job_id, "generation": d.generation,
+            "assignments": [_assignment(a) for a in d.assignments], "lost_ranks": list(d.lost_ranks),
+            "snapshot_step": d.snapshot_step, "reason": d.reason,
+            "lost_ranks_without_replica": list(d.lost_ranks_without_replica), "steps_lost": d.steps_lost,
+        }
+    if isinstance(d, WaitForReplacement):
+        return {"type": "wait", "job_id": d.job_id, "generation": d.generation,
+                "unassigned_ranks": list(d.unassigned_ranks), "then": d.then, "reason": d.reason}
+    return {"type": "unrecoverable", "job_id": d.job_id, "generation": d.generation, "reason": d.reason,
+            "lost_ranks_without_replica": list(d.lost_ranks_without_replica)}
+
+
+def decision_from_doc(doc: dict[str, Any]) -> Decision:
+    kind = doc.get("type")
+    try:
+        if kind == "memory":
+            return RecoveryPlan(
+                job_id=str(doc["job_id"]), generation=int(doc["generation"]),
+                assignments=tuple(_assignment_from(a) for a in doc["assignments"]),
+                lost_ranks=tuple(int(r) for r in doc["lost_ranks"]),
+                resume_version=int(doc["resume_version"]),
+                rollbacks=tuple(Rollback(int(a), str(b), int(c), int(d)) for a, b, c, d in doc["rollbacks"]),
+                transfers=tuple(
+                    Transfer(int(t["owner"]), str(t["receiver"]), int(t["version"]), int(t["n_chunks"]),
+                             tuple(str(h) for h in t["holders"]),
+                             tuple(Stripe(int(o), int(a), int(b), str(src), tuple(str(f) for f in fb))
+                                   for o, a, b, src, fb in t["stripes"]))
+                    for t in doc["transfers"]
+                ),
+                replace_mirrors=bool(doc["replace_mirrors"]),
+                owners_below_k=tuple(int(r) for r in doc["owners_below_k"]),
+                steps_lost=int(doc["steps_lost"]),
+            )
+        if kind == "disk":
+            return DiskFallback(
+                job_id=str(doc["job_id"]), generation=int(doc["generation"]),
+                assignments=tuple(_assignment_from(a) for a in doc["assignments"]),
+                lost_ranks=tuple(int(r) for r in doc["lost_ranks"]), snapshot_step=int(doc["snapshot_step"]),
+                reason=str(doc["reason"]),
+                lost_ranks_without_replica=tuple(int(r) for r in doc["lost_ranks_without_replica"]),
+                steps_lost=int(doc["steps_lost"]),
+            )
+        if kind == "wait":
+            return WaitForReplacement(str(doc["job_id"]), int(doc["generation"]),
+                                      tuple(int(r) for r in doc["unassigned_ranks"]), doc["then"], str(doc["reason"]))
+        if kind == "unrecoverable":
+            return Unrecoverable(str(doc["job_id"]), int(doc["generation"]), str(doc["reason"]),
+                                 tuple(int(r) for r in doc["lost_ranks_without_replica"]))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise RecoveryError(f"malformed recovery decision: {exc!r}") from exc
+    raise RecoveryError(f"unknown recovery decision type {kind!r}")
+
+
+# --- membership -------------------------------------------------------------------
+def membership_to_json(m: Membership) -> bytes:
+    return json.dumps({
+        "generation": m.generation, "world_size": m.world_size,
+        "store": [m.store_host, m.store_port],
+        "ranks": [_assignment(a) for a in m.ranks],
+        "decision": None if m.decision is None else decision_to_doc(m.decision),
+    }).encode()
+
+
+def membership_from_json(raw: bytes) -> Membership:
+    what = "membership"
+    try:
+        doc = json.loads(raw)
+        host, port = _get(doc, "store", list, what)
+        dec = doc.get("decision")
+        return Membership(
+            generation=int(_get(doc, "generation", int, what)),
+            world_size=int(_get(doc, "world_size", int, what)),
+            store_host=str(host), store_port=int(port),
+            ranks=tuple(_assignment_from(a) for a in _get(doc, "ranks", list, what)),
+            decision=None if dec is None else decision_from_doc(dec),
+        )
+    except (ValueError, TypeError) as exc:
+        raise RecoveryError(f"{what} record is malformed: {raw[:200]!r}") from exc
+
+
+def spare_to_json(w: Worker) -> bytes:
+    return json.dumps({"worker_id": w.worker_id, "node_id": w.node_id}).encode()
+
+
+def spare_from_json(raw: bytes) -> Worker:
+    doc = json.loads(raw)
+    return Worker(str(doc["worker_id"]), str(doc["node_id"]))

@@ -1,0 +1,1 @@
+"""ckptless.worker: what runs inside a training process launched by ``ckptless-run``."""

@@ -1,0 +1,75 @@
+"""Process groups of one generation, formed from the store the agent hosts.
+
+Why per generation: after a failure the survivors re-form their groups in the
+same process. Every generation's keys live under their own ``PrefixStore`` so
+no rank ever reads a previous round's rendezvous keys (torchrun's shared store
+broke exactly that way here), and the store lives in the long-lived agent,
+never in a worker. Two groups: the training group (the default group, what
+user code and DDP use) and a separate mirroring group driven by a background
+thread, so mirroring never interleaves with training collectives.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from ckptless.errors import TransportError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Groups:
+    generation: int
+    rank: int
+    world_size: int
+    mirror: dist.ProcessGroup
+
+
+def backend_for_device() -> str:
+    """Gloo for CPU state; NCCL is used for training only when CUDA is present (not run here)."""
+    import torch
+
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def connect_store(host: str, port: int, timeout_s: float) -> dist.Store:
+    try:
+        return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s), use_libuv=True)
+    except (RuntimeError, OSError) as exc:
+        raise TransportError(f"cannot reach the agent's store at {host}:{port}: {exc}") from exc
+
+
+def form_groups(store: dist.Store, generation: int, rank: int, world_size: int, timeout_s: float) -> Groups:
+    """Initialise the default (training) group and the mirror group for ``generation``."""
+    prefixed = dist.PrefixStore(f"ckptless/gen{generation}/", store)
+    try:
+        dist.init_process_group(
+            backend=backend_for_device(),
+            store=prefixed,
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=timeout_s),
+        )
+        # Mirroring moves CPU tensors: always Gloo, on its own communicator.
+        mirror = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+    except (RuntimeError, ValueError) as exc:
+        raise TransportError(f"forming generation {generation} groups failed on rank {rank}: {exc}") from exc
+    return Groups(generation, rank, world_size, mirror)
+
+
+def destroy_groups() -> None:
+    """Drop every group at once (frees sockets so blocked peers raise promptly).
+
+    Must be called *outside* an ``except`` block: a live traceback keeps the
+    failed collective's frames, hence the group's sockets, alive.
+    """
+    if dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except (RuntimeError, ValueError):
+            log.debug("destroy_process_group raised", exc_info=True)

@@ -1,0 +1,76 @@
+"""The agent's table of local worker slots: which worker runs in which slot, for which rank.
+
+Why a table of its own: after recoveries a slot's worker id and rank change
+(a respawn mints a new worker id; a spare adopts a lost rank), and the exit
+reaper, the membership follower and the hang detector read it from different
+threads. All access goes through one lock.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+
+@dataclass
+class Slot:
+    local_rank: int
+    worker_id: str
+    rank: int | None  # None: a spare not yet assigned (or a dropped worker)
+    heartbeat_file: str
+    alive: bool = True
+    succeeded: bool = False
+    failed: bool = False
+
+
+class SlotTable:
+    def __init__(self) -> None:
+        self._slots: dict[int, Slot] = {}
+        self._lock = threading.Lock()
+
+    def add(self, slot: Slot) -> None:
+        with self._lock:
+            self._slots[slot.local_rank] = slot
+
+    def get(self, local_rank: int) -> Slot:
+        with self._lock:
+            s = self._slots[local_rank]
+            return Slot(**vars(s))
+
+    def all(self) -> list[Slot]:
+        with self._lock:
+            return [Slot(**vars(s)) for s in self._slots.values()]
+
+    def exited(self, local_rank: int, ok: bool) -> None:
+        with self._lock:
+            s = self._slots[local_rank]
+            s.alive, s.succeeded, s.failed = False, ok, not ok
+
+    def assign(self, local_rank: int, rank: int | None) -> None:
+        with self._lock:
+            self._slots[local_rank].rank = rank
+
+    def reset(self, local_rank: int, worker_id: str, rank: int) -> None:
+        """A new incarnation in this slot (a respawn)."""
+        with self._lock:
+            s = self._slots[local_rank]
+            s.worker_id, s.rank, s.alive, s.succeeded, s.failed = worker_id, rank, True, False, False
+
+    def for_rank_slot(self, rank: int, rank_offset: int) -> Slot | None:
+        """The slot that ran ``rank`` here: its current holder, else the slot of its local index."""
+        with self._lock:
+            for s in self._slots.values():
+                if s.rank == rank:
+                    return Slot(**vars(s))
+            s2 = self._slots.get(rank - rank_offset)
+            return None if s2 is None else Slot(**vars(s2))
+
+    def all_assigned_succeeded(self) -> bool:
+        """No slot runs a rank any more, and every slot that had one ended well."""
+        with self._lock:
+            ranked = [s for s in self._slots.values() if s.rank is not None]
+            return all(not s.alive and s.succeeded for s in ranked)
+
+    def failed_ranks(self) -> list[int]:
+        with self._lock:
+            return sorted(s.rank for s in self._slots.values() if s.rank is not None and s.failed)

@@ -1,0 +1,111 @@
+"""The reference job of the recovery tests (and the demo): dropout, AdamW, LR schedule, resumable data.
+
+Environment knobs for fault injection by the test (which sends the real signal):
+  REF_STEPS        number of steps (default 12)
+  REF_PAUSE_RANK / REF_PAUSE_STEP
+                   that rank, when about to run that step (first incarnation only),
+                   writes OUT/paused_rank<R>.json with its pid and blocks (bounded) so
+                   the test can SIGKILL / SIGSTOP it exactly there.
+  REF_PAUSE_RANK2 / REF_PAUSE_STEP2   a second pause point.
+  REF_HIDDEN       hidden width (state size)
+Writes OUT/final_rank<R>.pt (params, optimizer state, RNG draws, data position) and
+OUT/pids_rank<R>.json (every pid that ran this rank).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import sys
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+import ckptless
+from ckptless.data import ResumableLoader, ResumableSampler
+
+
+def _announce(path: str, doc: dict[str, object]) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(doc, f)
+    os.replace(tmp, path)
+
+
+def main() -> None:
+    out = sys.argv[1]
+    steps = int(os.environ.get("REF_STEPS", "12"))
+    hidden = int(os.environ.get("REF_HIDDEN", "64"))
+    job = ckptless.init()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    with open(os.path.join(out, f"pids_rank{rank}.jsonl"), "a") as f:
+        f.write(json.dumps({"pid": os.getpid(), "role": job.ctx.role, "generation": job.generation}) + "\n")
+
+    torch.manual_seed(1234 + rank)
+    random.seed(99 + rank)
+    np.random.seed(7 + rank)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(16, hidden), torch.nn.ReLU(), torch.nn.Dropout(0.2), torch.nn.Linear(hidden, 1)
+    )
+    with torch.no_grad():  # identical initial weights on every rank
+        g = torch.Generator().manual_seed(42)
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.7)
+    data_gen = torch.Generator().manual_seed(5)
+    xs, ys = torch.randn(256, 16, generator=data_gen), torch.randn(256, 1, generator=data_gen)
+    dataset = torch.utils.data.TensorDataset(xs, ys)
+    loader = ResumableLoader(dataset, ResumableSampler(len(dataset), seed=3, rank=rank, world_size=world), batch_size=8)
+    job.protect(model=model, optimizer=opt, scheduler=sched, data=loader)
+
+    pauses = {}
+    for suffix in ("", "2"):
+        r, s = os.environ.get(f"REF_PAUSE_RANK{suffix}"), os.environ.get(f"REF_PAUSE_STEP{suffix}")
+        if r is not None and s is not None:
+            pauses[(int(r), int(s))] = suffix
+
+    def train_step(step: int) -> None:
+        key = (rank, step)
+        if key in pauses and job.ctx.role == "member":
+            _announce(os.path.join(out, f"paused{pauses[key]}_rank{rank}.json"), {"pid": os.getpid(), "step": step})
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline:  # held here until the test's signal arrives
+                time.sleep(0.01)
+        x, y = loader.next_batch()
+        noise = torch.randn(1).item() * 1e-3 + random.random() * 1e-3 + float(np.random.rand()) * 1e-3
+        loss = torch.nn.functional.mse_loss(model(x), y) + noise
+        opt.zero_grad()
+        loss.backward()
+        flat = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+        dist.all_reduce(flat)
+        flat /= world
+        off = 0
+        for p in model.parameters():
+            n = p.numel()
+            p.grad.copy_(flat[off : off + n].view_as(p))
+            off += n
+        opt.step()
+        sched.step()
+
+    result = job.run(train_step, steps)
+    final = {
+        "params": {k: v.clone() for k, v in model.state_dict().items()},
+        "optimizer": opt.state_dict(),
+        "scheduler_lr": torch.tensor(sched.get_last_lr()),
+        "rng_torch": torch.rand(4),
+        "rng_python": torch.tensor([random.random() for _ in range(4)]),
+        "rng_numpy": torch.from_numpy(np.random.rand(4)),
+        "data": torch.tensor([loader.state_dict()["epoch"], loader.state_dict()["index"]]),
+        "generation": torch.tensor(result.generation),
+        "recoveries": torch.tensor(result.recoveries),
+    }
+    torch.save(final, os.path.join(out, f"final_rank{rank}.pt"))
+    job.close()
+
+
+if __name__ == "__main__":
+    main()
