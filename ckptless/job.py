@@ -31,6 +31,7 @@ from ckptless.recovery.wire import Membership
 from ckptless.snapshot import SnapshotConfig, SnapshotWriter
 from ckptless.state.capture import Capturer, StateImage
 from ckptless.state.registry import StateRegistry
+from ckptless.worker import exit_guard
 from ckptless.worker.context import WorkerContext
 from ckptless.worker.control import WorkerControl
 from ckptless.worker.groups import Groups, connect_store, destroy_groups, form_groups
@@ -38,6 +39,12 @@ from ckptless.worker.heartbeat import Heartbeat
 from ckptless.worker.ledger import WorkerLedger
 
 log = logging.getLogger(__name__)
+
+# Engines of failed generations. Never freed: their unregistered mirror groups may
+# still have Gloo operations in flight on native threads, and freeing a group or
+# a buffer under such an operation aborts the process. Each holds a few sockets
+# and threads; the image pools are released (see Job._leave).
+_RETIRED_ENGINES: list[MirrorEngine] = []
 
 
 @dataclass(frozen=True)
@@ -70,7 +77,7 @@ class Job:
             self.control = WorkerControl(ctx.etcd_endpoint, ctx.job_id, ctx.worker_id)
             after = -1 if ctx.role == "spare" else ctx.generation - 1
             self.membership = self.control.wait_membership(ctx.recovery_timeout_s if ctx.role != "spare" else 7 * 86400,
-                                                           after=after, heartbeat=self.heartbeat)
+                                                           after=after)
         self.rank = ctx.rank if self.membership is None else self.membership.rank_of(self.worker_id) or 0
         self.world_size = ctx.world_size if self.membership is None else self.membership.world_size
         self.generation = ctx.generation if self.membership is None else self.membership.generation
@@ -82,7 +89,14 @@ class Job:
         self.ledger.emit(EventKind.JOB_START, generation=self.generation, role=ctx.role)
         self._store: dist.Store | None = None
         self._store_addr: tuple[str, int] | None = None
-        self.groups: Groups = self._form()
+        self._init_failure: str | None = None
+        try:
+            self.groups: Groups | None = self._form()
+        except RECOVERABLE as exc:
+            if ctx.role == "member" or self.control is None or not is_recoverable(exc):
+                raise
+            self.groups = None  # a peer failed while we joined: recover in run()
+            self._init_failure = f"{type(exc).__name__}: {exc}"
         self.engine: MirrorEngine | None = None
         self.peer_store: PeerStore | None = None
         self._own_images: list[StoredImage] = []
@@ -100,7 +114,10 @@ class Job:
         if self._store is None or self._store_addr != addr:
             self._store = connect_store(addr[0], addr[1], self.ctx.collective_timeout_s)
             self._store_addr = addr
-        return form_groups(self._store, self.generation, self.rank, self.world_size, self.ctx.collective_timeout_s)
+        control = self.control
+        abort = (lambda: control.incident(self.generation)) if control is not None else None
+        return form_groups(self._store, self.generation, self.rank, self.world_size,
+                           self.ctx.collective_timeout_s, abort)
 
     def _node_of(self) -> list[str] | None:
         if self.membership is None:
@@ -130,6 +147,7 @@ class Job:
         if self.replicas == 0:
             return None
         if self.engine is None:
+            assert self.groups is not None
             self.engine = MirrorEngine(
                 self.groups.mirror, self.ctx.job_id, self._mirror_config, generation=self.generation,
                 node_of=self._node_of(), store=self.peer_store,
@@ -162,36 +180,42 @@ class Job:
         step = start_step
         first_after_recovery = False
         if self._rejoin is not None:
-            step = self._recover(None)
+            step = self._recover(self._init_failure)
             first_after_recovery = True
         elif self.replicas > 0:
             step = self._guarded(lambda: self.capture_and_mirror(start_step), start_step)
-        while step < steps:
-            failure: str | None = None
-            done = step + 1
-            try:
-                if self.control is not None and self.control.incident(self.generation):
-                    raise PeerFailure(f"generation {self.generation} was declared failed")
-                train_step(step)
-                self.heartbeat.beat(done)
-                if self.replicas > 0 and (done % every == 0 or done == steps):
-                    self.capture_and_mirror(done)
-                if self.snapshots is not None and self.snapshots.maybe_snapshot(done, self.generation):
-                    self.ledger.emit(EventKind.SNAPSHOT_SAVED, step=done, generation=self.generation,
-                                     block_s=self.snapshots.last_block_s)
-            except RECOVERABLE as exc:
-                if not is_recoverable(exc) or self.control is None:
-                    raise
-                failure = f"{type(exc).__name__}: {exc}"
-            if failure is not None:  # outside the except block: the traceback no longer pins the group
-                step = self._recover(failure)
-                first_after_recovery = True
-                continue
-            kind = EventKind.FIRST_STEP_AFTER_RECOVERY if first_after_recovery else EventKind.STEP_DONE
-            self.ledger.emit(kind, step=done, generation=self.generation)
-            first_after_recovery = False
-            step = done
-        committed = self._finish(steps)
+        while True:
+            while step < steps:
+                failure: str | None = None
+                done = step + 1
+                try:
+                    if self.control is not None and self.control.incident(self.generation):
+                        raise PeerFailure(f"generation {self.generation} was declared failed")
+                    train_step(step)
+                    self.heartbeat.beat(done)
+                    if self.replicas > 0 and (done % every == 0 or done == steps):
+                        self.capture_and_mirror(done)
+                    if self.snapshots is not None and self.snapshots.maybe_snapshot(done, self.generation):
+                        self.ledger.emit(EventKind.SNAPSHOT_SAVED, step=done, generation=self.generation,
+                                         block_s=self.snapshots.last_block_s)
+                except RECOVERABLE as exc:
+                    if not is_recoverable(exc) or self.control is None:
+                        raise
+                    failure = f"{type(exc).__name__}: {exc}"
+                if failure is not None:  # outside the except block: the traceback no longer pins the group
+                    step = self._recover(failure)
+                    first_after_recovery = True
+                    continue
+                kind = EventKind.FIRST_STEP_AFTER_RECOVERY if first_after_recovery else EventKind.STEP_DONE
+                self.ledger.emit(kind, step=done, generation=self.generation)
+                first_after_recovery = False
+                step = done
+            # The final version must be committed too; a failure here sends us back.
+            resumed = self._guarded(lambda: self._finish(steps), steps)
+            if resumed == steps:
+                break
+            step, first_after_recovery = resumed, True
+        committed = self.committed_version
         return RunResult(steps - start_step, steps, committed, self.generation, self.recoveries)
 
     def _guarded(self, fn: Callable[[], Any], step: int) -> int:
@@ -210,14 +234,14 @@ class Job:
         """Drop the broken groups at once; keep our images and the peer store."""
         engine, self.engine = self.engine, None
         if engine is not None:
+            engine.retire()
+            _RETIRED_ENGINES.append(engine)
+            exit_guard.watch(engine.thread_alive, engine.join)
             self._own_images = engine.own_images() or self._own_images
             self.peer_store = engine.store
         destroy_groups()
         if engine is not None:
-            try:
-                engine.close(timeout=1.0)
-            except MirrorError:
-                log.info("old mirror thread still draining; abandoned (daemon)")
+            engine.join(0.2)  # usually done at once: its peers are gone
 
     def _recover(self, failure: str | None) -> int:
         """Leave, report, await the next generation, rebuild, roll back; returns the resume step."""
@@ -227,21 +251,22 @@ class Job:
             log.warning("rank %d: failure in generation %d: %s", self.rank, self.generation, failure)
             self.ledger.emit(EventKind.FAILURE_DETECTED, generation=self.generation, reason=failure[:200])
         deadline = t0 + self.ctx.recovery_timeout_s
-        pending = self._rejoin
+        self.heartbeat.recovering()
+        pending = self._rejoin if failure is None else None
         while True:
-            if pending is None:
-                self._leave()
-                self.control.report(self.generation, self.rank, build_report(self.worker_id, self._own_images,
-                                                                             self.peer_store, self.committed_version))
-                left = deadline - time.monotonic()
-                self.membership = self.control.wait_membership(max(left, 0.1), after=self.generation, heartbeat=self.heartbeat)
-                self.generation = self.membership.generation
-                self.groups = self._form()
-                self.ledger.emit(EventKind.GROUPS_REFORMED, generation=self.generation)
-            pending = None
-            self._rejoin = None
             failure = None
             try:
+                if pending is None:
+                    self._leave()
+                    self.control.report(self.generation, self.rank, build_report(
+                        self.worker_id, self._own_images, self.peer_store, self.committed_version))
+                    left = deadline - time.monotonic()
+                    self.membership = self.control.wait_membership(max(left, 0.1), after=self.generation)
+                    self.generation = self.membership.generation
+                    self.groups = self._form()
+                    self.ledger.emit(EventKind.GROUPS_REFORMED, generation=self.generation)
+                pending = None
+                self._rejoin = None
                 assert self.membership is not None and self.membership.decision is not None
                 resume = apply_decision(self, self.membership, self.membership.decision)
                 self._ensure_engine()
@@ -253,6 +278,7 @@ class Job:
                 if not is_recoverable(exc):
                     raise
                 failure = f"{type(exc).__name__}: {exc}"
+                pending = None
             if failure is None:
                 self.recoveries += 1
                 self._own_images = []
@@ -284,7 +310,10 @@ class Job:
         self.ledger.emit(EventKind.JOB_END, generation=self.generation)
         self.ledger.close()
         if dist.is_initialized():
-            dist.barrier()
+            try:
+                dist.barrier()  # nobody tears the groups down under a peer still finishing
+            except RuntimeError:
+                log.info("final barrier failed; leaving anyway", exc_info=True)
         destroy_groups()
         if self.control is not None:
             self.control.close()
@@ -297,6 +326,15 @@ class Job:
         self.close()
 
 
+def _enable_crash_stacks() -> None:
+    """A worker that dies on a fatal signal prints every thread's Python stack: cheap, and the
+    only trace a native abort (SIGABRT/SIGSEGV) leaves."""
+    import faulthandler
+
+    if not faulthandler.is_enabled():
+        faulthandler.enable(all_threads=True)
+
+
 def init(env: dict[str, str] | None = None) -> Job:
     """Join the job from inside a ``ckptless-run`` (or torchrun) worker.
 
@@ -305,6 +343,7 @@ def init(env: dict[str, str] | None = None) -> Job:
     coordinator assigns it a rank.
     """
     t0 = time.monotonic()
+    _enable_crash_stacks()
     job = Job(WorkerContext.from_env(env))
     log.info("rank %d joined generation %d in %.3fs", job.rank, job.generation, time.monotonic() - t0)
     return job

@@ -34,7 +34,7 @@ from ckptless.coordinator.embedded import EmbeddedEtcd
 from ckptless.coordinator.keyspace import Keyspace
 from ckptless.coordinator.rendezvous import NodeInfo, Rendezvous, RendezvousResult
 from ckptless.coordinator.session import Session
-from ckptless.errors import CkptlessError, CoordinatorError
+from ckptless.errors import CkptlessError, CoordinatorError, RendezvousTimeout
 from ckptless.launcher.args import LaunchConfig, Std
 from ckptless.launcher.slots import Slot, SlotTable
 from ckptless.launcher.worker_env import WorkerLayout, build_command, worker_env
@@ -185,7 +185,7 @@ class NodeAgent:
                 except FileNotFoundError:
                     continue  # not started stepping yet
                 if age > timeout:
-                    log.error("rank %d (%s) made no progress for %.1fs: SIGKILL", slot.rank, slot.worker_id, age)
+                    log.error("rank %d (%s) is frozen (no heartbeat for %.1fs): SIGKILL", slot.rank, slot.worker_id, age)
                     group.send_signal(slot.local_rank, signal.SIGKILL)
                     os.utime(slot.heartbeat_file)
 
@@ -222,17 +222,25 @@ class NodeAgent:
             host = cfg.local_addr or (cfg.master_addr if cfg.rdzv_endpoint is None else socket.getfqdn())
             store = dist.TCPStore(host, cfg.master_port or 0, is_master=True, wait_for_workers=False, use_libuv=True)
             me = NodeInfo(self.node_id, host, cfg.nproc_per_node, int(store.port))
-            result = Rendezvous(client, self.keyspace, session).join(
-                me, cfg.min_nodes, cfg.max_nodes, timeout_s=self.rendezvous_timeout_s)
+            if cfg.nproc_per_node == 0:
+                # A spare-only node: not a rendezvous participant; it waits for the job to exist.
+                Rendezvous(client, self.keyspace, session).register(me)
+                self._membership = self._await_membership(client)
+                m = self._membership
+                result = RendezvousResult(0, 0, 1, (), 0, m.world_size, NodeInfo("", m.store_host, 1, m.store_port))
+                log.info("spare node %s joined job %s (world %d)", self.node_id, cfg.run_id, m.world_size)
+            else:
+                result = Rendezvous(client, self.keyspace, session).join(
+                    me, cfg.min_nodes, cfg.max_nodes, timeout_s=self.rendezvous_timeout_s)
+                log.info("node %s joined round %d as node rank %d of %d (ranks %d..%d of %d)",
+                         self.node_id, result.round, result.node_rank, result.nnodes, result.rank_offset,
+                         result.rank_offset + cfg.nproc_per_node - 1, result.world_size)
+                initial = Membership(0, result.world_size, result.master.host, result.master.store_port, tuple(
+                    Assignment(p_off + lr, f"{p.node_id}/w{lr}", p.node_id, "survivor")
+                    for p, p_off in _offsets(result.participants) for lr in range(p.nproc)
+                ))
+                self._membership = write_initial_membership(client, self.keyspace, initial) if self.recovery else initial
             self._result = result
-            log.info("node %s joined round %d as node rank %d of %d (ranks %d..%d of %d)",
-                     self.node_id, result.round, result.node_rank, result.nnodes, result.rank_offset,
-                     result.rank_offset + cfg.nproc_per_node - 1, result.world_size)
-            initial = Membership(0, result.world_size, result.master.host, result.master.store_port, tuple(
-                Assignment(p_off + lr, f"{p.node_id}/w{lr}", p.node_id, "survivor")
-                for p, p_off in _offsets(result.participants) for lr in range(p.nproc)
-            ))
-            self._membership = write_initial_membership(client, self.keyspace, initial) if self.recovery else initial
             leader = None
             if self.recovery:
                 leader = RecoveryLeader(client, self.keyspace, session, host, int(store.port), cfg.replicas,
@@ -264,6 +272,23 @@ class NodeAgent:
             return AgentOutcome(code, failed)
         raise AssertionError("unreachable")
 
+    def _await_membership(self, client: EtcdClient) -> Membership:
+        changed = threading.Event()
+        watch = client.watch_prefix(self.keyspace.membership, lambda _e: changed.set())
+        try:
+            deadline = time.monotonic() + self.rendezvous_timeout_s
+            while True:
+                kv = client.get(self.keyspace.membership)
+                if kv is not None:
+                    return membership_from_json(kv.value)
+                if time.monotonic() >= deadline:
+                    raise RendezvousTimeout(f"spare node: job {self.cfg.run_id!r} did not start within "
+                                            f"{self.rendezvous_timeout_s}s")
+                changed.wait(min(0.5, deadline - time.monotonic()))
+                changed.clear()
+        finally:
+            watch.cancel()
+
     def _snapshot_step(self, world_size: int) -> int | None:
         if not (self.cfg.snapshot_every and self.cfg.snapshot_dir):
             return None
@@ -290,7 +315,7 @@ class NodeAgent:
         cfg = self.cfg
         assert self._client is not None
         layout = WorkerLayout(
-            node_rank=result.node_rank, nnodes=result.nnodes, nproc_per_node=cfg.nproc_per_node,
+            node_rank=result.node_rank, nnodes=result.nnodes, nproc_per_node=max(cfg.nproc_per_node, 1),
             rank_offset=result.rank_offset, world_size=result.world_size,
             master_addr=result.master.host, master_port=result.master.store_port,
             run_id=cfg.run_id, role=cfg.role, restart_count=0, max_restarts=cfg.max_restarts,
@@ -316,7 +341,7 @@ class NodeAgent:
             hb = os.path.join(self._hb_dir, f"hb{lr}")
             extra = dict(common, CKPTLESS_WORKER_ID=worker_id, CKPTLESS_HEARTBEAT_FILE=hb,
                          CKPTLESS_ROLE="spare" if spare else "member")
-            env = worker_env(layout, min(lr, cfg.nproc_per_node - 1), os.environ, extra)
+            env = worker_env(layout, min(lr, max(cfg.nproc_per_node, 1) - 1), os.environ, extra)
             if spare:
                 env.pop("RANK", None)
                 env["LOCAL_RANK"] = str(lr)

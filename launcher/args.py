@@ -270,7 +270,7 @@ def parse_nnodes(value: str) -> tuple[int, int]:
 def resolve_nproc(value: str) -> int:
     """An int, or cpu/gpu/xpu/auto resolved the way torchrun does (torch imported only then)."""
     n = int(value) if value.lstrip("-").isdigit() else _count_devices(value)
-    _check(n >= 1, "nproc_per_node", value, "must be >= 1")
+    _check(n >= 0, "nproc_per_node", value, "must be >= 1 (or 0 with --spares: a spare-only node)")
     return n
 
 
@@ -412,6 +412,8 @@ def config_from_namespace(ns: argparse.Namespace, environ: Mapping[str, str] | N
     _check(ns.replicas >= 0, "replicas", ns.replicas, "must be >= 0")
     _check(ns.mirror_every >= 1, "mirror_every", ns.mirror_every, "must be >= 1")
     _check(ns.spares >= 0, "spares", ns.spares, "must be >= 0")
+    _check(nproc >= 1 or ns.spares >= 1, "nproc_per_node", ns.nproc_per_node,
+           "must be >= 1 (0 only for a spare-only node, with --spares N)")
     _check(ns.snapshot_every >= 0, "snapshot_every", ns.snapshot_every, "must be >= 0 (0 = off)")
     _check(ns.snapshot_every == 0 or bool(ns.snapshot_dir), "snapshot_dir", ns.snapshot_dir,
            "--snapshot-every needs --snapshot-dir")

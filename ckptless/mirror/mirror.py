@@ -82,8 +82,8 @@ class MirrorEngine:
         background: bool = True,
     ) -> None:
         self.config = config or MirrorConfig()
-        self.rank = dist.get_rank(group)
-        self.world_size = dist.get_world_size(group)
+        self.rank = group.rank()
+        self.world_size = group.size()
         self.config.validate_for_world(self.world_size)
         self.placement = placement or compute_placement(
             self.world_size, self.config.replicas, self.config.placement, node_of)
@@ -271,11 +271,24 @@ class MirrorEngine:
         ok = {o: o in res.received for o in self.transport.owners}
         vec = torch.tensor(encode(round_ack(res.version, True, ok), res.version), dtype=torch.int64)
         vec = vec.to(self.transport.device)
-        work = dist.all_reduce(vec, op=dist.ReduceOp.MIN, group=self.group, async_op=True)
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.MIN  # type: ignore[assignment]
+        work = self.group.allreduce([vec], opts)
         wait_one(work, deadline, "commit all_reduce")
         return decide([int(x) for x in vec.cpu().tolist()], self.committed_version)
 
     # --- shutdown ---------------------------------------------------------------------------------
+    def retire(self) -> None:
+        """Stop after the current round (which fails once its peers are gone); do not wait."""
+        self._queue.put(None)
+
+    def thread_alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def join(self, timeout: float) -> None:
+        if self._thread is not None:
+            self._thread.join(timeout)
+
     def close(self, timeout: float = 30.0) -> None:
         """Stop the loop after queued rounds; raises TransportError if it does not stop in time."""
         if self._thread is not None:

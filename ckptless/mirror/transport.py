@@ -93,6 +93,13 @@ def wait_all(works: Sequence[dist.Work | None], deadline: Deadline, what: str) -
 
 
 def wait_one(work: dist.Work | None, deadline: Deadline, what: str) -> None:
+    """Blocking wait bounded by the round's deadline.
+
+    Gloo point-to-point work cannot be polled (``is_completed`` stays False
+    until ``wait``) nor waited in slices (a timed-out wait closes the pair), so
+    a round waits natively; a thread left inside such a wait by a recovery is
+    handled at exit by :mod:`ckptless.worker.exit_guard`.
+    """
     if work is None:
         return
     timeout = deadline.remaining(what)
@@ -136,17 +143,29 @@ class MirrorTransport:
         self.job = job_hash(job_id)
         self.generation = generation
         self.wire_bytes = wire_bytes
-        backend = str(dist.get_backend(group)).lower()
+        # Every posted operation and its tensor stay referenced until its round
+        # completes: a Gloo op abandoned mid-flight (a round that failed) must
+        # never have its Work or buffer freed while Gloo may still touch them.
+        self._inflight: list[tuple[dist.Work, torch.Tensor]] = []
+        backend = str(group.name()).lower()
         self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
 
     # --- p2p helpers (device-agnostic) -----------------------------------------------------
     def _isend(self, t: torch.Tensor, dst: int, tag: int) -> dist.Work | None:
-        return dist.isend(t.to(self.device), group=self.group, group_dst=dst, tag=tag)
+        # Methods of the ProcessGroup itself: the mirror group is deliberately not
+        # registered with c10d (see ckptless/worker/groups.py), so the dist.* helpers
+        # that look groups up in c10d's registry cannot be used.
+        t = t.to(self.device)
+        work = self.group.send([t], dst, tag)
+        self._inflight.append((work, t))
+        return work
 
     def _irecv(self, t: torch.Tensor, src: int, tag: int) -> tuple[dist.Work | None, torch.Tensor]:
         """Receive into ``t`` (CPU); on a device group into a staging tensor copied later."""
         land = t if self.device.type == "cpu" else torch.empty_like(t, device=self.device)
-        return dist.irecv(land, group=self.group, group_src=src, tag=tag), land
+        work = self.group.recv([land], src, tag)
+        self._inflight.append((work, land))
+        return work, land
 
     @staticmethod
     def _landed(dst: torch.Tensor, land: torch.Tensor) -> None:
@@ -235,6 +254,7 @@ class MirrorTransport:
             for o in manifests:
                 store.abort(o)
             raise
+        self._inflight.clear()  # the round completed: nothing of it is pending any more
         return res
 
     def _check_header(self, src: int, h: Header, mine: Manifest) -> None:

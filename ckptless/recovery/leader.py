@@ -55,7 +55,9 @@ class RecoveryLeader:
         report_timeout_s: float = 15.0,
         replacement_timeout_s: float = 60.0,
         snapshot_step: Callable[[int], int | None] | None = None,
+        fresh_grace_s: float = 2.0,
     ) -> None:
+        self.fresh_grace_s = fresh_grace_s
         self._client = client
         self._ks = keyspace
         self._session = session
@@ -162,12 +164,21 @@ class RecoveryLeader:
         g = m.generation
         self._client.put(self._ks.incident(g), json.dumps({"lost": sorted(lost), "t": time.time()}))
         log.warning("generation %d: ranks %s lost; collecting reports", g, sorted(lost))
-        deadline = time.monotonic() + self.report_timeout_s
+        start = time.monotonic()
+        deadline = start + self.report_timeout_s
+        # Workers admitted by this generation's plan may still be booting (a cold
+        # process takes seconds): after a short grace they are known to hold
+        # nothing yet, which is a fact, not a loss.
+        fresh = {a.rank for a in m.ranks if a.source in ("respawn", "spare")} if m.decision is not None else set()
         while True:
             lost, dead_nodes = self._lost_ranks(m)
             reports = self._reports(g)
             valid = {r: rep for r, rep in reports.items() if r not in lost and rep.worker_id == m.worker_of(r).worker_id}
             missing = [a.rank for a in m.ranks if a.rank not in lost and a.rank not in valid]
+            if missing and time.monotonic() - start >= self.fresh_grace_s:
+                for r in [r for r in missing if r in fresh]:
+                    valid[r] = WorkerReport(m.worker_of(r).worker_id, None, None)
+                missing = [r for r in missing if r not in fresh]
             if not missing:
                 break
             if time.monotonic() >= deadline:

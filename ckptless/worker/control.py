@@ -19,7 +19,6 @@ from ckptless.coordinator.keyspace import Keyspace
 from ckptless.errors import RecoveryError, UnrecoverableError
 from ckptless.recovery.facts import WorkerReport
 from ckptless.recovery.wire import Membership, membership_from_json, report_to_json
-from ckptless.worker.heartbeat import Heartbeat
 
 
 class WorkerControl:
@@ -58,8 +57,7 @@ class WorkerControl:
             if doc.get("state") == "failed":
                 raise UnrecoverableError(f"the job was ended by its coordinator: {doc.get('reason')}")
 
-    def wait_membership(self, timeout_s: float, after: int = -1, need_worker: bool = True,
-                        heartbeat: Heartbeat | None = None) -> Membership:
+    def wait_membership(self, timeout_s: float, after: int = -1, need_worker: bool = True) -> Membership:
         """Block until a membership newer than ``after`` (that includes us) exists."""
         deadline = time.monotonic() + timeout_s
         while True:
@@ -74,8 +72,6 @@ class WorkerControl:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise RecoveryError(f"no membership after generation {after} within {timeout_s}s")
-            if heartbeat is not None:
-                heartbeat.beat()
             self._changed.wait(min(left, 0.5))
 
     def close(self) -> None:

@@ -1,0 +1,73 @@
+"""Exit safely while a retired mirror thread may still sit inside a native Gloo wait.
+
+Why: after a recovery, the previous generation's mirror thread can be left
+blocked in ``Work.wait`` on a peer that will never answer (Gloo point-to-point
+work can be neither polled nor cancelled). If that wait returns while the
+interpreter is finalizing (it does, as soon as the peer process exits and its
+sockets close), Python unwinds the thread through C++ frames and the process
+aborts (SIGABRT, "terminate called without an active exception"; reproduced
+here with a core dump). So, at exit, if such a thread is still alive after a
+short grace, the process leaves with ``os._exit`` and the exit code the program
+asked for, after flushing its output.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import sys
+import threading
+from collections.abc import Callable
+from types import TracebackType
+from typing import Any
+
+_installed = False
+_exit_code = 0
+_pending: list[Callable[[], bool]] = []  # each returns True while its thread is alive
+_joins: list[Callable[[float], None]] = []
+
+
+def watch(alive: Callable[[], bool], join: Callable[[float], None]) -> None:
+    """Register a thread (by its liveness and join functions) to be guarded at exit."""
+    _install()
+    _pending.append(alive)
+    _joins.append(join)
+
+
+def _install() -> None:
+    global _installed
+    if _installed:
+        return
+    _installed = True
+    previous_hook = sys.excepthook
+    previous_exit = sys.exit
+
+    def excepthook(t: type[BaseException], v: BaseException, tb: TracebackType | None) -> None:
+        global _exit_code
+        _exit_code = 1
+        previous_hook(t, v, tb)
+
+    def exit_(code: Any = 0) -> None:
+        global _exit_code
+        _exit_code = code if isinstance(code, int) else (0 if code is None else 1)
+        previous_exit(code)
+
+    sys.excepthook = excepthook
+    sys.exit = exit_  # type: ignore[assignment]
+    atexit.register(_guard)
+
+
+def _guard(grace_s: float = 1.0) -> None:
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for join in _joins:
+        join(grace_s / max(len(_joins), 1))
+    if any(alive() for alive in _pending):
+        logging.shutdown()
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(_exit_code)

@@ -1,0 +1,179 @@
+"""The decisive check: runs with injected failures end bitwise identical to the run without.
+
+Reference job: 4 ranks on 2 agents, K = 1, dropout, AdamW, StepLR, the
+resumable data position (tests/scripts/train_ref.py). Every test starts real
+agents on a real etcd and kills real processes with real signals.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from ckptless.coordinator.embedded import EmbeddedEtcd
+
+from .recovery_harness import Cluster, assert_bitwise_equal, independent_pair, ring_holders, wait_membership
+from .waiting import wait_until
+
+
+def _cluster(etcd: EmbeddedEtcd, tmp_path: Path, name: str, **env: str) -> Cluster:
+    out = tmp_path / name
+    out.mkdir()
+    return Cluster(etcd.endpoint, out, f"{name}-{uuid.uuid4().hex[:6]}", env=dict(env))
+
+
+@pytest.fixture(scope="module")
+def module_etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedEtcd]:
+    d = tmp_path_factory.mktemp("etcd")
+    with EmbeddedEtcd(data_dir=d / "data", log_path=d / "etcd.log") as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def baseline(module_etcd: EmbeddedEtcd, tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[str, object]]:
+    """The same job without faults."""
+    c = _cluster(module_etcd, tmp_path_factory.mktemp("base"), "baseline")
+    try:
+        c.start_agent()
+        c.start_agent()
+        c.wait()
+    finally:
+        c.kill_all()
+    finals = c.finals()
+    assert all(int(f["recoveries"]) == 0 for f in finals.values())  # type: ignore[call-overload]
+    return finals
+
+
+def _survivors_kept_pids(c: Cluster, lost: set[int]) -> None:
+    for r in range(4):
+        pids = c.pids(r)
+        if r in lost:
+            assert len(pids) >= 2, f"rank {r} was lost but never replaced: {pids}"
+        else:
+            assert len(pids) == 1, f"survivor rank {r} was restarted: {pids}"
+
+
+def test_sigkill_one_worker_respawned_on_its_node(module_etcd: EmbeddedEtcd, tmp_path: Path, baseline: dict) -> None:
+    c = _cluster(module_etcd, tmp_path, "kill9", REF_PAUSE_RANK="1", REF_PAUSE_STEP="5")
+    try:
+        c.start_agent()
+        c.start_agent()
+        os.kill(c.paused_pid(1), signal.SIGKILL)
+        c.wait()
+    finally:
+        c.kill_all()
+    assert_bitwise_equal(c.finals(), baseline)
+    _survivors_kept_pids(c, {1})
+    assert c.pids(1)[-1]["role"] == "replacement"
+
+
+def test_hung_worker_is_killed_and_replaced(module_etcd: EmbeddedEtcd, tmp_path: Path, baseline: dict) -> None:
+    c = _cluster(module_etcd, tmp_path, "hang", REF_PAUSE_RANK="2", REF_PAUSE_STEP="4")
+    try:
+        c.start_agent("--hang-timeout", "2")
+        c.start_agent("--hang-timeout", "2")
+        os.kill(c.paused_pid(2), signal.SIGSTOP)
+        c.wait()
+    finally:
+        c.kill_all()
+    assert_bitwise_equal(c.finals(), baseline)
+    _survivors_kept_pids(c, {2})
+    assert "is frozen" in c.tail(100000)
+
+
+def test_node_loss_replaced_by_spares_on_a_third_agent(module_etcd: EmbeddedEtcd, tmp_path: Path, baseline: dict) -> None:
+    c = _cluster(module_etcd, tmp_path, "nodeloss", REF_PAUSE_RANK="2", REF_PAUSE_STEP="6")
+    try:
+        c.start_leader_then_others()
+        c.start_agent("--spares", "2", nproc=0)
+        c.paused_pid(2)
+        victim = c.agent_of_rank(2)
+        assert victim is not c.leader_agent()
+        lost = {r for r in range(4) if c.agent_of_rank(r) is victim}
+        os.kill(victim.pid, signal.SIGKILL)  # the whole node: agent and (by PDEATHSIG) its workers
+        c.wait(expect_fail=[victim])
+    finally:
+        c.kill_all()
+    assert_bitwise_equal(c.finals(), baseline)
+    _survivors_kept_pids(c, lost)
+    assert all(c.pids(r)[-1]["role"] == "spare" for r in lost)
+
+
+def test_two_failures_in_different_placement_groups(module_etcd: EmbeddedEtcd, tmp_path: Path, baseline: dict) -> None:
+    a, b = independent_pair()
+    c = _cluster(module_etcd, tmp_path, "two", REF_PAUSE_RANK=str(a), REF_PAUSE_STEP="5",
+                 REF_PAUSE_RANK2=str(b), REF_PAUSE_STEP2="5")
+    try:
+        c.start_agent()
+        c.start_agent()
+        pa, pb = c.paused_pid(a), c.paused_pid(b, "2")
+        os.kill(pa, signal.SIGKILL)
+        os.kill(pb, signal.SIGKILL)
+        c.wait()
+    finally:
+        c.kill_all()
+    assert_bitwise_equal(c.finals(), baseline)
+    _survivors_kept_pids(c, {a, b})
+
+
+def test_second_failure_while_recovering(module_etcd: EmbeddedEtcd, tmp_path: Path, baseline: dict) -> None:
+    a, b = independent_pair()
+    c = _cluster(module_etcd, tmp_path, "during", REF_PAUSE_RANK=str(a), REF_PAUSE_STEP="5")
+    try:
+        c.start_agent()
+        c.start_agent()
+        os.kill(c.paused_pid(a), signal.SIGKILL)
+        wait_membership(c, 1)  # the recovery of the first failure is under way ...
+        survivor_b = int(c.pids(b)[0]["pid"])  # type: ignore[arg-type]
+        os.kill(survivor_b, signal.SIGKILL)  # ... when a second rank dies
+        c.wait()
+    finally:
+        c.kill_all()
+    assert_bitwise_equal(c.finals(), baseline)
+    m = c.membership()
+    assert m is not None and m.generation >= 2
+    _survivors_kept_pids(c, {a, b})
+
+
+def test_leader_agent_killed(module_etcd: EmbeddedEtcd, tmp_path: Path, baseline: dict) -> None:
+    c = _cluster(module_etcd, tmp_path, "leader", REF_PAUSE_RANK="0", REF_PAUSE_STEP="6")
+    try:
+        c.start_leader_then_others()
+        c.start_agent("--spares", "2", nproc=0)
+        c.paused_pid(0)
+        leader = c.leader_agent()
+        assert leader is c.agent_of_rank(0)
+        lost = {r for r in range(4) if c.agent_of_rank(r) is leader}
+        os.kill(leader.pid, signal.SIGKILL)
+        c.wait(expect_fail=[leader])
+    finally:
+        c.kill_all()
+    assert_bitwise_equal(c.finals(), baseline)
+    _survivors_kept_pids(c, lost)
+
+
+def test_more_than_k_failures_in_one_group_fall_back_to_disk(module_etcd: EmbeddedEtcd, tmp_path: Path, baseline: dict) -> None:
+    a = 0
+    holder = ring_holders()[a][0]
+    snaps = tmp_path / "snaps"
+    c = _cluster(module_etcd, tmp_path, "disk", REF_PAUSE_RANK=str(a), REF_PAUSE_STEP="7",
+                 REF_PAUSE_RANK2=str(holder), REF_PAUSE_STEP2="7")
+    try:
+        c.start_agent("--snapshot-every", "2", "--snapshot-dir", str(snaps))
+        c.start_agent("--snapshot-every", "2", "--snapshot-dir", str(snaps))
+        pa, ph = c.paused_pid(a), c.paused_pid(holder, "2")
+        wait_until(lambda: any(snaps.rglob("COMPLETE.json")), 60, "a complete snapshot")
+        os.kill(pa, signal.SIGKILL)
+        os.kill(ph, signal.SIGKILL)
+        c.wait()
+    finally:
+        c.kill_all()
+    assert_bitwise_equal(c.finals(), baseline)
+    m = c.membership()
+    assert m is not None and type(m.decision).__name__ == "DiskFallback"
+    assert "restored disk snapshot" in c.tail(100000) or "disk snapshot step" in c.tail(100000)
