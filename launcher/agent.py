@@ -159,6 +159,10 @@ class NodeAgent:
             return
         log.warning("respawning rank %d as %s (generation %d)", a.rank, a.worker_id, generation)
         self.slots.reset(slot.local_rank, a.worker_id, a.rank)
+        try:  # the new incarnation must not be judged by its predecessor's heartbeat
+            os.unlink(slot.heartbeat_file)
+        except FileNotFoundError:
+            pass
         try:
             group.respawn(slot.local_rank, {
                 "CKPTLESS_WORKER_ID": a.worker_id, "CKPTLESS_ROLE": "replacement",
@@ -222,6 +226,13 @@ class NodeAgent:
             host = cfg.local_addr or (cfg.master_addr if cfg.rdzv_endpoint is None else socket.getfqdn())
             store = dist.TCPStore(host, cfg.master_port or 0, is_master=True, wait_for_workers=False, use_libuv=True)
             me = NodeInfo(self.node_id, host, cfg.nproc_per_node, int(store.port))
+            if self.recovery:
+                # Campaign before the rendezvous: the first agent up leads, and a leader
+                # exists by the time anything can fail.
+                leader = RecoveryLeader(client, self.keyspace, session, host, int(store.port), cfg.replicas,
+                                        cfg.placement, snapshot_step=self._snapshot_step)
+                leader.start()
+                stack.callback(leader.stop)
             if cfg.nproc_per_node == 0:
                 # A spare-only node: not a rendezvous participant; it waits for the job to exist.
                 Rendezvous(client, self.keyspace, session).register(me)
@@ -241,12 +252,6 @@ class NodeAgent:
                 ))
                 self._membership = write_initial_membership(client, self.keyspace, initial) if self.recovery else initial
             self._result = result
-            leader = None
-            if self.recovery:
-                leader = RecoveryLeader(client, self.keyspace, session, host, int(store.port), cfg.replicas,
-                                        cfg.placement, snapshot_step=self._snapshot_step)
-                leader.start()
-                stack.callback(leader.stop)
             watch = client.watch_prefix(self.keyspace.prefix, self._on_events)
             stack.callback(watch.cancel)
 

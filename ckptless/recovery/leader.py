@@ -56,7 +56,9 @@ class RecoveryLeader:
         replacement_timeout_s: float = 60.0,
         snapshot_step: Callable[[int], int | None] | None = None,
         fresh_grace_s: float = 2.0,
+        max_recoveries: int = 50,
     ) -> None:
+        self.max_recoveries = max_recoveries
         self.fresh_grace_s = fresh_grace_s
         self._client = client
         self._ks = keyspace
@@ -218,6 +220,10 @@ class RecoveryLeader:
             log.warning("waiting for a replacement: %s", decision.reason)
             self._changed.clear()
             self._changed.wait(0.5)
+        if not isinstance(decision, Unrecoverable) and m.generation >= self.max_recoveries:
+            decision = Unrecoverable(self._ks.job_id, m.generation,
+                                     f"gave up after {m.generation} recoveries (limit {self.max_recoveries}): "
+                                     "failures keep recurring", ())
         if isinstance(decision, Unrecoverable):
             log.error("job %s is unrecoverable: %s", self._ks.job_id, decision.reason)
             self._client.put(self._ks.status, json.dumps({"state": "failed", "reason": decision.reason}))

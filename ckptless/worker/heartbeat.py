@@ -18,6 +18,7 @@ import threading
 
 class Heartbeat:
     def __init__(self, path: str | None, interval_s: float = 0.25) -> None:
+        self._path = path
         self._fd: int | None = None
         self._text = f"{'starting':>20}\n".encode()
         self._stop = threading.Event()
@@ -54,3 +55,7 @@ class Heartbeat:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
+            try:  # a finishing process is not a frozen one: the agent stops judging it
+                os.unlink(self._path or "")
+            except OSError:
+                pass
