@@ -21,7 +21,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ckptless.errors import ConfigError, MirrorError, TransportError
+from ckptless.errors import CkptlessError, ConfigError, MirrorError, TransportError
 from ckptless.goodput.ledger import EventKind
 from ckptless.mirror.config import MirrorConfig
 from ckptless.mirror.mirror import MirrorEngine
@@ -89,14 +89,20 @@ class Job:
         self.ledger.emit(EventKind.JOB_START, generation=self.generation, role=ctx.role)
         self._store: dist.Store | None = None
         self._store_addr: tuple[str, int] | None = None
-        self._init_failure: str | None = None
-        try:
-            self.groups: Groups | None = self._form()
-        except RECOVERABLE as exc:
-            if ctx.role == "member" or self.control is None or not is_recoverable(exc):
-                raise
-            self.groups = None  # a peer failed while we joined: recover in run()
-            self._init_failure = f"{type(exc).__name__}: {exc}"
+        self.groups: Groups | None = None
+        while self.groups is None:
+            try:
+                self.groups = self._form()
+            except RECOVERABLE as exc:
+                if ctx.role == "member" or self.control is None or not is_recoverable(exc):
+                    raise
+                # A peer failed while we were joining: say we hold nothing, take the next generation.
+                log.warning("worker %s: generation %d failed while joining: %s", self.worker_id, self.generation, exc)
+                destroy_groups()
+                self.control.report(self.generation, self.rank, build_report(self.worker_id, [], None, None))
+                self.membership = self.control.wait_membership(ctx.recovery_timeout_s, after=self.generation)
+                self.generation = self.membership.generation
+                self.rank = self.membership.rank_of(self.worker_id) or 0
         self.engine: MirrorEngine | None = None
         self.peer_store: PeerStore | None = None
         self._own_images: list[StoredImage] = []
@@ -180,7 +186,7 @@ class Job:
         step = start_step
         first_after_recovery = False
         if self._rejoin is not None:
-            step = self._recover(self._init_failure)
+            step = self._recover(None)
             first_after_recovery = True
         elif self.replicas > 0:
             step = self._guarded(lambda: self.capture_and_mirror(start_step), start_step)
@@ -299,7 +305,10 @@ class Job:
     def close(self) -> None:
         """Stop mirroring and snapshots and leave the groups (idempotent)."""
         if self.snapshots is not None:
-            self.snapshots.close(timeout=self.ctx.recovery_timeout_s)
+            try:
+                self.snapshots.close(timeout=self.ctx.recovery_timeout_s)
+            except CkptlessError as exc:  # a last-resort copy failed: report it, the run itself succeeded
+                log.warning("rank %d: disk snapshot failed: %s", self.rank, exc)
             self.snapshots = None
         if self.engine is not None:
             try:
