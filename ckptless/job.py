@@ -123,7 +123,8 @@ class Job:
         control = self.control
         abort = (lambda: control.incident(self.generation)) if control is not None else None
         return form_groups(self._store, self.generation, self.rank, self.world_size,
-                           self.ctx.collective_timeout_s, abort)
+                           self.ctx.collective_timeout_s, abort,
+                           arrive_timeout_s=max(self.ctx.recovery_timeout_s, self.ctx.collective_timeout_s))
 
     def _node_of(self) -> list[str] | None:
         if self.membership is None:
@@ -275,11 +276,10 @@ class Job:
                 self._rejoin = None
                 assert self.membership is not None and self.membership.decision is not None
                 resume = apply_decision(self, self.membership, self.membership.decision)
-                self._ensure_engine()
-                self.capture_and_mirror(resume)  # restore K replicas under the new membership
-                assert self.engine is not None
-                if not self.engine.wait_committed(resume, timeout=self._mirror_config.timeout_s):
-                    raise TransportError(f"re-protection of v{resume} not committed in time")
+                # Restore K replicas under the new membership. The round runs in the
+                # background while training resumes: until it commits, a second
+                # failure is planned from the replicas the old generation left.
+                self.capture_and_mirror(resume)
             except RECOVERABLE as exc:
                 if not is_recoverable(exc):
                     raise

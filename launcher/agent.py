@@ -145,10 +145,11 @@ class NodeAgent:
                 a = by_worker.get(slot.worker_id)
                 if a is not None:
                     self.slots.assign(slot.local_rank, a.rank)
-                elif slot.rank is not None and slot.alive:
-                    log.warning("worker %s is not part of generation %d: killing it", slot.worker_id, m.generation)
-                    group.send_signal(slot.local_rank, signal.SIGKILL)
-                    self.slots.assign(slot.local_rank, None)
+                elif slot.rank is not None:
+                    if slot.alive:
+                        log.warning("worker %s is not part of generation %d: killing it", slot.worker_id, m.generation)
+                        group.send_signal(slot.local_rank, signal.SIGKILL)
+                    self.slots.assign(slot.local_rank, None)  # its rank now runs elsewhere
             for a in m.ranks:
                 if a.node_id == self.node_id and a.source == "respawn":
                     self._respawn(group, a, m.generation)

@@ -127,17 +127,24 @@ class RecoveryLeader:
         live_nodes = {kv.key.rsplit("/", 1)[1] for kv in nodes}
         exits, _ = self._client.get_prefix(self._ks.exits_prefix)
         lost: set[int] = set()
+        finished: set[int] = set()
         for kv in exits:
             try:
                 rec = json.loads(kv.value)
             except ValueError:
                 continue
             rank = int(rec.get("rank", -1))
-            failed = rec.get("signal") is not None or rec.get("exitcode") not in (0, None)
-            if 0 <= rank < m.world_size and failed and rec.get("worker_id") == m.worker_of(rank).worker_id:
+            if not (0 <= rank < m.world_size and rec.get("worker_id") == m.worker_of(rank).worker_id):
+                continue  # an earlier incarnation's record
+            if rec.get("signal") is not None or rec.get("exitcode") not in (0, None):
                 lost.add(rank)
+            elif rec.get("exitcode") == 0:
+                finished.add(rank)
         dead_nodes = {a.node_id for a in m.ranks if a.node_id not in live_nodes}
-        lost |= {a.rank for a in m.ranks if a.node_id in dead_nodes}
+        # A rank that finished the job is not lost when its node leaves afterwards.
+        lost |= {a.rank for a in m.ranks if a.node_id in dead_nodes and a.rank not in finished}
+        if len(finished) == m.world_size:
+            return set(), dead_nodes  # the job is complete: nothing to recover
         return lost, dead_nodes
 
     def _reports(self, generation: int) -> dict[int, WorkerReport]:

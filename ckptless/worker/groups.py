@@ -71,9 +71,14 @@ def arrive(store: dist.Store, generation: int, world_size: int, timeout_s: float
 
 
 def form_groups(store: dist.Store, generation: int, rank: int, world_size: int, timeout_s: float,
-                abort: Callable[[], bool] | None = None) -> Groups:
-    """Initialise the default (training) group and the mirror group for ``generation``."""
-    arrive(store, generation, world_size, timeout_s, abort)
+                abort: Callable[[], bool] | None = None, arrive_timeout_s: float | None = None) -> Groups:
+    """Initialise the default (training) group and the mirror group for ``generation``.
+
+    ``arrive_timeout_s`` bounds the wait for every rank to show up; it is the
+    recovery deadline, longer than a collective's, because a cold replacement
+    may need many seconds just to import torch on a loaded node.
+    """
+    arrive(store, generation, world_size, arrive_timeout_s or timeout_s, abort)
     prefixed = dist.PrefixStore(f"ckptless/gen{generation}/", store)
     try:
         dist.init_process_group(

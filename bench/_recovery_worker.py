@@ -1,0 +1,152 @@
+"""Training worker of bench/recovery.py (one process = one rank).
+
+Usage:  _recovery_worker.py ckptless OUT     (under ckptless-run)
+        _recovery_worker.py torchrun OUT     (under torchrun; DCP save / load)
+
+State per rank is controlled: one parameter shard of BENCH_STATE_BYTES / 12 float32
+elements plus its AdamW state (exp_avg, exp_avg_sq), i.e. ~BENCH_STATE_BYTES per rank
+(every rank owns a distinct shard, as in FSDP / ZeRO). A step: a cheap deterministic
+gradient, AdamW update of the whole shard, and one small all_reduce (so a dead peer
+is seen by the collective, as in a real job).
+
+Fault injection (same idea as tests/scripts/train_ref.py): BENCH_PAUSES="r:s,r:s,..."
+lists (rank, step) points; the rank that is about to run step s writes
+OUT/pause<i>.json ({"pid", "rank", "step"}) and holds (bounded) until the bench
+SIGKILLs it. A pause point fires once (its file exists afterwards).
+Timestamps (time.monotonic, one clock for every process on this host):
+  ckptless: the goodput ledgers (--goodput-dir).
+  torchrun: OUT/tr_rank<R>.jsonl lines {"inc", "t_start", "t_loaded", "t_first_step", ...}.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+T_PROCESS = time.monotonic()  # before `import torch`
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+
+def _announce(path: str, doc: dict[str, object]) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(doc, f)
+    os.replace(tmp, path)
+
+
+def _pauses() -> list[tuple[int, int]]:
+    raw = os.environ.get("BENCH_PAUSES", "")
+    return [(int(a), int(b)) for a, b in (p.split(":") for p in raw.split(",") if p)]
+
+
+def _maybe_pause(out: str, rank: int, step: int) -> None:
+    for i, (r, s) in enumerate(_pauses()):
+        if (r, s) != (rank, step):
+            continue
+        path = os.path.join(out, f"pause{i}.json")
+        if os.path.exists(path):
+            continue  # fired already (we are the replacement / restarted incarnation)
+        _announce(path, {"pid": os.getpid(), "rank": rank, "step": step})
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:  # held here until the bench's SIGKILL arrives
+            time.sleep(0.005)
+
+
+class Shard(torch.nn.Module):
+    def __init__(self, numel: int, rank: int) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.empty(numel))
+        with torch.no_grad():  # cheap deterministic init: the bench times recovery, not init
+            torch.arange(numel, out=self.w).remainder_(997).mul_(1e-3).add_(rank)
+
+
+def _build(rank: int) -> tuple[Shard, torch.optim.Optimizer]:
+    numel = max(1, int(os.environ["BENCH_STATE_BYTES"]) // 12)
+    model = Shard(numel, rank)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0, foreach=False)
+    p = model.w
+    # AdamW state exists from the start, so the protected / saved layout never changes.
+    opt.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
+    p.grad = torch.zeros_like(p)
+    return model, opt
+
+
+def _step(model: Shard, opt: torch.optim.Optimizer, step: int) -> None:
+    p = model.w
+    torch.mul(p.detach(), 1e-3 * (1 + step % 3), out=p.grad)
+    opt.step()
+    loss = p.detach()[:1024].sum().reshape(1)
+    dist.all_reduce(loss)
+
+
+def run_ckptless(out: str) -> None:
+    import ckptless
+
+    steps = int(os.environ.get("BENCH_STEPS", "20"))
+    if os.environ.get("CKPTLESS_ROLE") == "spare":  # warm: torch and ckptless imported, about to wait
+        _announce(os.path.join(out, f"spare_ready_{os.getpid()}.json"), {"pid": os.getpid(), "t": time.monotonic()})
+    job = ckptless.init()
+    rank = dist.get_rank()
+    with open(os.path.join(out, f"pids_rank{rank}.jsonl"), "a") as f:
+        f.write(json.dumps({"pid": os.getpid(), "role": job.ctx.role, "generation": job.generation,
+                            "t_process": T_PROCESS, "t_init": time.monotonic()}) + "\n")
+    t0 = time.monotonic()
+    model, opt = _build(rank)
+    job.protect(model=model, optimizer=opt)
+    with open(os.path.join(out, f"built_rank{rank}.jsonl"), "a") as f:
+        f.write(json.dumps({"pid": os.getpid(), "generation": job.generation, "t0": t0, "t_built": time.monotonic()}) + "\n")
+
+    def train_step(step: int) -> None:
+        _maybe_pause(out, rank, step)
+        _step(model, opt, step)
+
+    job.run(train_step, steps)
+    job.close()
+
+
+def run_torchrun(out: str) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    steps = int(os.environ.get("BENCH_STEPS", "20"))
+    save_at = int(os.environ.get("BENCH_SAVE_AT", "3"))
+    ckpt = os.path.join(out, "dcp")
+    inc = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    rec: dict[str, object] = {"inc": inc, "pid": os.getpid(), "t_process": T_PROCESS, "t_init": time.monotonic()}
+    model, opt = _build(rank)
+    p = model.w
+    state = {f"rank{rank}": {"w": p.detach(), **opt.state[p]}}
+    start = 0
+    if inc > 0:
+        dcp.load(state, checkpoint_id=ckpt)  # in place into the tensors above
+        with open(os.path.join(ckpt, "step.json")) as f:
+            start = int(json.load(f)["step"])
+    rec["t_loaded"] = time.monotonic()
+    for step in range(start, steps):
+        if step == save_at and inc == 0:
+            t0 = time.monotonic()
+            dcp.save(state, checkpoint_id=ckpt)
+            dist.barrier()
+            if rank == 0:
+                _announce(os.path.join(ckpt, "step.json"), {"step": step})
+            with open(os.path.join(out, f"tr_rank{rank}.jsonl"), "a") as f:
+                f.write(json.dumps({"inc": 0, "save_s": time.monotonic() - t0}) + "\n")
+        _maybe_pause(out, rank, step)
+        _step(model, opt, step)
+        if step == start:
+            rec["t_first_step"] = time.monotonic()
+            rec["first_step"] = step
+            with open(os.path.join(out, f"tr_rank{rank}.jsonl"), "a") as f:
+                f.write(json.dumps(rec) + "\n")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    {"ckptless": run_ckptless, "torchrun": run_torchrun}[sys.argv[1]](sys.argv[2])

@@ -1,0 +1,333 @@
+"""A local ckptless job under test: an etcd, N ``ckptless-run`` agents, an output dir.
+
+Why the cluster owns its etcd by default: the chaos runner must observe the
+job (leader, generation) and restart the coordinator's server, which it can
+only do on a server it started. Observation goes through the public
+``ckptless.coordinator`` client and keyspace only; everything else is learnt
+from real processes (``/proc``) and the files the job writes.
+
+Every agent runs in its own session (process group) so cleanup can reach its
+workers even when the agent itself is gone; logs go to files, never to the
+runner's terminal.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ckptless.coordinator.client import EtcdClient
+from ckptless.coordinator.config import EtcdConfig
+from ckptless.coordinator.embedded import EmbeddedEtcd
+from ckptless.coordinator.keyspace import Keyspace
+from ckptless.errors import CkptlessError, ConfigError, CoordinatorError
+
+REPO = Path(__file__).resolve().parent.parent
+DEMO_SCRIPT = REPO / "examples" / "train_demo.py"
+
+
+class ChaosTimeout(CkptlessError):
+    """A bounded wait of the chaos runner ran past its deadline."""
+
+
+def wait_for(cond: Callable[[], bool], timeout_s: float, what: str, interval_s: float = 0.01) -> float:
+    """Poll ``cond`` until true (a condition, never a guess at timing); return the time taken."""
+    start = time.monotonic()
+    while not cond():
+        if time.monotonic() - start > timeout_s:
+            raise ChaosTimeout(f"timed out after {timeout_s:.0f}s waiting for {what}")
+        time.sleep(interval_s)
+    return time.monotonic() - start
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """Shape of the local job. ``spare_nodes`` agents run only warm spares (``--nproc-per-node 0``)."""
+
+    nodes: int = 2
+    nproc_per_node: int = 2
+    spares_per_node: int = 0
+    spare_nodes: int = 0
+    spares_per_spare_node: int = 2
+    hang_timeout: float | None = None
+    snapshot_every: int = 0
+    lease_ttl: float = 1.0
+    steps: int = 12
+    width: int = 32
+    script: Path = DEMO_SCRIPT
+    env: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.nproc_per_node
+
+    def validate(self) -> None:
+        for name in ("nodes", "nproc_per_node", "steps", "width"):
+            v = getattr(self, name)
+            if type(v) is not int or v < 1:
+                raise ConfigError(name, v, "must be an int >= 1")
+        for name in ("spares_per_node", "spare_nodes", "spares_per_spare_node", "snapshot_every"):
+            v = getattr(self, name)
+            if type(v) is not int or v < 0:
+                raise ConfigError(name, v, "must be an int >= 0")
+        if self.hang_timeout is not None and self.hang_timeout <= 0:
+            raise ConfigError("hang_timeout", self.hang_timeout, "must be > 0 seconds")
+        if self.lease_ttl < 1:
+            raise ConfigError("lease_ttl", self.lease_ttl, "must be >= 1 second")
+
+
+@dataclass
+class Agent:
+    index: int
+    proc: subprocess.Popen[bytes]
+    log: Path
+    spare_only: bool
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+
+def child_env(extra: Mapping[str, str]) -> dict[str, str]:
+    """The agents' environment: quiet gRPC, one thread per worker (2 cores), importable repo.
+
+    The collective/recovery timeouts are generous: a respawned worker is a cold
+    process (``import torch``), which on a loaded 2-core machine took > 30 s and
+    turned a clean recovery into a "failure during recovery" cascade.
+    """
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    env.update({"GRPC_ENABLE_FORK_SUPPORT": "false", "GRPC_VERBOSITY": "ERROR", "OMP_NUM_THREADS": "1",
+                "CKPTLESS_LOG_LEVEL": "INFO", "CKPTLESS_COLLECTIVE_TIMEOUT": "90",
+                "CKPTLESS_RECOVERY_TIMEOUT": "180"})
+    env.update(extra)
+    return env
+
+
+class LocalCluster:
+    """Start, observe and tear down one job. Use as a context manager: teardown is in ``__exit__``."""
+
+    def __init__(self, spec: ClusterSpec, out: Path, name: str, etcd_endpoint: str | None = None,
+                 pauses: str = "") -> None:
+        spec.validate()
+        self.spec = spec
+        self.out = out
+        self.job_id = f"{name}-{uuid.uuid4().hex[:6]}"
+        self.keyspace = Keyspace(self.job_id)
+        self.agents: list[Agent] = []
+        self.etcd: EmbeddedEtcd | None = None
+        self._endpoint = etcd_endpoint
+        self._pauses = pauses
+        self._client: EtcdClient | None = None
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "logs").mkdir(exist_ok=True)
+
+    # --- lifecycle ------------------------------------------------------------------
+    @property
+    def endpoint(self) -> str:
+        assert self._endpoint is not None, "cluster not started"
+        return self._endpoint
+
+    @property
+    def goodput_dir(self) -> Path:
+        return self.out / "goodput"
+
+    @property
+    def snapshot_dir(self) -> Path:
+        return self.out / "snapshots"
+
+    def __enter__(self) -> LocalCluster:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def start(self) -> None:
+        """etcd (unless given), then the node-rank-0 agent, elected before the others start.
+
+        Starting agent 0 alone until it leads makes the layout deterministic:
+        agent 0 leads and holds ranks 0..nproc-1, agent i holds the next block.
+        """
+        if self._endpoint is None:
+            self.etcd = EmbeddedEtcd(data_dir=self.out / "etcd", log_path=self.out / "logs" / "etcd.log").start()
+            self._endpoint = self.etcd.endpoint
+        self._start_agent(self.spec.nproc_per_node, self.spec.spares_per_node)
+        wait_for(lambda: bool(self.client().get_prefix(self.keyspace.election_prefix)[0]), 120, "a leader")
+        for _ in range(self.spec.nodes - 1):
+            self._start_agent(self.spec.nproc_per_node, self.spec.spares_per_node)
+        for _ in range(self.spec.spare_nodes):
+            self._start_agent(0, self.spec.spares_per_spare_node)
+
+    def _start_agent(self, nproc: int, spares: int) -> Agent:
+        s = self.spec
+        args = ["--nnodes", str(s.nodes), "--nproc-per-node", str(nproc), "--rdzv-id", self.job_id,
+                "--rdzv-endpoint", self.endpoint, "--lease-ttl", str(s.lease_ttl),
+                "--goodput-dir", str(self.goodput_dir)]
+        if spares:
+            args += ["--spares", str(spares)]
+        if s.hang_timeout:
+            args += ["--hang-timeout", str(s.hang_timeout)]
+        if s.snapshot_every:
+            args += ["--snapshot-every", str(s.snapshot_every), "--snapshot-dir", str(self.snapshot_dir)]
+        env = child_env({"DEMO_STEPS": str(s.steps), "DEMO_WIDTH": str(s.width), "CHAOS_PAUSES": self._pauses,
+                         **s.env})
+        log = self.out / "logs" / f"agent{len(self.agents)}.log"
+        with open(log, "wb") as f:
+            proc = subprocess.Popen([sys.executable, "-m", "ckptless.launcher.main", *args, str(s.script),
+                                     str(self.out)], env=env, stdout=f, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL, start_new_session=True)
+        agent = Agent(len(self.agents), proc, log, spare_only=nproc == 0)
+        self.agents.append(agent)
+        return agent
+
+    def wait(self, timeout_s: float) -> dict[int, int | None]:
+        """Exit code per agent index (None: still running at the deadline, then killed)."""
+        deadline = time.monotonic() + timeout_s
+        codes: dict[int, int | None] = {}
+        for a in self.agents:
+            try:
+                codes[a.index] = a.proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                codes[a.index] = None
+        return codes
+
+    def kill_all(self) -> None:
+        for a in self.agents:
+            try:
+                os.killpg(a.pid, signal.SIGKILL)  # the agent's session: it and its workers
+            except (ProcessLookupError, PermissionError):
+                pass
+            try:
+                a.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+        for pid in self.job_processes():
+            try:
+                os.kill(pid, signal.SIGKILL)  # workers of a killed agent live in its old session
+            except ProcessLookupError:
+                pass
+
+    def close(self) -> None:
+        try:
+            self.kill_all()
+        finally:
+            if self._client is not None:
+                self._client.close()
+                self._client = None
+            if self.etcd is not None:
+                self.etcd.stop()
+
+    # --- observation ----------------------------------------------------------------
+    def client(self) -> EtcdClient:
+        if self._client is None:
+            self._client = EtcdClient(EtcdConfig((self.endpoint,)))
+        return self._client
+
+    def generation(self) -> int | None:
+        """The fenced generation counter (``generation`` key), or None before the job wrote it."""
+        kv = self.client().get(self.keyspace.generation)
+        return None if kv is None else int(json.loads(kv.value)["generation"])
+
+    def leader_node_id(self) -> str:
+        """The contender with the lowest create revision under ``election/`` leads."""
+        kvs, _ = self.client().get_prefix(self.keyspace.election_prefix)
+        if not kvs:
+            raise CoordinatorError(f"job {self.job_id}: no election contender")
+        return min(kvs, key=lambda kv: kv.create_revision).value.decode()
+
+    def agent_by_node_id(self, node_id: str) -> Agent:
+        """Node ids are ``<host>-<agent pid>-<hex>``."""
+        for a in self.agents:
+            if f"-{a.pid}-" in node_id:
+                return a
+        raise CoordinatorError(f"no agent of this cluster has node id {node_id}")
+
+    def leader(self) -> Agent:
+        return self.agent_by_node_id(self.leader_node_id())
+
+    def agent_of_pid(self, worker_pid: int) -> Agent:
+        """A worker's agent is its parent process (agents spawn workers directly)."""
+        ppid = _ppid(worker_pid)
+        for a in self.agents:
+            if a.pid == ppid:
+                return a
+        raise CoordinatorError(f"worker {worker_pid} has parent {ppid}, not one of our agents")
+
+    def ranks_of(self, agent: Agent) -> tuple[int, ...]:
+        """Ranks whose current worker (last line of ``pids_rank<R>.jsonl``) is a child of ``agent``."""
+        found = []
+        for r in range(self.spec.world_size):
+            recs = self.pids(r)
+            if recs and _ppid(int(str(recs[-1]["pid"]))) == agent.pid:
+                found.append(r)
+        return tuple(found)
+
+    def job_processes(self) -> list[int]:
+        """Live (non-zombie) processes whose command line names this job's output dir."""
+        needle = str(self.out).encode() + b"\0"  # the script's argument, exactly
+        found = []
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit() or int(entry) == os.getpid():
+                continue
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    cmd = f.read()
+                if needle in cmd and _state(int(entry)) not in ("Z", "X"):
+                    found.append(int(entry))
+            except OSError:
+                continue
+        return found
+
+    def pids(self, rank: int) -> list[dict[str, object]]:
+        path = self.out / f"pids_rank{rank}.jsonl"
+        if not path.exists():
+            return []
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+    def tail(self, chars: int = 3000) -> str:
+        return "\n".join(f"--- {a.log.name}\n{a.log.read_text(errors='replace')[-chars:]}"
+                         for a in self.agents if a.log.exists())
+
+    def logs_text(self) -> str:
+        return "\n".join(a.log.read_text(errors="replace") for a in self.agents if a.log.exists())
+
+
+def _stat_fields(pid: int) -> list[str]:
+    with open(f"/proc/{pid}/stat") as f:
+        text = f.read()
+    return text[text.rindex(")") + 2:].split()  # the command name may contain spaces and parens
+
+
+def _ppid(pid: int) -> int:
+    try:
+        return int(_stat_fields(pid)[1])
+    except OSError:
+        return -1
+
+
+def _state(pid: int) -> str:
+    return _stat_fields(pid)[0]
+
+
+def alive(pid: int) -> bool:
+    try:
+        return _state(pid) not in ("Z", "X")
+    except OSError:
+        return False
+
+
+def wait_gone(pids: Sequence[int], timeout_s: float) -> list[int]:
+    """Wait (bounded) for processes to exit; return those still alive at the deadline."""
+    try:
+        wait_for(lambda: not any(alive(p) for p in pids), timeout_s, "processes to exit")
+    except ChaosTimeout:
+        pass
+    return [p for p in pids if alive(p)]

@@ -1,0 +1,247 @@
+"""Scenario runner: a fault-free baseline, the same job with faults, health checks, a verdict.
+
+Why a baseline run instead of stored reference numbers: the decisive check
+is that a run with failures ends *bitwise* identical to the same run without
+them (params, optimizer state, LR, RNG draws, data position; ``torch.equal``,
+no tolerance). Any stored number would go stale with torch versions; a fresh
+baseline from the same script and seeds cannot.
+
+Health checks besides equality: every agent exits 0 except the ones killed on
+purpose; no process of the job is left behind (``/proc``); the fenced
+generation advanced at least once per incident (exactly 0 if nothing was
+lost); ranks that were not hit kept their first process (survivors are not
+restarted); a loss beyond K was served from disk.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ckptless.chaos.cluster import ClusterSpec, LocalCluster, wait_gone
+from ckptless.chaos.faults import Injection, inject_step, pause_spec
+from ckptless.chaos.schedule import Fault, FaultKind, Schedule
+from ckptless.errors import CkptlessError
+
+RUN_TIMEOUT_S = 300.0
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    fault: str                 # one line: what is injected
+    expected: str              # one line: what must happen
+    spec: ClusterSpec
+    schedule: Schedule
+    expect_disk: bool = False
+
+
+@dataclass
+class Verdict:
+    scenario: Scenario
+    passed: bool
+    reasons: list[str] = field(default_factory=list)
+    injections: list[Injection] = field(default_factory=list)
+    generation: int | None = None
+    downtimes_s: list[float] = field(default_factory=list)
+    kill_to_step_s: list[float] = field(default_factory=list)
+    goodput: float | None = None
+    wall_s: float = 0.0
+    out: Path | None = None
+
+
+def _flatten(obj: object, prefix: str = "") -> dict[str, object]:
+    out: dict[str, object] = {}
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            out.update(_flatten(v, f"{prefix}.{k}"))
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            out.update(_flatten(v, f"{prefix}.{i}"))
+    else:
+        out[prefix] = obj
+    return out
+
+
+def load_finals(out: Path, world: int) -> dict[int, dict[str, object]]:
+    return {r: torch.load(out / f"final_rank{r}.pt", weights_only=True)
+            for r in range(world) if (out / f"final_rank{r}.pt").exists()}
+
+
+def bitwise_diff(got: dict[int, dict[str, object]], want: dict[int, dict[str, object]]) -> list[str]:
+    """Every leaf that is not ``torch.equal`` (or ``==``); generation/recoveries are expected to differ."""
+    problems: list[str] = []
+    for rank in sorted(want):
+        if rank not in got:
+            problems.append(f"rank {rank}: no final state written")
+            continue
+        a, b = _flatten(got[rank]), _flatten(want[rank])
+        for k in sorted(set(b) - {".generation", ".recoveries"}):
+            if k not in a:
+                problems.append(f"rank {rank}: {k} missing")
+                continue
+            x, y = a[k], b[k]
+            same = torch.equal(x, y) if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) else x == y
+            if not same:
+                problems.append(f"rank {rank}: {k} differs")
+    return problems
+
+
+def baseline_spec(spec: ClusterSpec) -> ClusterSpec:
+    """The fault-free twin: same script, steps, width and world; no spares, watchdog or snapshots
+    (none of them changes what is computed)."""
+    return dataclasses.replace(spec, spares_per_node=0, spare_nodes=0, hang_timeout=None, snapshot_every=0)
+
+
+class BaselineCache:
+    """One baseline per training configuration, reused across scenarios of a matrix."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self._finals: dict[tuple[Any, ...], tuple[dict[int, dict[str, object]], float | None]] = {}
+
+    def get(self, spec: ClusterSpec, log: Callable[[str], None]) -> tuple[dict[int, dict[str, object]], float | None]:
+        base = baseline_spec(spec)
+        key = (str(base.script), base.steps, base.width, base.world_size, base.nodes, tuple(sorted(base.env.items())))
+        if key not in self._finals:
+            out = self.root / f"baseline-{len(self._finals)}"
+            shutil.rmtree(out, ignore_errors=True)
+            log(f"baseline: {base.nodes} node(s) x {base.nproc_per_node} workers, {base.steps} steps -> {out}")
+            with LocalCluster(base, out, "baseline") as c:
+                c.start()
+                codes = c.wait(RUN_TIMEOUT_S)
+                if any(code != 0 for code in codes.values()):
+                    raise CkptlessError(f"baseline run failed (agent exit codes {codes}):\n{c.tail()}")
+            finals = load_finals(out, base.world_size)
+            if len(finals) != base.world_size:
+                raise CkptlessError(f"baseline wrote {len(finals)} of {base.world_size} final states")
+            self._finals[key] = (finals, goodput_of(out / "goodput")[0])
+        return self._finals[key]
+
+
+def goodput_of(directory: Path) -> tuple[float | None, list[Any]]:
+    """(goodput, incidents) from the run's ledgers, through the ``ckptless report`` loader."""
+    from ckptless.cli import load_ledgers
+    from ckptless.goodput import account
+
+    if not directory.is_dir() or not any(directory.glob("*.jsonl")):
+        return None, []
+    rep = account(load_ledgers(directory), ref_rank=0)
+    return rep.goodput, list(rep.incidents)
+
+
+def _expected_incidents(schedule: Schedule) -> int:
+    return len({f.step for f in schedule.faults if f.kind is not FaultKind.RESTART_ETCD})
+
+
+def run_scenario(sc: Scenario, root: Path, baselines: BaselineCache,
+                 log: Callable[[str], None] = print) -> Verdict:
+    """Baseline (cached), faulty run, checks. Never raises for a failing job: that is a FAIL verdict."""
+    import time
+
+    t0 = time.monotonic()
+    v = Verdict(sc, passed=False)
+    want, _ = baselines.get(sc.spec, log)
+    out = root / sc.name
+    shutil.rmtree(out, ignore_errors=True)
+    v.out = out
+    log(f"[{sc.name}] {sc.fault}; logs in {out / 'logs'}")
+    with LocalCluster(sc.spec, out, sc.name, pauses=pause_spec(sc.schedule.faults)) as c:
+        try:
+            c.start()
+            by_step: dict[int, list[tuple[int, Fault]]] = {}
+            for i, f in enumerate(sc.schedule.faults):
+                by_step.setdefault(f.step, []).append((i, f))
+            for step in sorted(by_step):
+                for inj in inject_step(c, by_step[step]):
+                    v.injections.append(inj)
+                    log(f"[{sc.name}]   injected {inj.fault.describe()} ({inj.note})")
+            codes = c.wait(RUN_TIMEOUT_S)
+        except CkptlessError as exc:
+            v.reasons.append(f"run aborted: {exc}")
+            codes = {}
+        if not codes or None in codes.values():
+            c.kill_all()  # a stuck job: stop it first, so the orphan check reports only real leftovers
+        _check_health(c, sc, v, codes)
+    got = load_finals(out, sc.spec.world_size)
+    v.reasons += bitwise_diff(got, want)[:8]
+    _measure(v, out)
+    v.passed = not v.reasons
+    v.wall_s = time.monotonic() - t0
+    return v
+
+
+def _check_health(c: LocalCluster, sc: Scenario, v: Verdict, codes: dict[int, int | None]) -> None:
+    killed = {i for inj in v.injections for i in inj.agents_killed}
+    for a in c.agents:
+        code = codes.get(a.index)
+        if a.index in killed:
+            continue
+        if code != 0:
+            v.reasons.append(f"agent{a.index} exited {code if code is not None else 'never (timeout)'}")
+    if v.reasons:
+        v.reasons.append(f"see {c.out / 'logs'}")
+    leftover = wait_gone(c.job_processes(), 15.0)
+    if leftover:
+        v.reasons.append(f"orphan processes left: {leftover}")
+    try:
+        v.generation = c.generation()
+    except CkptlessError as exc:
+        v.reasons.append(f"cannot read the generation: {exc}")
+    want_min = _expected_incidents(sc.schedule)
+    if v.generation is not None:
+        if want_min == 0 and v.generation != 0:
+            v.reasons.append(f"generation advanced to {v.generation} without a lost rank")
+        elif v.generation < want_min:
+            v.reasons.append(f"generation {v.generation} < {want_min} incidents")
+    lost = {r for inj in v.injections for r in inj.lost}
+    for r in range(sc.spec.world_size):
+        pids = c.pids(r)
+        if r not in lost and len(pids) > 1:
+            v.reasons.append(f"survivor rank {r} was restarted: {[p['pid'] for p in pids]}")
+        if r in lost and len(pids) < 2:
+            v.reasons.append(f"lost rank {r} was never replaced")
+    if sc.expect_disk:
+        text = c.logs_text()
+        if "restored disk snapshot" not in text and "disk snapshot step" not in text:
+            v.reasons.append("expected a disk fallback; the logs show none")
+
+
+def _measure(v: Verdict, out: Path) -> None:
+    try:
+        v.goodput, incidents = goodput_of(out / "goodput")
+    except CkptlessError as exc:
+        v.reasons.append(f"goodput ledger unreadable: {exc}")
+        return
+    v.downtimes_s = [round(i.downtime_s, 3) for i in incidents]
+    for inj in v.injections:
+        if inj.fault.kind is FaultKind.RESTART_ETCD:
+            continue
+        after = [i.ended_at for i in incidents if i.ended_at >= inj.t_monotonic]
+        if after:
+            v.kill_to_step_s.append(round(min(after) - inj.t_monotonic, 3))
+
+
+def render_table(verdicts: list[Verdict]) -> str:
+    rows = [("scenario", "fault", "verdict", "gen", "kill->step s", "downtime s", "goodput", "wall s")]
+    for v in verdicts:
+        rows.append((
+            v.scenario.name, v.scenario.fault, "PASS" if v.passed else "FAIL",
+            "-" if v.generation is None else str(v.generation),
+            ",".join(f"{x:.2f}" for x in v.kill_to_step_s) or "-",
+            ",".join(f"{x:.2f}" for x in v.downtimes_s) or "-",
+            "-" if v.goodput is None else f"{v.goodput:.1%}", f"{v.wall_s:.0f}",
+        ))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    for v in verdicts:
+        for reason in v.reasons:
+            lines.append(f"  {v.scenario.name}: {reason}")
+    return "\n".join(lines) + "\n"
