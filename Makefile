@@ -22,6 +22,7 @@ demo: $(STAMP)
 
 # The CI suite: everything except the slow chaos matrix (a bounded, seeded subset of it runs).
 test: $(STAMP)
+	$(PY) -m mypy ckptless launcher chaos
 	$(PY) -m pytest -q -m "not slow" tests
 
 # Everything, including the slow chaos/recovery matrix.

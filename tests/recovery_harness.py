@@ -20,6 +20,7 @@ import torch
 from ckptless.coordinator.client import EtcdClient
 from ckptless.coordinator.config import EtcdConfig
 from ckptless.coordinator.keyspace import Keyspace
+from ckptless.chaos.scenario import bitwise_diff
 from ckptless.mirror.placement import compute_placement
 from ckptless.recovery.wire import Membership, membership_from_json
 
@@ -135,29 +136,10 @@ def independent_pair() -> tuple[int, int]:
     raise AssertionError(f"no independent pair in {holders}")
 
 
-def _flatten(obj: object, prefix: str = "") -> dict[str, object]:
-    out: dict[str, object] = {}
-    if isinstance(obj, dict):
-        for k, v in obj.items():
-            out.update(_flatten(v, f"{prefix}.{k}"))
-    elif isinstance(obj, (list, tuple)):
-        for i, v in enumerate(obj):
-            out.update(_flatten(v, f"{prefix}.{i}"))
-    else:
-        out[prefix] = obj
-    return out
-
-
 def assert_bitwise_equal(got: dict[int, dict[str, object]], want: dict[int, dict[str, object]]) -> None:
     """Parameters, optimizer state, LR, RNG draws and data position: torch.equal, no tolerance."""
-    for rank in want:
-        a, b = _flatten(got[rank]), _flatten(want[rank])
-        keys = set(b) - {".generation", ".recoveries"}
-        assert keys <= set(a), f"rank {rank}: missing {keys - set(a)}"
-        for k in sorted(keys):
-            x, y = a[k], b[k]
-            same = torch.equal(x, y) if isinstance(y, torch.Tensor) else x == y
-            assert same, f"rank {rank}: {k} differs after recovery"
+    problems = bitwise_diff(got, want)
+    assert not problems, "differs after recovery: " + "; ".join(problems[:10])
 
 
 def wait_membership(cluster: Cluster, generation: int, timeout: float = 120) -> Membership:

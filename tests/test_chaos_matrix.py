@@ -8,7 +8,6 @@ two job runs, about 60-80 s on 2 cores. The full matrix (every scenario of
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 

@@ -197,7 +197,6 @@ class JobSim(RuleBasedStateMachine):
             return
         assert decision.generation == self.gen + 1
         self.gen = decision.generation
-        lost = self.lost()
         self._adopt(decision.rank_to_worker, decision)
         if isinstance(decision, DiskFallback):
             assert not common and decision.snapshot_step == self.snapshot

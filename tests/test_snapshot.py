@@ -19,7 +19,6 @@ import torch.distributed.checkpoint as dcp
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import ckptless.snapshot.writer as writer_mod
 from ckptless.errors import ConfigError, DiskFullError, IntegrityError, SnapshotError
 from ckptless.snapshot import (
     MARKER, SnapshotConfig, SnapshotEntry, SnapshotWriter, latest_complete, list_complete, load_snapshot,

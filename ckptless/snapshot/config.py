@@ -10,24 +10,22 @@ from __future__ import annotations
 
 import math
 import os
-import re
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from ckptless.coordinator.keyspace import validate_job_id
 from ckptless.errors import ConfigError
 
 OnBusy = Literal["skip", "wait"]
 
-_JOB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-
-
 def check_job_id(job_id: object) -> str:
-    """``job_id`` becomes a directory name: refuse anything that could escape it."""
-    if not isinstance(job_id, str) or not _JOB_ID.match(job_id):
-        raise ConfigError("job_id", job_id, "must match [A-Za-z0-9][A-Za-z0-9._-]{0,127} (it names a directory)")
-    return job_id
+    """``job_id`` becomes a directory name: the keyspace's rule already refuses anything that could escape it."""
+    try:
+        return validate_job_id(job_id)  # type: ignore[arg-type]  # validated inside
+    except ConfigError as exc:
+        raise ConfigError("job_id", job_id, exc.reason) from exc
 
 
 @dataclass(frozen=True)
