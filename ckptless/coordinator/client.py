@@ -149,13 +149,18 @@ class EtcdClient:
             for host, port in self.config.host_ports()
         ]
         try:
-            return pyetcd.MultiEndpointEtcd3Client(
+            raw = pyetcd.MultiEndpointEtcd3Client(
                 endpoints=endpoints,
                 timeout=self.config.request_timeout_s,
                 user=self.config.user,
                 password=self.config.password,
                 failover=True,
             )
+            if not self.config.secure:
+                # gRPC refuses call credentials on a plaintext channel; the auth
+                # token still travels as request metadata, which etcd accepts.
+                raw.call_credentials = None
+            return raw
         except grpc.RpcError as exc:
             if exc.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.PERMISSION_DENIED):
                 raise CoordinatorAuthError(f"etcd authentication failed for user {self.config.user!r}: {exc.details()}") from exc
@@ -187,6 +192,7 @@ class EtcdClient:
     def _retry(self, fn: Callable[[], T], deadline: float, what: str) -> T:
         delay = 0.02
         last: BaseException | None = None
+        reauthed = False
         while True:
             try:
                 return fn()
@@ -196,6 +202,11 @@ class EtcdClient:
                 last = exc
             except grpc.RpcError as exc:
                 code = exc.code()
+                if code == grpc.StatusCode.UNAUTHENTICATED and self.config.user and not reauthed and what != "connect":
+                    # etcd's simple tokens expire (5 min by default): log in again once.
+                    reauthed = True
+                    self._raw = self._connect()
+                    continue
                 if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
                     raise CoordinatorAuthError(f"etcd {what}: {exc.details()}") from exc
                 if code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.INTERNAL):
