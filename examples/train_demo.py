@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 import ckptless
+from ckptless.chaos.final_state import write_final_state
 from ckptless.data import ResumableLoader, ResumableSampler
 
 VOCAB, SEQ, CLASSES = 64, 12, 4
@@ -152,19 +153,7 @@ def main() -> None:
             print(f"[train_demo] step {step + 1}/{steps} loss {loss.item():.4f} gen {job.generation}", flush=True)
 
     result = job.run(train_step, steps)
-    pos = loader.state_dict()
-    final = {
-        "params": {k: v.clone() for k, v in model.state_dict().items()},
-        "optimizer": opt.state_dict(),
-        "scheduler_lr": torch.tensor(sched.get_last_lr()),
-        "rng_torch": torch.rand(4),
-        "rng_python": torch.tensor([random.random() for _ in range(4)]),
-        "rng_numpy": torch.from_numpy(np.random.rand(4)),
-        "data": torch.tensor([pos["epoch"], pos["index"]]),
-        "generation": torch.tensor(result.generation),
-        "recoveries": torch.tensor(result.recoveries),
-    }
-    torch.save(final, os.path.join(out, f"final_rank{rank}.pt"))
+    write_final_state(out, rank, model, opt, sched, loader, result)
     job.close()
 
 
