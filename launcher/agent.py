@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import signal
 import socket
 import tempfile
@@ -217,6 +218,7 @@ class NodeAgent:
         cfg = self.cfg
         self._install_signal_handlers()
         with ExitStack() as stack:
+            stack.callback(shutil.rmtree, self._hb_dir, True)  # heartbeat files die with the agent
             etcd_config = self._connect_config(stack)
             client = EtcdClient(etcd_config)
             stack.callback(client.close)

@@ -47,7 +47,11 @@ class Session:
             try:
                 remaining = self._client.refresh_lease(self.lease_id, timeout_s=max(interval, 0.3))
             except CoordinatorError as exc:
-                if time.monotonic() - self._last_ok > self.ttl_s:
+                # etcd cannot expire a lease while it is down, and a restarted etcd
+                # renews every lease to its full TTL: an outage alone does not lose
+                # the lease. Give up only after the TTL plus the client's own
+                # deadline; a reachable server answering TTL <= 0 is the real proof.
+                if time.monotonic() - self._last_ok > self.ttl_s + self._client.config.call_deadline_s:
                     log.warning("session %s: lease %x presumed lost (%s)", self.name, self.lease_id, exc)
                     self.done.set()
                     return

@@ -12,6 +12,7 @@ also carries the last completed step (or ``recovering``) for humans.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 
@@ -24,7 +25,11 @@ class Heartbeat:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         if path:
-            self._fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+            try:
+                self._fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+            except OSError as exc:  # no heartbeat is better than no training: the agent then never judges us
+                logging.getLogger(__name__).warning("heartbeat file %s unusable (%s): hang detection off", path, exc)
+                return
             self._write()
             self._thread = threading.Thread(target=self._run, args=(interval_s,), name="ckptless-heartbeat", daemon=True)
             self._thread.start()
