@@ -68,25 +68,9 @@ class Keyspace:
         return f"{self.exits_prefix}{rank}"
 
     @property
-    def heartbeats_prefix(self) -> str:
-        """``heartbeat/<global-rank>`` -> last step, on the worker's agent lease."""
-        return f"{self.prefix}heartbeat/"
-
-    def heartbeat(self, rank: int) -> str:
-        return f"{self.heartbeats_prefix}{rank}"
-
-    @property
     def spares_prefix(self) -> str:
-        """``spares/<worker-id>`` -> JSON spare record, on its agent's lease."""
+        """``spares/<worker-id, / as :>`` -> JSON spare record, on its agent's lease."""
         return f"{self.prefix}spares/"
-
-    @property
-    def done_prefix(self) -> str:
-        """``done/<node-rank>`` once all of a node's workers finished (finish barrier)."""
-        return f"{self.prefix}done/"
-
-    def node_done(self, node_rank: int) -> str:
-        return f"{self.done_prefix}{node_rank}"
 
     # --- recovery -------------------------------------------------------------
     @property
