@@ -42,6 +42,7 @@ from ckptless.launcher.worker_env import WorkerLayout, build_command, worker_env
 from ckptless.launcher.workers import WorkerExit, WorkerGroup
 from ckptless.recovery.facts import Worker
 from ckptless.recovery.leader import RecoveryLeader, write_initial_membership
+from ckptless.recovery.leader_machine import LeaderConfig
 from ckptless.recovery.plan import Assignment
 from ckptless.recovery.wire import Membership, membership_from_json, spare_to_json
 
@@ -232,8 +233,9 @@ class NodeAgent:
             if self.recovery:
                 # Campaign before the rendezvous: the first agent up leads, and a leader
                 # exists by the time anything can fail.
-                leader = RecoveryLeader(client, self.keyspace, session, host, int(store.port), cfg.replicas,
-                                        cfg.placement, snapshot_step=self._snapshot_step)
+                leader = RecoveryLeader(client, self.keyspace, session, host, int(store.port),
+                                        LeaderConfig(cfg.run_id, cfg.replicas, cfg.placement),
+                                        snapshot_step=self._snapshot_step)
                 leader.start()
                 stack.callback(leader.stop)
             if cfg.nproc_per_node == 0:

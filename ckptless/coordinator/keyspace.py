@@ -87,11 +87,18 @@ class Keyspace:
     def facts(self, generation: int, rank: int) -> str:
         return f"{self.facts_prefix(generation)}{rank}"
 
+    def ready_prefix(self, generation: int) -> str:
+        """``ready/g<G>/<rank>`` -> {worker_id}: the rank restored and resumed training in generation G."""
+        return f"{self.prefix}ready/g{generation}/"
+
+    def ready(self, generation: int, rank: int) -> str:
+        return f"{self.ready_prefix(generation)}{rank}"
+
     def incident(self, generation: int) -> str:
         """Set by the leader when it sees generation G fail: tells every worker to stop and report."""
         return f"{self.prefix}incident/g{generation}"
 
     @property
     def status(self) -> str:
-        """Job status: running / succeeded / failed (written once at the end)."""
+        """Job status: {state: succeeded | failed, reason, root_cause}; written once, by the leader, at the end."""
         return f"{self.prefix}status"

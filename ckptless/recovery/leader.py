@@ -1,18 +1,23 @@
-"""The coordinator leader: turns reported facts into the next generation.
+"""The coordinator leader's driver: the I/O around :mod:`ckptless.recovery.leader_machine`.
 
-Every agent runs one :class:`RecoveryLeader`; only the elected one acts. It
-watches the job's keys (exit records, node keys, spares, worker reports) and
-on a failure in generation G:
+Every agent runs one :class:`RecoveryLeader`; only the elected one acts. The
+driver campaigns, reads the job's keys into a :class:`JobView`, feeds it to
+the pure machine and executes the actions it returns:
 
-1. marks the incident (``incident/gG``) so every worker stops and reports;
-2. waits (bounded) for a :class:`WorkerReport` from every surviving rank;
-3. calls the pure :func:`plan_recovery` on those facts;
-4. writes the new generation and its membership in ONE transaction fenced on
-   the generation key's revision and on its own election key, so a deposed
-   leader can never publish a plan.
+* ``OpenIncident``: put ``incident/g<G>`` (workers watch it and stop to report);
+* ``RequestPlan``: build facts from the last view (plus the newest verified
+  disk snapshot), run the pure planner, answer ``Planned``;
+* ``Publish``: generation bump + membership + spare removals in ONE
+  transaction fenced on the generation key's revision and on our election
+  key. A lost reply is resolved by re-reading the token we wrote, so a plan
+  is never published twice nor assumed published when it was not;
+* ``EndJob``: put ``status`` (agents stop their workers and print it);
+* ``Resign``: a leader that lost a fencing race deletes its election key and
+  campaigns again, so the job is never left without a planner.
 
-It never guesses: a rank is lost only by an exit record of its current worker,
-by its node's key vanishing, or by not reporting before the deadline.
+The machine's clock is the monotonic clock minus time spent with etcd
+unreachable: deadlines wait for facts in etcd, and none can arrive while it is
+down, so an outage does not turn into silent ranks declared lost.
 """
 
 from __future__ import annotations
@@ -21,25 +26,43 @@ import json
 import logging
 import threading
 import time
+import uuid
 from collections.abc import Callable
 
 from ckptless.coordinator.client import Compare, Delete, EtcdClient, Put, WatchEvent
 from ckptless.coordinator.election import Election
 from ckptless.coordinator.keyspace import Keyspace
 from ckptless.coordinator.session import Session
-from ckptless.errors import CkptlessError, CoordinatorError, FencingError
-from ckptless.mirror.placement import compute_placement
-from ckptless.recovery.facts import PlanningFacts, RankSlot, Worker, WorkerReport
-from ckptless.recovery.plan import DiskFallback, RecoveryPlan, Unrecoverable, WaitForReplacement, plan_recovery
-from ckptless.recovery.wire import (
-    Membership,
-    membership_from_json,
-    membership_to_json,
-    report_from_json,
-    spare_from_json,
+from ckptless.errors import CkptlessError, CoordinatorError, CoordinatorUnavailable
+from ckptless.recovery.gather import plan_from_view
+from ckptless.recovery.leader_machine import (
+    INITIAL,
+    Action,
+    Deposed,
+    EndJob,
+    Ended,
+    Event,
+    LeaderConfig,
+    Log,
+    Observed,
+    OpenIncident,
+    Planned,
+    PlanFailed,
+    Publish,
+    Published,
+    PublishRejected,
+    RequestPlan,
+    Resign,
+    State,
+    step,
 )
+from ckptless.recovery.plan import DiskFallback, RecoveryPlan
+from ckptless.recovery.view import JobStatus, JobView, parse_records
+from ckptless.recovery.wire import Membership, membership_from_json, membership_to_json, spare_from_json
 
 log = logging.getLogger(__name__)
+
+POLL_S = 0.5  # re-read facts at least this often (deadlines); watches wake us sooner
 
 
 class RecoveryLeader:
@@ -50,29 +73,25 @@ class RecoveryLeader:
         session: Session,
         store_host: str,
         store_port: int,
-        replicas: int,
-        placement: str,
-        report_timeout_s: float = 15.0,
-        replacement_timeout_s: float = 60.0,
+        config: LeaderConfig,
         snapshot_step: Callable[[int], int | None] | None = None,
-        fresh_grace_s: float = 2.0,
-        max_recoveries: int = 50,
+        on_event: Callable[[str, dict[str, object]], None] | None = None,
     ) -> None:
-        self.max_recoveries = max_recoveries
-        self.fresh_grace_s = fresh_grace_s
+        self.config = config
         self._client = client
         self._ks = keyspace
         self._session = session
         self.store_host, self.store_port = store_host, store_port
-        self.replicas, self.placement = replicas, placement
-        self.report_timeout_s = report_timeout_s
-        self.replacement_timeout_s = replacement_timeout_s
         self._snapshot_step = snapshot_step or (lambda _world: None)
+        self._on_event = on_event or (lambda _kind, _attrs: None)
         self._election = Election(client, session, keyspace.election_prefix)
         self._stop = threading.Event()
         self._changed = threading.Event()
         self._thread = threading.Thread(target=self._main, name="ckptless-leader", daemon=True)
         self.is_leader = threading.Event()
+        self.state: State = INITIAL
+        self._view: JobView | None = None
+        self._outage_s = 0.0  # total time etcd was unreachable while we led
 
     def start(self) -> None:
         self._thread.start()
@@ -82,186 +101,182 @@ class RecoveryLeader:
         self._changed.set()
         self._thread.join(timeout=5)
 
-    # --- main loop -----------------------------------------------------------
+    def _now(self) -> float:
+        return time.monotonic() - self._outage_s
+
+    # --- main loop ---------------------------------------------------------------------------
     def _main(self) -> None:
+        while not self._stop.is_set() and not self._session.done.is_set():
+            if not self._campaign():
+                return
+            self.is_leader.set()
+            log.info("this agent leads job %s", self._ks.job_id)
+            self.state = INITIAL
+            try:
+                self._lead()
+            except Exception as exc:  # a bug in the leader: one clear line, a terminal state, no retry loop
+                log.exception("the coordinator leader failed")
+                self._end_after_bug(exc)
+                return
+            finally:
+                self.is_leader.clear()
+            if isinstance(self.state, Ended):
+                return
+            # Deposed: our key is gone (resigned); queue up again behind the new leader.
+
+    def _campaign(self) -> bool:
         while not self._stop.is_set():
             try:
+                self._session.check()
                 self._election.campaign(self._session.name, timeout_s=1.0)
-                break
+                return True
             except CoordinatorError:
-                continue  # not yet: campaign again (our key keeps its place in the queue)
-            except CkptlessError:
-                log.exception("leader election failed")
-                return
-        if self._stop.is_set():
-            return
-        self.is_leader.set()
-        log.info("this agent leads job %s", self._ks.job_id)
+                continue  # not elected yet, or etcd briefly away: campaign again
+        return False
+
+    def _lead(self) -> None:
         watch = self._client.watch_prefix(self._ks.prefix, self._on_events)
+        down_since: float | None = None
         try:
             while not self._stop.is_set() and not self._session.done.is_set():
                 self._changed.clear()
                 try:
-                    self._evaluate()
-                except FencingError as exc:
-                    log.warning("lost leadership while planning: %s", exc)
+                    view = self.read_view()
+                except CoordinatorUnavailable as exc:
+                    if down_since is None:
+                        down_since = time.monotonic()
+                        log.warning("etcd unreachable (%s): recovery decisions wait for it", exc)
+                    self._changed.wait(POLL_S)
+                    continue
+                if down_since is not None:
+                    self._outage_s += time.monotonic() - down_since
+                    log.warning("etcd reachable again after %.1fs", time.monotonic() - down_since)
+                    down_since = None
+                self._view = view
+                self._feed(Observed(view, self._now()))
+                if isinstance(self.state, (Ended, Deposed)):
                     return
-                except CkptlessError:
-                    log.exception("recovery evaluation failed; retrying on the next change")
-                self._changed.wait(1.0)
+                self._changed.wait(POLL_S)
         finally:
             watch.cancel()
 
     def _on_events(self, events: list[WatchEvent]) -> None:
         self._changed.set()
 
-    # --- facts -----------------------------------------------------------------
-    def membership(self) -> tuple[Membership | None, int]:
-        kv = self._client.get(self._ks.membership)
-        if kv is None:
-            return None, 0
-        return membership_from_json(kv.value), kv.mod_revision
+    def _feed(self, event: Event) -> None:
+        pending: list[Event] = [event]
+        while pending:
+            self.state, actions = step(self.state, pending.pop(0), self.config)
+            for action in actions:
+                follow = self._execute(action)
+                if follow is not None:
+                    pending.append(follow)
 
-    def _lost_ranks(self, m: Membership) -> tuple[set[int], set[str]]:
-        nodes, _ = self._client.get_prefix(self._ks.nodes_prefix)
-        live_nodes = {kv.key.rsplit("/", 1)[1] for kv in nodes}
-        exits, _ = self._client.get_prefix(self._ks.exits_prefix)
-        lost: set[int] = set()
-        finished: set[int] = set()
-        for kv in exits:
+    # --- facts -----------------------------------------------------------------------------------
+    def read_view(self) -> JobView:
+        c, ks = self._client, self._ks
+        kv = c.get(ks.membership)
+        m = None if kv is None else membership_from_json(kv.value)
+        exits, _ = c.get_prefix(ks.exits_prefix)
+        nodes, _ = c.get_prefix(ks.nodes_prefix)
+        spares, _ = c.get_prefix(ks.spares_prefix)
+        status = c.get(ks.status)
+        reports, ready, incident = [], [], False
+        if m is not None:
+            reports = [(r.key, r.value) for r in c.get_prefix(ks.facts_prefix(m.generation))[0]]
+            ready = [r.key for r in c.get_prefix(ks.ready_prefix(m.generation))[0]]
+            incident = c.get(ks.incident(m.generation)) is not None
+        view = parse_records(
+            m, [(e.key, e.value) for e in exits], [n.key.rsplit("/", 1)[1] for n in nodes], reports, ready,
+            [(s.key, s.value) for s in spares], None if status is None else status.value, incident)
+        for key in view.malformed:
+            log.warning("ignoring malformed record %s", key)
+        return view
+
+    # --- actions ------------------------------------------------------------------------------------
+    def _execute(self, action: Action) -> Event | None:
+        if isinstance(action, Log):
+            getattr(log, action.level)("%s", action.message)
+        elif isinstance(action, OpenIncident):
+            self._client.put(self._ks.incident(action.generation),
+                             json.dumps({"lost": list(action.lost), "reason": action.reason[:1000], "t": time.time()}))
+            self._on_event("incident_opened", {"generation": action.generation,
+                                               "lost": ",".join(map(str, action.lost))})
+        elif isinstance(action, RequestPlan):
+            return self._plan(action)
+        elif isinstance(action, Publish):
+            return self._publish(action.decision, action.from_generation)
+        elif isinstance(action, EndJob):
+            self._end(action.status)
+        elif isinstance(action, Resign):
+            log.warning("resigning leadership: %s", action.reason)
             try:
-                rec = json.loads(kv.value)
-            except ValueError:
-                continue
-            rank = int(rec.get("rank", -1))
-            if not (0 <= rank < m.world_size and rec.get("worker_id") == m.worker_of(rank).worker_id):
-                continue  # an earlier incarnation's record
-            if rec.get("signal") is not None or rec.get("exitcode") not in (0, None):
-                lost.add(rank)
-            elif rec.get("exitcode") == 0:
-                finished.add(rank)
-        dead_nodes = {a.node_id for a in m.ranks if a.node_id not in live_nodes}
-        # A rank that finished the job is not lost when its node leaves afterwards.
-        lost |= {a.rank for a in m.ranks if a.node_id in dead_nodes and a.rank not in finished}
-        if len(finished) == m.world_size:
-            return set(), dead_nodes  # the job is complete: nothing to recover
-        return lost, dead_nodes
+                self._election.resign()
+            except CoordinatorError:
+                log.info("resign failed; our key expires with our lease", exc_info=True)
+        return None
 
-    def _reports(self, generation: int) -> dict[int, WorkerReport]:
-        kvs, _ = self._client.get_prefix(self._ks.facts_prefix(generation))
-        out: dict[int, WorkerReport] = {}
-        for kv in kvs:
-            try:
-                out[int(kv.key.rsplit("/", 1)[1])] = report_from_json(kv.value)
-            except (ValueError, CkptlessError):
-                log.warning("ignoring malformed report at %s", kv.key)
-        return out
+    def _plan(self, action: RequestPlan) -> Event:
+        view = self._view
+        assert view is not None and view.membership is not None
+        try:
+            snap = self._snapshot_step(view.membership.world_size)
+            decision, notes = plan_from_view(view, self._ks.job_id, action.lost, self.config.replicas,
+                                             self.config.placement, snap)
+        except CkptlessError as exc:
+            return PlanFailed(f"{type(exc).__name__}: {exc}", self._now())
+        return Planned(decision, tuple(notes), self._now())
 
-    def _spares(self) -> tuple[Worker, ...]:
-        kvs, _ = self._client.get_prefix(self._ks.spares_prefix)
-        return tuple(spare_from_json(kv.value) for kv in kvs)
-
-    # --- decision ------------------------------------------------------------------
-    def _evaluate(self) -> None:
-        m, _ = self.membership()
-        if m is None:
-            return
-        lost, _ = self._lost_ranks(m)
-        if not lost:
-            return
-        t_detect = time.monotonic()
-        g = m.generation
-        self._client.put(self._ks.incident(g), json.dumps({"lost": sorted(lost), "t": time.time()}))
-        log.warning("generation %d: ranks %s lost; collecting reports", g, sorted(lost))
-        start = time.monotonic()
-        deadline = start + self.report_timeout_s
-        # Workers admitted by this generation's plan may still be booting (a cold
-        # process takes seconds): after a short grace they are known to hold
-        # nothing yet, which is a fact, not a loss.
-        fresh = {a.rank for a in m.ranks if a.source in ("respawn", "spare")} if m.decision is not None else set()
-        while True:
-            lost, dead_nodes = self._lost_ranks(m)
-            reports = self._reports(g)
-            valid = {r: rep for r, rep in reports.items() if r not in lost and rep.worker_id == m.worker_of(r).worker_id}
-            missing = [a.rank for a in m.ranks if a.rank not in lost and a.rank not in valid]
-            if missing and time.monotonic() - start >= self.fresh_grace_s:
-                for r in [r for r in missing if r in fresh]:
-                    valid[r] = WorkerReport(m.worker_of(r).worker_id, None, None)
-                missing = [r for r in missing if r not in fresh]
-            if not missing:
-                break
-            if time.monotonic() >= deadline:
-                log.warning("generation %d: ranks %s did not report in %.1fs; treating them as lost", g, missing, self.report_timeout_s)
-                lost |= set(missing)
-                break
-            self._changed.clear()
-            self._changed.wait(min(0.5, max(0.0, deadline - time.monotonic())))
-        self._decide(m, lost, dead_nodes, valid, t_detect)
-
-    def _facts(self, m: Membership, lost: set[int], dead_nodes: set[str], reports: dict[int, WorkerReport]) -> PlanningFacts:
-        node_of = [m.worker_of(r).node_id for r in range(m.world_size)]
-        placement = compute_placement(m.world_size, self.replicas, self.placement, node_of) if self.replicas else None
-        return PlanningFacts(
-            job_id=self._ks.job_id,
-            generation=m.generation,
-            world_size=m.world_size,
-            members=tuple(RankSlot(a.rank, Worker(a.worker_id, a.node_id), a.rank not in lost) for a in m.ranks),
-            reports=tuple(reports[r] for r in sorted(reports) if r not in lost),
-            spares=self._spares(),
-            placement={o: placement.holders(o) for o in range(m.world_size)} if placement else {},
-            snapshot_step=self._snapshot_step(m.world_size),
-            dead_nodes=frozenset(dead_nodes),
-        )
-
-    def _decide(self, m: Membership, lost: set[int], dead_nodes: set[str], reports: dict[int, WorkerReport], t_detect: float) -> None:
-        deadline = time.monotonic() + self.replacement_timeout_s
-        while True:
-            decision = plan_recovery(self._facts(m, lost, dead_nodes, reports))
-            if not isinstance(decision, WaitForReplacement):
-                break
-            if time.monotonic() >= deadline:
-                decision = Unrecoverable(self._ks.job_id, m.generation,
-                                         f"no replacement for ranks {list(decision.unassigned_ranks)} within "
-                                         f"{self.replacement_timeout_s}s: {decision.reason}", ())
-                break
-            log.warning("waiting for a replacement: %s", decision.reason)
-            self._changed.clear()
-            self._changed.wait(0.5)
-        if not isinstance(decision, Unrecoverable) and m.generation >= self.max_recoveries:
-            decision = Unrecoverable(self._ks.job_id, m.generation,
-                                     f"gave up after {m.generation} recoveries (limit {self.max_recoveries}): "
-                                     "failures keep recurring", ())
-        if isinstance(decision, Unrecoverable):
-            log.error("job %s is unrecoverable: %s", self._ks.job_id, decision.reason)
-            self._client.put(self._ks.status, json.dumps({"state": "failed", "reason": decision.reason}))
-            self._stop.set()
-            return
-        assert isinstance(decision, (RecoveryPlan, DiskFallback))
-        self.publish(m, decision)
-        log.warning(
-            "generation %d -> %d: %s (decided %.3fs after detection)", m.generation, decision.generation,
-            "memory, resume at v%d" % decision.resume_version if isinstance(decision, RecoveryPlan)
-            else f"disk snapshot step {decision.snapshot_step}", time.monotonic() - t_detect,
-        )
-
-    def publish(self, m: Membership, decision: RecoveryPlan | DiskFallback) -> None:
-        """Generation bump + new membership in one transaction, fenced twice."""
+    def _publish(self, decision: RecoveryPlan | DiskFallback, from_generation: int) -> Event:
+        view = self._view
+        assert view is not None and view.membership is not None
+        m = view.membership
         gen_kv = self._client.get(self._ks.generation)
         current = 0 if gen_kv is None else int(json.loads(gen_kv.value)["generation"])
-        if current != m.generation:
-            raise FencingError(f"generation is {current}, membership says {m.generation}")
-        new = Membership(decision.generation, m.world_size, self.store_host, self.store_port, decision.assignments, decision)
+        if current != from_generation:
+            return PublishRejected(True, f"generation is {current}, the plan is for {from_generation}", self._now())
+        new = Membership(decision.generation, m.world_size, self.store_host, self.store_port,
+                         decision.assignments, decision)
+        token = uuid.uuid4().hex
         spare_ids = {a.worker_id for a in decision.assignments if a.source == "spare"}
         ops: list[Put | Delete] = [
-            Put(self._ks.generation, json.dumps({"generation": new.generation, "reason": "recovery"})),
+            Put(self._ks.generation, json.dumps({"generation": new.generation, "reason": "recovery", "token": token})),
             Put(self._ks.membership, membership_to_json(new)),
         ]
         kvs, _ = self._client.get_prefix(self._ks.spares_prefix)
         ops += [Delete(kv.key) for kv in kvs if spare_from_json(kv.value).worker_id in spare_ids]
         guard = Compare(self._ks.generation, "mod", "==", 0 if gen_kv is None else gen_kv.mod_revision)
-        res = self._client.txn([guard, self._election.fence], ops)
-        if not res.succeeded:
-            raise FencingError("generation or leadership changed while publishing the plan")
+        try:
+            if self._client.txn([guard, self._election.fence], ops).succeeded:
+                return self._published(decision)
+        except CoordinatorError as exc:
+            log.warning("publishing generation %d: %s; checking whether it committed", new.generation, exc)
+        # The reply may have been lost after the transaction committed (a retried txn then
+        # fails its compare): our token in the generation record is the proof either way.
+        try:
+            kv = self._client.get(self._ks.generation)
+            if kv is not None and token.encode() in kv.value:
+                return self._published(decision)
+            still = self._client.txn([self._election.fence]).succeeded
+        except CoordinatorError as exc:
+            return PublishRejected(True, f"outcome unknown ({exc}); re-reading", self._now())
+        return PublishRejected(still, "the generation or the leadership changed while publishing", self._now())
+
+    def _published(self, decision: RecoveryPlan | DiskFallback) -> Event:
+        resume = decision.resume_version if isinstance(decision, RecoveryPlan) else decision.snapshot_step
+        self._on_event("plan_published", {"generation": decision.generation, "resume_step": resume,
+                                          "decision": "memory" if isinstance(decision, RecoveryPlan) else "disk"})
+        return Published(decision.generation, self._now())
+
+    def _end(self, status: JobStatus) -> None:
+        # Create-if-absent: the first ending wins, a later one (another leader) never overwrites it.
+        self._client.txn([Compare(self._ks.status, "create", "==", 0)], [Put(self._ks.status, status.to_json())])
+
+    def _end_after_bug(self, exc: BaseException) -> None:
+        try:
+            self._end(JobStatus("failed", f"internal error in the coordinator leader: {type(exc).__name__}: {exc}"))
+        except CoordinatorError:
+            log.error("could not record the leader's failure in etcd")
 
 
 def write_initial_membership(client: EtcdClient, ks: Keyspace, m: Membership) -> Membership:

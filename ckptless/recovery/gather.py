@@ -1,0 +1,167 @@
+"""Turn a :class:`JobView` into validated :class:`PlanningFacts` (pure).
+
+Why a sanitising step between etcd and the planner: ``PlanningFacts``
+rejects inconsistent input with a ``ConfigError``, which is right for a pure
+function but wrong for a leader: one malformed report (a bug, a stale
+incarnation, a replica listed twice after a rollback) must not crash the
+coordinator or end a job whose images are all in memory. So every report is
+checked here against the membership; what cannot be trusted is *excluded*,
+and each exclusion is returned as a note the leader logs. The planner then
+only ever sees facts that validate.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import replace
+
+from ckptless.mirror.placement import compute_placement
+from ckptless.recovery.facts import (
+    MAX_VERSIONS_PER_OWNER,
+    PlanningFacts,
+    PlanPolicy,
+    RankSlot,
+    ReplicaFact,
+    Worker,
+    WorkerReport,
+)
+from ckptless.recovery.plan import Assignment, Decision, DiskFallback, RecoveryPlan, plan_recovery
+from ckptless.recovery.view import JobView, ReportRecord
+
+
+def empty_report(worker_id: str) -> WorkerReport:
+    """What a worker that holds nothing (a fresh replacement, an excluded report) contributes."""
+    return WorkerReport(worker_id, None, None)
+
+
+def _clean_replicas(rep: WorkerReport, rank: int, world: int, notes: list[str]) -> tuple[ReplicaFact, ...]:
+    """Drop replica facts that cannot be right; keep each (owner, version) once, newest two per owner."""
+    seen: dict[tuple[int, int], ReplicaFact] = {}
+    conflicting: set[tuple[int, int]] = set()
+    for f in rep.replicas:
+        if not 0 <= f.owner < world or f.owner == rank:
+            notes.append(f"rank {rank}: ignoring replica of owner {f.owner} (outside the world or its own rank)")
+            continue
+        key = (f.owner, f.version)
+        prev = seen.get(key)
+        if prev is not None and prev.n_chunks != f.n_chunks:
+            notes.append(f"rank {rank}: owner {f.owner} v{f.version} listed with {prev.n_chunks} and "
+                         f"{f.n_chunks} chunks; ignoring both")
+            conflicting.add(key)
+        seen.setdefault(key, f)
+    by_owner: dict[int, list[ReplicaFact]] = {}
+    for key, f in seen.items():
+        if key not in conflicting:
+            by_owner.setdefault(f.owner, []).append(f)
+    out: list[ReplicaFact] = []
+    for owner in sorted(by_owner):
+        facts = sorted(by_owner[owner], key=lambda x: x.version)[-MAX_VERSIONS_PER_OWNER:]
+        out += facts
+    return tuple(out)
+
+
+def sanitize_reports(
+    view: JobView, lost: frozenset[int], notes: list[str],
+) -> dict[int, WorkerReport]:
+    """One trustworthy report per live rank (an empty one where the real one cannot be used)."""
+    m = view.membership
+    assert m is not None
+    world = m.world_size
+    out: dict[int, WorkerReport] = {}
+    for a in m.ranks:
+        if a.rank in lost:
+            continue
+        rec: ReportRecord | None = view.reports.get(a.rank)
+        if rec is None or rec.report.worker_id != a.worker_id:
+            if a.rank in view.malformed_reports:
+                notes.append(f"rank {a.rank}: its report is malformed; planning as if it holds nothing")
+            elif rec is not None:
+                notes.append(f"rank {a.rank}: report from {rec.report.worker_id}, not its current worker "
+                             f"{a.worker_id}; planning as if it holds nothing")
+            out[a.rank] = empty_report(a.worker_id)
+            continue
+        rep = rec.report
+        replicas = _clean_replicas(rep, a.rank, world, notes)
+        out[a.rank] = WorkerReport(rep.worker_id, rep.newest_captured, rep.committed, rep.local_versions, replicas)
+    # Holders must agree on an image's size; a disagreement means one of them is wrong: trust neither.
+    sizes: dict[tuple[int, int], set[int]] = {}
+    for rep in out.values():
+        for f in rep.replicas:
+            sizes.setdefault((f.owner, f.version), set()).add(f.n_chunks)
+    conflicts = {k for k, v in sizes.items() if len(v) > 1}
+    if conflicts:
+        for owner, version in sorted(conflicts):
+            notes.append(f"holders disagree on the size of owner {owner} v{version}; not using that version")
+        out = {r: WorkerReport(rep.worker_id, rep.newest_captured, rep.committed, rep.local_versions,
+                               tuple(f for f in rep.replicas if (f.owner, f.version) not in conflicts))
+               for r, rep in out.items()}
+    return out
+
+
+def build_facts(
+    view: JobView,
+    job_id: str,
+    lost: frozenset[int],
+    replicas: int,
+    placement: str,
+    snapshot_step: int | None,
+    policy: PlanPolicy | None = None,
+) -> tuple[PlanningFacts, list[str]]:
+    """Facts for :func:`ckptless.recovery.plan.plan_recovery`, plus notes on what was excluded."""
+    m = view.membership
+    assert m is not None, "no membership: nothing to plan"
+    notes: list[str] = []
+    dead_nodes = view.missing_nodes
+    # A rank on a missing node is lost or it reported (its workers outlived the agent's lease).
+    lost = frozenset(lost | {r for r in view.ranks_on(dead_nodes) if r not in view.reports})
+    reports = sanitize_reports(view, lost, notes)
+    node_of = [m.worker_of(r).node_id for r in range(m.world_size)]
+    k = min(replicas, m.world_size - 1)
+    holders: Mapping[int, tuple[int, ...]] = {}
+    if k > 0:
+        pl = compute_placement(m.world_size, k, placement, node_of)
+        holders = {o: pl.holders(o) for o in range(m.world_size)}
+    spares = tuple(w for w in view.usable_spares() if w.worker_id not in {a.worker_id for a in m.ranks})
+    # Ranks alive on a node whose key is gone (a paused agent) are survivors, not dead-node members.
+    alive_nodes_of_survivors = {m.worker_of(r).node_id for r in reports}
+    facts = PlanningFacts(
+        job_id=job_id,
+        generation=m.generation,
+        world_size=m.world_size,
+        members=tuple(RankSlot(a.rank, Worker(a.worker_id, a.node_id), a.rank not in lost) for a in m.ranks),
+        reports=tuple(reports[r] for r in sorted(reports)),
+        spares=spares,
+        placement=holders,
+        snapshot_step=snapshot_step,
+        dead_nodes=frozenset(n for n in dead_nodes if n not in alive_nodes_of_survivors),
+        policy=policy or PlanPolicy(),
+    )
+    return facts, notes
+
+
+def keep_fresh_sources(decision: Decision, view: JobView) -> Decision:
+    """A replacement that never resumed stays marked as one in the next plan.
+
+    Why: the planner calls every live member a survivor, but a respawn or
+    spare that has not restored yet holds nothing; keeping its source lets the
+    leader plan a further failure without waiting for its (empty) report.
+    """
+    if not isinstance(decision, (RecoveryPlan, DiskFallback)) or view.membership is None:
+        return decision
+    fresh = {view.membership.worker_of(r).worker_id: view.membership.worker_of(r).source for r in view.fresh}
+    if not fresh:
+        return decision
+    assignments = tuple(
+        Assignment(a.rank, a.worker_id, a.node_id, fresh[a.worker_id])
+        if a.source == "survivor" and a.worker_id in fresh else a
+        for a in decision.assignments)
+    return replace(decision, assignments=assignments)
+
+
+def plan_from_view(
+    view: JobView, job_id: str, lost: frozenset[int], replicas: int, placement: str,
+    snapshot_step: int | None, policy: PlanPolicy | None = None,
+) -> tuple[Decision, list[str]]:
+    """Facts from the view, the pure planner, and the fresh-source rule: what the leader publishes."""
+    facts, notes = build_facts(view, job_id, lost, replicas, placement, snapshot_step, policy)
+    return keep_fresh_sources(plan_recovery(facts), view), notes

@@ -1,0 +1,426 @@
+"""The coordinator leader as an explicit state machine: ``step(state, event, cfg) -> (state, actions)``.
+
+Why a pure machine: every failure mode we must survive (a second, third,
+fourth failure at any moment, a replacement that dies while joining or is
+slow but alive, a lost etcd reply, losing leadership mid-publish) becomes a
+row in a transition table that unit tests can drive with a fake clock and
+fake facts. The driver (:mod:`ckptless.recovery.leader`) only does I/O: it
+feeds :class:`Observed` views read from etcd and the results of the actions
+it executed, and executes the actions returned.
+
+States (one incident = one pass from Watching back to Watching)::
+
+    Watching --failure--> Collecting --all reported--> Planning
+    Planning --plan--> Publishing --published--> AwaitingFormation --all ready--> Watching
+    Planning --no replacement--> WaitingForReplacement --spare/node--> Planning
+    any --user error / unrecoverable / status set--> Ended
+    Publishing --fenced out--> Deposed (the driver resigns and campaigns again)
+
+Every state has a deadline or is left by the next event: Collecting ends at
+the report deadline (silent ranks are lost), WaitingForReplacement at the
+replacement deadline (the job ends, naming the ranks), AwaitingFormation at
+the formation deadline (a slow replacement that is alive gets a bounded
+number of extensions, then the generation is re-planned without it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Literal, Union
+
+from ckptless.recovery.plan import Decision, DiskFallback, RecoveryPlan, Unrecoverable, WaitForReplacement
+from ckptless.recovery.view import ExitRecord, JobStatus, JobView
+
+
+@dataclass(frozen=True)
+class LeaderConfig:
+    """Deadlines and limits of the leader (seconds)."""
+
+    job_id: str
+    replicas: int
+    placement: str = "ring"
+    report_timeout_s: float = 15.0
+    gone_node_report_grace_s: float = 1.0
+    replacement_timeout_s: float = 60.0
+    formation_timeout_s: float = 60.0
+    formation_extensions: int = 4
+    node_grace_s: float = 10.0
+    max_recoveries: int = 50
+
+
+# --- states ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Watching:
+    generation: int
+    missing_since: tuple[tuple[str, float], ...] = ()  # node -> when its lease key vanished
+
+
+@dataclass(frozen=True)
+class Collecting:
+    generation: int
+    lost: frozenset[int]
+    opened_at: float
+    deadline: float
+    others_in_at: float | None = None  # when every rank not on a vanished node had reported
+
+
+@dataclass(frozen=True)
+class Planning:
+    generation: int
+    lost: frozenset[int]
+    opened_at: float
+
+
+@dataclass(frozen=True)
+class WaitingForReplacement:
+    generation: int
+    lost: frozenset[int]
+    opened_at: float
+    deadline: float
+    reason: str
+    seen: tuple[tuple[str, ...], frozenset[str]] | None = None  # (usable spares, live nodes) at the last plan
+
+
+@dataclass(frozen=True)
+class Publishing:
+    generation: int
+    decision: RecoveryPlan | DiskFallback
+    opened_at: float
+
+
+@dataclass(frozen=True)
+class AwaitingFormation:
+    generation: int
+    deadline: float
+    extensions: int = 0
+    missing_since: tuple[tuple[str, float], ...] = ()
+
+
+@dataclass(frozen=True)
+class Ended:
+    state: Literal["succeeded", "failed"]
+    reason: str
+
+
+@dataclass(frozen=True)
+class Deposed:
+    reason: str
+
+
+State = Union[Watching, Collecting, Planning, WaitingForReplacement, Publishing, AwaitingFormation, Ended, Deposed]
+
+
+# --- events ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Observed:
+    view: JobView
+    now: float
+
+
+@dataclass(frozen=True)
+class Planned:
+    decision: Decision
+    notes: tuple[str, ...]
+    now: float
+
+
+@dataclass(frozen=True)
+class PlanFailed:
+    error: str
+    now: float
+
+
+@dataclass(frozen=True)
+class Published:
+    generation: int
+    now: float
+
+
+@dataclass(frozen=True)
+class PublishRejected:
+    still_leader: bool
+    reason: str
+    now: float
+
+
+Event = Union[Observed, Planned, PlanFailed, Published, PublishRejected]
+
+
+# --- actions -------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class OpenIncident:
+    generation: int
+    lost: tuple[int, ...]
+    reason: str
+
+
+@dataclass(frozen=True)
+class RequestPlan:
+    """Build facts from the last observed view with these ranks lost, plan, answer Planned/PlanFailed."""
+
+    generation: int
+    lost: frozenset[int]
+
+
+@dataclass(frozen=True)
+class Publish:
+    """Bump the generation and write the decision's membership in one fenced transaction."""
+
+    decision: RecoveryPlan | DiskFallback
+    from_generation: int
+
+
+@dataclass(frozen=True)
+class EndJob:
+    status: JobStatus
+
+
+@dataclass(frozen=True)
+class Log:
+    level: Literal["info", "warning", "error"]
+    message: str
+
+
+@dataclass(frozen=True)
+class Resign:
+    reason: str
+
+
+Action = Union[OpenIncident, RequestPlan, Publish, EndJob, Log, Resign]
+Step = tuple[State, tuple[Action, ...]]
+
+INITIAL: State = Watching(-1)
+
+
+def generation_of(state: State) -> int:
+    return getattr(state, "generation", -1)
+
+
+def is_terminal(state: State) -> bool:
+    return isinstance(state, (Ended, Deposed))
+
+
+# --- the transition function -----------------------------------------------------------------
+def step(state: State, event: Event, cfg: LeaderConfig) -> Step:
+    """The whole leader: pure, total over (state, event)."""
+    if is_terminal(state):
+        return state, ()
+    if isinstance(event, Observed):
+        return _observe(state, event.view, event.now, cfg)
+    if isinstance(event, Planned):
+        return _planned(state, event, cfg)
+    if isinstance(event, PlanFailed):
+        if not isinstance(state, Planning):
+            return state, ()
+        return _end("failed", f"internal error while planning generation {state.generation + 1}: {event.error}")
+    if isinstance(event, Published):
+        if not isinstance(state, Publishing):
+            return state, ()
+        d = state.decision
+        what = (f"memory, resume at v{d.resume_version}" if isinstance(d, RecoveryPlan)
+                else f"disk snapshot step {d.snapshot_step}")
+        return (AwaitingFormation(event.generation, event.now + cfg.formation_timeout_s),
+                (Log("warning", f"generation {state.generation} -> {event.generation}: {what} "
+                                f"(decided {event.now - state.opened_at:.3f}s after the incident opened)"),))
+    if isinstance(event, PublishRejected):
+        if not isinstance(state, Publishing):
+            return state, ()
+        if not event.still_leader:
+            return Deposed(event.reason), (Resign(event.reason),)
+        return Watching(state.generation), (Log("warning", f"plan not published: {event.reason}; re-reading"),)
+    raise TypeError(f"unknown event {event!r}")
+
+
+def _end(state: Literal["succeeded", "failed"], reason: str, root: ExitRecord | None = None) -> Step:
+    level: Literal["info", "error"] = "info" if state == "succeeded" else "error"
+    return Ended(state, reason), (EndJob(JobStatus(state, reason, root)), Log(level, f"job {state}: {reason}"))
+
+
+def _observe(state: State, view: JobView, now: float, cfg: LeaderConfig) -> Step:
+    if view.status is not None:
+        return Ended(view.status.state, view.status.reason), ()
+    m = view.membership
+    if m is None or isinstance(state, (Planning, Publishing)):
+        return state, ()  # waiting for our own action's answer; the view is re-read afterwards
+    if m.generation > generation_of(state):
+        # Someone published (our own reply was lost, or we just took over): follow the record.
+        state = (AwaitingFormation(m.generation, now + cfg.formation_timeout_s) if m.decision is not None
+                 else Watching(m.generation))
+    elif m.generation < generation_of(state):
+        return state, ()  # a stale read; the next one will be current
+    errors = view.user_errors
+    if errors:
+        root = errors[0]
+        return _end("failed", f"{root.describe()} (a user error: the job fails fast and is not restarted)", root)
+    done = _completion(state, view)
+    if done is not None:
+        return done
+    if isinstance(state, Watching):
+        return _watch(state, view, now, cfg)
+    if isinstance(state, Collecting):
+        return _collect(state, view, now, cfg)
+    if isinstance(state, WaitingForReplacement):
+        return _wait_replacement(state, view, now, cfg)
+    if isinstance(state, AwaitingFormation):
+        return _await_formation(state, view, now, cfg)
+    return state, ()
+
+
+def _completion(state: State, view: JobView) -> Step | None:
+    """Once any rank finished (exit 0), the job's final version is committed everywhere: never recover.
+
+    Ends the job when the rest finished too (or died after that commit); until
+    then holds the current state, opening no incident.
+    """
+    m = view.membership
+    assert m is not None
+    finished = view.finished
+    if not finished:
+        return None
+    rest = {a.rank for a in m.ranks} - finished
+    if rest - view.faulted:
+        return state, ()  # the others are finishing too
+    actions: tuple[Log, ...] = ()
+    if rest:
+        actions = (Log("warning", f"ranks {sorted(rest)} died after the job's final version was committed; "
+                                  "not recovered (training is complete)"),)
+    st, acts = _end("succeeded", f"all {m.world_size} ranks finished")
+    return st, acts + actions
+
+
+def _missing(prev: tuple[tuple[str, float], ...], view: JobView, now: float) -> dict[str, float]:
+    """Since when each node running unfinished ranks has had no lease key."""
+    missing = {n: t for n, t in prev if n in view.missing_nodes}
+    for n in view.missing_nodes:
+        missing.setdefault(n, now)
+    return missing
+
+
+def _failure_symptoms(view: JobView, missing_since: dict[str, float], now: float, cfg: LeaderConfig) -> list[str]:
+    reasons = []
+    if view.faulted:
+        reasons.append("; ".join(rec.describe() for rec in (view.current_exit(r) for r in sorted(view.faulted))
+                                 if rec is not None))
+    if view.reports:
+        left = ", ".join(f"rank {r} ({rec.reason or 'left'})" for r, rec in sorted(view.reports.items()))
+        reasons.append(f"ranks left generation {view.generation}: {left}")
+    if view.incident_open:
+        reasons.append(f"an incident is open for generation {view.generation}")
+    overdue = sorted(n for n, t in missing_since.items() if now - t >= cfg.node_grace_s)
+    if overdue:
+        reasons.append(f"nodes {overdue} lost their lease over {cfg.node_grace_s:.0f}s ago")
+    return reasons
+
+
+def _watch(state: Watching, view: JobView, now: float, cfg: LeaderConfig) -> Step:
+    missing = _missing(state.missing_since, view, now)
+    reasons = _failure_symptoms(view, missing, now, cfg)
+    if not reasons:
+        return Watching(view.generation, tuple(sorted(missing.items()))), ()
+    return _open(view.generation, view, now, cfg, "; ".join(reasons))
+
+
+def _open(generation: int, view: JobView, now: float, cfg: LeaderConfig, reason: str,
+          lost: frozenset[int] = frozenset()) -> Step:
+    lost = lost | view.faulted
+    opened = Collecting(generation, lost, now, now + cfg.report_timeout_s)
+    nxt, actions = _collect(opened, view, now, cfg)
+    return nxt, (OpenIncident(generation, tuple(sorted(lost)), reason),
+                 Log("warning", f"generation {generation}: incident ({reason}); collecting reports"), *actions)
+
+
+def _collect(state: Collecting, view: JobView, now: float, cfg: LeaderConfig) -> Step:
+    m = view.membership
+    assert m is not None
+    lost = state.lost | view.faulted
+    current = {a.rank: a.worker_id for a in m.ranks}
+    reported = {r for r, rec in view.reports.items() if rec.report.worker_id == current.get(r)}
+    reported |= view.malformed_reports
+    expected = set(current) - lost - view.fresh - view.finished
+    missing = expected - reported
+    gone = view.ranks_on(view.missing_nodes) & missing
+    others_in = state.others_in_at
+    if missing and missing <= gone:
+        # Everyone else reported; a node whose lease vanished gets a short grace for its
+        # workers to report (a paused agent's workers are alive), then its ranks are lost.
+        others_in = now if others_in is None else others_in
+        if now - others_in >= cfg.gone_node_report_grace_s:
+            lost, missing = lost | missing, set()
+    logs: list[Action] = []
+    if missing and now >= state.deadline:
+        logs.append(Log("warning", f"generation {state.generation}: ranks {sorted(missing)} did not report within "
+                                   f"{cfg.report_timeout_s:.0f}s; treating them as lost"))
+        lost, missing = lost | missing, set()
+    if missing:
+        return replace(state, lost=frozenset(lost), others_in_at=others_in), tuple(logs)
+    return Planning(state.generation, frozenset(lost), state.opened_at), (*logs, RequestPlan(state.generation,
+                                                                                             frozenset(lost)))
+
+
+def _planned(state: State, event: Planned, cfg: LeaderConfig) -> Step:
+    if not isinstance(state, Planning):
+        return state, ()
+    notes = tuple(Log("warning", f"planning generation {state.generation + 1}: {n}") for n in event.notes)
+    d = event.decision
+    if isinstance(d, Unrecoverable):
+        st, acts = _end("failed", f"unrecoverable: {d.reason}")
+        return st, notes + acts
+    if isinstance(d, WaitForReplacement):
+        return (WaitingForReplacement(state.generation, state.lost, state.opened_at,
+                                      event.now + cfg.replacement_timeout_s, d.reason),
+                notes + (Log("warning", f"waiting for a replacement: {d.reason}"),))
+    if d.generation > cfg.max_recoveries:
+        st, acts = _end("failed", f"gave up after {state.generation} recoveries (limit {cfg.max_recoveries}): "
+                                  "failures keep recurring")
+        return st, notes + acts
+    return Publishing(state.generation, d, state.opened_at), notes + (Publish(d, state.generation),)
+
+
+def _replacement_key(view: JobView) -> tuple[tuple[str, ...], frozenset[str]]:
+    return tuple(w.worker_id for w in view.usable_spares()), view.live_nodes
+
+
+def _wait_replacement(state: WaitingForReplacement, view: JobView, now: float, cfg: LeaderConfig) -> Step:
+    key = _replacement_key(view)
+    lost = state.lost | view.faulted
+    if state.seen is None:  # the first look after planning: only a *change* triggers a re-plan
+        state = replace(state, seen=key)
+    if key != state.seen or lost != state.lost:
+        return Planning(state.generation, lost, state.opened_at), (RequestPlan(state.generation, lost),)
+    if now >= state.deadline:
+        return _end("failed", f"no replacement within {cfg.replacement_timeout_s:.0f}s: {state.reason}")
+    return state, ()
+
+
+def _await_formation(state: AwaitingFormation, view: JobView, now: float, cfg: LeaderConfig) -> Step:
+    m = view.membership
+    assert m is not None
+    missing = _missing(state.missing_since, view, now)
+    reasons = _failure_symptoms(view, missing, now, cfg)
+    not_ready = {a.rank for a in m.ranks} - view.ready - view.finished
+    # A rank still joining on a node that vanished cannot be making progress for long.
+    stranded = {r for r in not_ready if m.worker_of(r).node_id in missing
+                and now - missing[m.worker_of(r).node_id] >= cfg.gone_node_report_grace_s}
+    if stranded:
+        reasons.append(f"ranks {sorted(stranded)} were joining on nodes that lost their lease")
+    if reasons:
+        return _open(state.generation, view, now, cfg, "; ".join(reasons), lost=frozenset(stranded))
+    if not not_ready:
+        return Watching(state.generation, tuple(sorted(missing.items()))), (
+            Log("info", f"generation {state.generation}: every rank resumed"),)
+    state = replace(state, missing_since=tuple(sorted(missing.items())))
+    if now < state.deadline:
+        return state, ()
+    if state.extensions < cfg.formation_extensions:
+        joining = (not_ready & view.fresh) or not_ready
+        return (replace(state, deadline=now + cfg.formation_timeout_s, extensions=state.extensions + 1),
+                (Log("warning", f"generation {state.generation}: ranks {sorted(joining)} are still joining after "
+                                f"{(state.extensions + 1) * cfg.formation_timeout_s:.0f}s; alive, so waiting "
+                                f"{cfg.formation_timeout_s:.0f}s more ({state.extensions + 1}/"
+                                f"{cfg.formation_extensions})"),))
+    # Survivors that resumed nothing yet are waiting for the joiners at the group barrier:
+    # blame the replacements still joining; only if there are none, the ranks not ready.
+    slow = (not_ready & view.fresh) or not_ready
+    return _open(state.generation, view, now, cfg,
+                 f"ranks {sorted(slow)} did not join generation {state.generation} within "
+                 f"{(cfg.formation_extensions + 1) * cfg.formation_timeout_s:.0f}s", lost=frozenset(slow))

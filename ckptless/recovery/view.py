@@ -1,0 +1,328 @@
+"""What the coordinator knows about a job: typed facts read from etcd, and what they imply.
+
+Why a separate, pure module: the leader's state machine
+(:mod:`ckptless.recovery.leader_machine`) must decide from *facts only*
+(DESIGN: "recovery must not guess"), and the same facts must be testable
+without etcd. The driver reads the job's keys, parses them here strictly
+(never unpickled; a malformed record is dropped and named, never trusted) and
+hands the machine one immutable :class:`JobView`.
+
+The one judgement made here is how a worker's end is classified
+(:func:`exit_outcome`), because it decides between recovering and ending the
+job:
+
+* killed by a signal (SIGKILL, the OOM killer, a crash, the hang watchdog)
+  -> ``fault``: recover;
+* exit code 0 -> ``finished``;
+* non-zero exit after the worker classified its own error as a fault
+  (``kind`` "fault"/"internal", e.g. ckptless itself could not continue)
+  -> ``fault``;
+* non-zero exit the worker marked ``job_ended``/``fenced`` (it only followed
+  the coordinator) -> ``other``: no new fact;
+* any other non-zero exit (the user's exception, ``sys.exit(3)``, a script
+  that does not exist, an unported script) -> ``user_error``: the job fails
+  fast and is never respawned into the same bug.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from ckptless.errors import CkptlessError, RecoveryError
+from ckptless.recovery.facts import Worker, WorkerReport
+from ckptless.recovery.wire import Membership, report_from_json, spare_from_json
+
+ExitKind = Literal["user_error", "fault", "internal", "job_ended", "fenced"]
+EXIT_KINDS: tuple[str, ...] = ("user_error", "fault", "internal", "job_ended", "fenced")
+Outcome = Literal["finished", "fault", "user_error", "other"]
+MAX_TRACEBACK_CHARS = 4000
+
+
+@dataclass(frozen=True)
+class ErrorSummary:
+    """The first facts a human needs about a failed rank (torchrun's ChildFailedError fields)."""
+
+    type: str
+    message: str
+    traceback: str = ""
+
+    def to_doc(self) -> dict[str, str]:
+        return {"type": self.type, "message": self.message, "traceback": self.traceback[-MAX_TRACEBACK_CHARS:]}
+
+    @classmethod
+    def from_doc(cls, doc: Any) -> ErrorSummary | None:
+        if not isinstance(doc, dict):
+            return None
+        return cls(str(doc.get("type", "")), str(doc.get("message", "")),
+                   str(doc.get("traceback", ""))[-MAX_TRACEBACK_CHARS:])
+
+    def one_line(self) -> str:
+        text = f"{self.type}: {self.message}" if self.message else self.type
+        return text.splitlines()[0][:300] if text else "(no message)"
+
+
+@dataclass(frozen=True)
+class ExitRecord:
+    """One worker incarnation's end, as its agent wrote it to ``exits/<rank>``."""
+
+    rank: int
+    worker_id: str
+    node_id: str
+    pid: int
+    exitcode: int | None
+    signal: int | None
+    time: float
+    requested: bool = False
+    kind: ExitKind | None = None
+    error: ErrorSummary | None = None
+
+    @property
+    def outcome(self) -> Outcome:
+        return exit_outcome(self)
+
+    def describe(self) -> str:
+        how = f"signal {self.signal}" if self.signal is not None else f"exit code {self.exitcode}"
+        err = f": {self.error.one_line()}" if self.error is not None else ""
+        return f"rank {self.rank} ({self.worker_id}, pid {self.pid}) ended by {how}{err}"
+
+    def to_json(self) -> bytes:
+        return json.dumps({
+            "rank": self.rank, "worker_id": self.worker_id, "node_id": self.node_id, "pid": self.pid,
+            "exitcode": self.exitcode, "signal": self.signal, "time": self.time, "requested": self.requested,
+            "kind": self.kind, "error": None if self.error is None else self.error.to_doc(),
+        }).encode()
+
+    @classmethod
+    def from_json(cls, raw: bytes) -> ExitRecord:
+        try:
+            doc = json.loads(raw)
+            kind = doc.get("kind")
+            if kind is not None and kind not in EXIT_KINDS:
+                raise RecoveryError(f"exit record: unknown kind {kind!r}")
+            return cls(
+                rank=int(doc["rank"]), worker_id=str(doc["worker_id"]), node_id=str(doc.get("node_id", "")),
+                pid=int(doc.get("pid", -1)),
+                exitcode=None if doc.get("exitcode") is None else int(doc["exitcode"]),
+                signal=None if doc.get("signal") is None else int(doc["signal"]),
+                time=float(doc.get("time", 0.0)), requested=bool(doc.get("requested", False)),
+                kind=kind, error=ErrorSummary.from_doc(doc.get("error")),
+            )
+        except (ValueError, TypeError, KeyError) as exc:
+            raise RecoveryError(f"exit record is malformed: {raw[:200]!r}") from exc
+
+
+def exit_outcome(rec: ExitRecord) -> Outcome:
+    """Classify a worker's end (see the module docstring for the rules and why)."""
+    if rec.signal is not None:
+        return "fault"
+    if rec.exitcode == 0:
+        return "finished"
+    if rec.kind in ("fault", "internal"):
+        return "fault"
+    if rec.kind in ("job_ended", "fenced"):
+        return "other"
+    return "user_error"
+
+
+@dataclass(frozen=True)
+class JobStatus:
+    """``status``: set once, when the job ended for good."""
+
+    state: Literal["succeeded", "failed"]
+    reason: str
+    root_cause: ExitRecord | None = None
+
+    def to_json(self) -> bytes:
+        return json.dumps({"state": self.state, "reason": self.reason,
+                           "root_cause": None if self.root_cause is None
+                           else json.loads(self.root_cause.to_json())}).encode()
+
+    @classmethod
+    def from_json(cls, raw: bytes) -> JobStatus:
+        try:
+            doc = json.loads(raw)
+            state = doc["state"]
+            if state not in ("succeeded", "failed"):
+                raise RecoveryError(f"job status: unknown state {state!r}")
+            rc = doc.get("root_cause")
+            return cls(state, str(doc.get("reason", "")),
+                       None if rc is None else ExitRecord.from_json(json.dumps(rc).encode()))
+        except (ValueError, TypeError, KeyError) as exc:
+            raise RecoveryError(f"job status record is malformed: {raw[:200]!r}") from exc
+
+
+@dataclass(frozen=True)
+class ReportRecord:
+    """A worker's report for the generation it left, with why it left (for humans and the ledger)."""
+
+    report: WorkerReport
+    reason: str = ""
+
+
+def report_record_to_json(report: WorkerReport, reason: str) -> bytes:
+    from ckptless.recovery.wire import report_to_json
+
+    doc = json.loads(report_to_json(report))
+    doc["reason"] = reason[:500]
+    return json.dumps(doc).encode()
+
+
+def report_record_from_json(raw: bytes) -> ReportRecord:
+    try:
+        reason = str(json.loads(raw).get("reason", ""))
+    except (ValueError, AttributeError) as exc:
+        raise RecoveryError(f"worker report is malformed: {raw[:200]!r}") from exc
+    return ReportRecord(report_from_json(raw), reason)
+
+
+@dataclass(frozen=True)
+class JobView:
+    """Everything the leader may look at, read from etcd at one moment.
+
+    ``exits`` holds the newest record per rank (of whichever incarnation);
+    ``reports`` and ``ready`` are those of the current generation only;
+    ``malformed`` names records that failed to parse (they are ignored, and
+    said so, never trusted).
+    """
+
+    membership: Membership | None
+    exits: Mapping[int, ExitRecord] = field(default_factory=dict)
+    live_nodes: frozenset[str] = frozenset()
+    reports: Mapping[int, ReportRecord] = field(default_factory=dict)
+    ready: frozenset[int] = frozenset()
+    spares: tuple[Worker, ...] = ()
+    status: JobStatus | None = None
+    incident_open: bool = False
+    malformed: tuple[str, ...] = ()
+    malformed_reports: frozenset[int] = frozenset()
+
+    @property
+    def generation(self) -> int:
+        return -1 if self.membership is None else self.membership.generation
+
+    def current_exit(self, rank: int) -> ExitRecord | None:
+        """The exit record of the worker that holds ``rank`` now (older incarnations ignored)."""
+        rec = self.exits.get(rank)
+        if rec is None or self.membership is None:
+            return None
+        return rec if rec.worker_id == self.membership.worker_of(rank).worker_id else None
+
+    def ranks_with(self, outcome: Outcome) -> frozenset[int]:
+        if self.membership is None:
+            return frozenset()
+        out = set()
+        for a in self.membership.ranks:
+            rec = self.current_exit(a.rank)
+            if rec is not None and rec.outcome == outcome and not rec.requested:
+                out.add(a.rank)
+        return frozenset(out)
+
+    @property
+    def finished(self) -> frozenset[int]:
+        return self.ranks_with("finished")
+
+    @property
+    def faulted(self) -> frozenset[int]:
+        return self.ranks_with("fault")
+
+    @property
+    def user_errors(self) -> tuple[ExitRecord, ...]:
+        """Current workers that ended by a user error, earliest first (the root cause first)."""
+        recs = [self.current_exit(r) for r in self.ranks_with("user_error")]
+        return tuple(sorted((r for r in recs if r is not None), key=lambda r: (r.time, r.rank)))
+
+    @property
+    def missing_nodes(self) -> frozenset[str]:
+        """Nodes running unfinished ranks whose lease key is gone (lost, paused or partitioned).
+
+        A node whose ranks all finished leaves when its agent exits: that is not a loss.
+        """
+        if self.membership is None:
+            return frozenset()
+        done = self.finished
+        return frozenset(a.node_id for a in self.membership.ranks
+                         if a.node_id not in self.live_nodes and a.rank not in done)
+
+    def ranks_on(self, nodes: frozenset[str]) -> frozenset[int]:
+        if self.membership is None:
+            return frozenset()
+        return frozenset(a.rank for a in self.membership.ranks if a.node_id in nodes)
+
+    @property
+    def fresh(self) -> frozenset[int]:
+        """Replacements admitted by the current plan that have not resumed yet: they hold nothing.
+
+        A respawn or spare only holds state after it restored and resumed
+        (``ready``); until then its rank needs an image like a lost one, which
+        is a fact, not a loss: its report may be missing without delaying the plan.
+        """
+        m = self.membership
+        if m is None or m.decision is None:
+            return frozenset()
+        return frozenset(a.rank for a in m.ranks if a.source in ("respawn", "spare") and a.rank not in self.ready)
+
+    def usable_spares(self) -> tuple[Worker, ...]:
+        """Spares whose process did not exit (a dead spare is never assigned) and whose node is alive."""
+        dead = {rec.worker_id for rec in self.exits.values()}
+        return tuple(w for w in self.spares if w.worker_id not in dead and w.node_id in self.live_nodes)
+
+
+def parse_records(
+    membership: Membership | None,
+    exits: list[tuple[str, bytes]],
+    nodes: list[str],
+    reports: list[tuple[str, bytes]],
+    ready: list[str],
+    spares: list[tuple[str, bytes]],
+    status: bytes | None,
+    incident_open: bool,
+) -> JobView:
+    """Build a :class:`JobView` from raw ``(key, value)`` records; drop and name what does not parse."""
+    bad: list[str] = []
+    by_rank: dict[int, ExitRecord] = {}
+    for key, raw in exits:
+        try:
+            rec = ExitRecord.from_json(raw)
+        except CkptlessError:
+            bad.append(key)
+            continue
+        prev = by_rank.get(rec.rank)
+        if prev is None or rec.time >= prev.time:
+            by_rank[rec.rank] = rec
+    reps: dict[int, ReportRecord] = {}
+    bad_reports: set[int] = set()
+    for key, raw in reports:
+        try:
+            rank = int(key.rsplit("/", 1)[1])
+        except ValueError:
+            bad.append(key)
+            continue
+        try:
+            reps[rank] = report_record_from_json(raw)
+        except CkptlessError:
+            bad.append(key)
+            bad_reports.add(rank)
+    ready_ranks = set()
+    for key in ready:
+        try:
+            ready_ranks.add(int(key.rsplit("/", 1)[1]))
+        except ValueError:
+            bad.append(key)
+    spare_workers = []
+    for key, raw in spares:
+        try:
+            spare_workers.append(spare_from_json(raw))
+        except (ValueError, KeyError, TypeError, CkptlessError):
+            bad.append(key)
+    st = None
+    if status is not None:
+        try:
+            st = JobStatus.from_json(status)
+        except CkptlessError:
+            bad.append("status")
+    return JobView(membership, by_rank, frozenset(nodes), reps, frozenset(ready_ranks),
+                   tuple(sorted(spare_workers, key=lambda w: w.worker_id)), st, incident_open, tuple(bad),
+                   frozenset(bad_reports))
