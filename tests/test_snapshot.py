@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
 import logging
@@ -21,9 +22,10 @@ from hypothesis import strategies as st
 
 from ckptless.errors import ConfigError, DiskFullError, IntegrityError, SnapshotError
 from ckptless.snapshot import (
-    MARKER, SnapshotConfig, SnapshotEntry, SnapshotWriter, latest_complete, list_complete, load_snapshot,
-    plan_retention, step_dir,
+    MARKER, SnapshotConfig, SnapshotEntry, SnapshotIntegrityError, SnapshotWriter, latest_complete, list_complete,
+    load_snapshot, plan_retention, step_dir, verify_snapshot,
 )
+from ckptless.snapshot.reader import marker_bytes
 from ckptless.state import StateRegistry
 
 from .conftest import REPO, child_env
@@ -232,11 +234,10 @@ def test_partial_and_foreign_snapshots_are_skipped(tmp_path: Path, caplog: pytes
     assert latest_complete(snaps, "other-job", 1) is None
     assert latest_complete(snaps, JOB, 2) is None
 
-    # a marker copied from another job is refused, naming the field
+    # a (self-consistent) marker copied from another job is refused, naming the field
     s2 = step_dir(snaps, JOB, 2)
-    marker = json.loads((s2 / MARKER).read_text())
-    marker["job_id"] = "job-b"
-    (s2 / MARKER).write_text(json.dumps(marker))
+    info2 = verify_snapshot(s2, JOB, 1)
+    (s2 / MARKER).write_bytes(marker_bytes(dataclasses.replace(info2, job_id="job-b")))
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="ckptless.snapshot"):
         assert latest_complete(snaps, JOB, 1) is None
@@ -252,12 +253,15 @@ def test_corrupt_bytes_fail_checksum_and_leave_state_untouched(tmp_path: Path) -
     # flip a byte inside the tensor payload (the file ends with torch.save records)
     raw[len(raw) // 2] ^= 0xFF
     data.write_bytes(bytes(raw))
-    info = latest_complete(tmp_path / "snaps", JOB, 1)
-    assert info is not None  # sizes match: only the load can tell
+    assert latest_complete(tmp_path / "snaps", JOB, 1) is None  # the content check sees it
+    info = latest_complete(tmp_path / "snaps", JOB, 1, verify_content=False)
+    assert info is not None  # sizes match: a size-only check cannot tell
     fresh = Job(seed=5)
     before = [p.detach().clone() for p in fresh.model.parameters()]
-    with pytest.raises((IntegrityError, SnapshotError)):
+    with pytest.raises(SnapshotIntegrityError) as ei:
         load_snapshot(info, fresh.reg, 0)
+    assert isinstance(ei.value, IntegrityError) and isinstance(ei.value, SnapshotError)
+    assert ei.value.path == data and ei.value.step == 2 and str(data) in str(ei.value)
     assert all(torch.equal(a, b) for a, b in zip(before, fresh.model.parameters()))
 
     # a tampered part record is refused by the marker's digest

@@ -7,21 +7,25 @@ Public API::
     w.maybe_snapshot(step)          # after each step; copies, then writes in the background
     w.close()
 
-    info = latest_complete("/shared/snaps", "job", world_size)   # SnapshotInfo | None
+    # planner (any process): newest complete snapshot whose bytes verify
+    info, rejected = choose_snapshot("/shared/snaps", "job", world_size)   # rejected: [(step, reason)]
     if info is not None:
-        step = load_snapshot(info, registry, rank)               # exact restore
+        step = load_snapshot(info, registry, rank)   # re-verifies this rank's files; exact restore
 
 See docs/snapshots.md for the on-disk layout and the completion protocol.
 """
 
+from ckptless.snapshot.choose import choose_snapshot, latest_complete, list_complete
 from ckptless.snapshot.config import SnapshotConfig
+from ckptless.snapshot.integrity import FileSum, SnapshotIntegrityError
 from ckptless.snapshot.reader import (
-    MARKER, PartRecord, SnapshotInfo, latest_complete, list_complete, load_snapshot, step_dir, verify_snapshot,
+    FORMAT, MARKER, PartRecord, SnapshotInfo, forget_verified, load_snapshot, step_dir, verify_snapshot,
 )
 from ckptless.snapshot.retention import SnapshotEntry, plan_retention
 from ckptless.snapshot.writer import SnapshotWriter
 
 __all__ = [
-    "MARKER", "PartRecord", "SnapshotConfig", "SnapshotEntry", "SnapshotInfo", "SnapshotWriter",
-    "latest_complete", "list_complete", "load_snapshot", "plan_retention", "step_dir", "verify_snapshot",
+    "FORMAT", "MARKER", "FileSum", "PartRecord", "SnapshotConfig", "SnapshotEntry", "SnapshotInfo",
+    "SnapshotIntegrityError", "SnapshotWriter", "choose_snapshot", "forget_verified", "latest_complete",
+    "list_complete", "load_snapshot", "plan_retention", "step_dir", "verify_snapshot",
 ]

@@ -41,8 +41,9 @@ from torch.distributed.checkpoint import FileSystemWriter
 
 from ckptless.errors import CkptlessError, DiskFullError, SnapshotError
 from ckptless.snapshot.config import SnapshotConfig
+from ckptless.snapshot.integrity import file_sum
 from ckptless.snapshot.reader import (
-    MARKER, PartRecord, SnapshotInfo, tensor_views, failed_name, marker_bytes, part_name, scan_steps,
+    MARKER, METADATA, PartRecord, SnapshotInfo, tensor_views, failed_name, marker_bytes, part_name, scan_steps,
     sha256_file, short_error, step_dir,
 )
 from ckptless.snapshot.retention import SnapshotEntry, plan_retention
@@ -176,6 +177,8 @@ class SnapshotWriter:
         """Seconds the last started snapshot held the caller (state_dict + copy + checksums)."""
         self.last_write_s = 0.0
         """Seconds the last finished background write took (rank 0: including the wait for all ranks)."""
+        self.last_checksum_s = 0.0
+        """Seconds the last background write spent checksumming its files (part of ``last_write_s``)."""
 
     # --- training-loop side ---------------------------------------------------
     def due(self, step: int) -> bool:
@@ -301,9 +304,14 @@ class SnapshotWriter:
         except BaseException:
             shutil.rmtree(rank_dir, ignore_errors=True)  # give the space back; never touch older snapshots
             raise
-        files = {p.name: p.stat().st_size for p in rank_dir.iterdir() if p.is_file()}
+        # Checksum what is on disk now (the pages are still cached, so this is
+        # a memory-speed read): a later same-size flip in any file is then
+        # caught before a planner chooses this snapshot (see integrity.py).
+        t0 = time.perf_counter()
+        files = {p.name: file_sum(p) for p in sorted(rank_dir.iterdir()) if p.is_file()}
         rec = PartRecord(self.config.job_id, step, generation, self.rank, self.world_size, files,
-                         sha256_file(rank_dir / ".metadata"), tuple(fqns), image.manifest)
+                         sha256_file(rank_dir / METADATA), tuple(fqns), image.manifest)
+        self.last_checksum_s = time.perf_counter() - t0
         _atomic_write(sdir / part_name(self.rank), rec.to_bytes())
 
     def _complete(self, sdir: Path, step: int, generation: int) -> SnapshotInfo:
