@@ -90,21 +90,22 @@ def test_other_ranks_are_ignored_and_empty_ledger() -> None:
 
 
 # --- properties --------------------------------------------------------------------
-events_st = st.lists(st.tuples(st.sampled_from(list(EventKind)),
+events_st = st.lists(st.tuples(st.sampled_from(list(EventKind)),  # includes the marker kinds
                                st.floats(0, 5, allow_nan=False),
                                st.sampled_from([None, 0, 1]),
                                st.one_of(st.none(), st.integers(0, 30)),
-                               st.one_of(st.none(), st.floats(-1, 100, allow_nan=False))),
+                               st.one_of(st.none(), st.floats(-1, 100, allow_nan=False)),
+                               st.one_of(st.none(), st.floats(0, 1e10, allow_nan=False))),
                      max_size=40)
 
 
-def build(raw: list[tuple[EventKind, float, int | None, int | None, float | None]]) -> Ledger:
+def build(raw: list[tuple[EventKind, float, int | None, int | None, float | None, float | None]]) -> Ledger:
     t = 0.0
     ledger = Ledger()
-    for kind, dt, rank, step, fault in raw:
+    for kind, dt, rank, step, fault, wall in raw:
         t += dt
         attrs = {} if fault is None else {"fault_t": fault}
-        ledger.append(Event(kind, t, rank, 0, step, attrs))
+        ledger.append(Event(kind, t, rank, 0, step, attrs, wall))
     return ledger
 
 
@@ -132,6 +133,25 @@ def test_jsonl_round_trip(raw: list) -> None:
     assert account(again) == account(ledger)
 
 
+def test_markers_are_not_boundaries() -> None:
+    """The kinds added for the merged report change nothing in one rank's walk."""
+    base = one_incident()
+    extra = Ledger(sorted([*base, ev(K.FAULT_INJECTED, 5.5, rank=None, target=1),
+                           ev(K.INCIDENT_OPENED, 5.65, rank=None), ev(K.PLAN_PUBLISHED, 5.7, rank=None, gen=1),
+                           ev(K.REPROTECT_DONE, 7.9, gen=1, version=3)], key=lambda e: e.t_monotonic))
+    a, b = account(base), account(extra)
+    assert a.seconds == b.seconds and a.incidents == b.incidents
+
+
+def test_t_wall_round_trip_and_old_lines() -> None:
+    e = Event(K.STEP_DONE, 1.5, 0, 0, 1, {}, 1_790_000_000.25)
+    assert Event.from_json(e.to_json()) == e and '"t_wall": 1790000000.25' in e.to_json()
+    old = Event(K.STEP_DONE, 1.5, 0, 0, 1)
+    assert "t_wall" not in old.to_json()  # written as before: old readers keep working
+    assert Event.from_json(GOOD).t_wall is None
+    assert Event.from_json(GOOD.replace('"attrs": {}', '"attrs": {}, "t_wall": null')).t_wall is None
+
+
 def test_save_and_load(tmp_path) -> None:
     path = tmp_path / "ledger.jsonl"
     one_incident().save(path)
@@ -156,6 +176,8 @@ GOOD = '{"kind": "step_done", "t_monotonic": 1.0, "rank": 0, "generation": 0, "s
     (GOOD.replace('"attrs": {}', '"attrs": {"a": [1]}'), "line 2: attrs.a"),
     (GOOD.replace('"attrs": {}', '"attrs": 3'), "line 2: attrs"),
     (GOOD.replace('"attrs": {}', '"attrs": {}, "extra": 1'), "line 2: extra"),
+    (GOOD.replace('"attrs": {}', '"attrs": {}, "t_wall": "noon"'), "line 2: t_wall"),
+    (GOOD.replace('"attrs": {}', '"attrs": {}, "t_wall": -1'), "line 2: t_wall"),
 ])
 def test_malformed_lines_name_line_and_field(line: str, field: str) -> None:
     text = GOOD + "\n" + line + "\n"

@@ -21,7 +21,10 @@ interval ends with             category of that interval
 =============================  =====================================
 
 ``snapshot_saved`` is a marker, not a boundary: an async snapshot costs time
-only by slowing the steps around it, and that is where it is counted.
+only by slowing the steps around it, and that is where it is counted. The
+markers added with the merged report (``reprotect_done``, ``fault_injected``,
+``incident_opened``, ``plan_published``) are not boundaries either; the
+merged, all-ranks view in :mod:`ckptless.goodput.merge` reads them.
 
 Rollback also moves work already counted as productive: when an incident
 resumes from version R (``rollback_done.step`` or ``disk_restore.step``),
@@ -29,13 +32,15 @@ every productive step segment with step > R becomes *rollback* (steps lost;
 they are trained again later and counted productive then).
 
 Only job-level events (``rank is None``) and those of one reference rank
-(default 0) are read: every rank sees the same phases, and a replacement
-keeps its rank number, so one rank's view covers the whole job.
+(default 0) are read. That is one rank's view; :func:`ckptless.goodput.merge.analyze`
+builds a job-level view from every rank (phases end when the last rank
+reaches them) and feeds it through this same walk.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -53,6 +58,10 @@ class Category(str, Enum):
 
 
 BADPUT = tuple(c for c in Category if c is not Category.PRODUCTIVE)
+
+# Events that mark a moment without closing an interval of the walk.
+MARKERS = frozenset({EventKind.SNAPSHOT_SAVED, EventKind.REPROTECT_DONE, EventKind.FAULT_INJECTED,
+                     EventKind.INCIDENT_OPENED, EventKind.PLAN_PUBLISHED})
 
 _PHASE = {
     EventKind.FAILURE_DETECTED: Category.DETECTION,
@@ -92,6 +101,16 @@ class Incident:
 
 
 @dataclass(frozen=True)
+class StepTime:
+    """One productive step interval that was kept: the step, when it ended, how long it took."""
+
+    step: int
+    end: float
+    seconds: float
+    after_recovery: bool
+
+
+@dataclass(frozen=True)
 class GoodputReport:
     start: float
     end: float
@@ -99,6 +118,8 @@ class GoodputReport:
     steps_done: int
     steps_lost: int
     incidents: tuple[Incident, ...] = field(default=())
+    # Kept productive step intervals, in time order (for step-time statistics).
+    steps: tuple[StepTime, ...] = field(default=())
 
     @property
     def wall_s(self) -> float:
@@ -125,6 +146,8 @@ class _Seg:
     seconds: float
     step: int | None
     incident: int | None
+    end: float = 0.0
+    after_recovery: bool = False
 
 
 @dataclass
@@ -167,12 +190,13 @@ def account(ledger: Ledger, ref_rank: int | None = 0) -> GoodputReport:
     cur: _Open | None = None
     prev_t = start
     for ev in events:
-        if ev.kind is EventKind.SNAPSHOT_SAVED:
+        if ev.kind in MARKERS:
             continue
         dt = ev.t_monotonic - prev_t
         kind = ev.kind
         if kind in (EventKind.STEP_DONE, EventKind.FIRST_STEP_AFTER_RECOVERY):
-            segs.append(_Seg(Category.PRODUCTIVE, dt, ev.step, None))
+            segs.append(_Seg(Category.PRODUCTIVE, dt, ev.step, None, ev.t_monotonic,
+                             kind is EventKind.FIRST_STEP_AFTER_RECOVERY))
             if cur is not None:
                 cur.first_step_s, cur.ended_at = dt, ev.t_monotonic
                 cur = None
@@ -209,9 +233,10 @@ def account(ledger: Ledger, ref_rank: int | None = 0) -> GoodputReport:
     if end > prev_t:  # trailing time after the last boundary (no job_end yet)
         segs.append(_Seg(Category.IDLE, end - prev_t, None, None))
     seconds = {c: math.fsum(s.seconds for s in segs if s.category is c) for c in Category}
-    steps_done = sum(1 for s in segs if s.category is Category.PRODUCTIVE and s.step is not None)
-    return GoodputReport(start, end, seconds, steps_done, sum(i.steps_lost for i in incidents),
-                         tuple(i.freeze() for i in incidents))
+    kept = tuple(StepTime(s.step, s.end, s.seconds, s.after_recovery) for s in segs
+                 if s.category is Category.PRODUCTIVE and s.step is not None)
+    return GoodputReport(start, end, seconds, len(kept), sum(i.steps_lost for i in incidents),
+                         tuple(i.freeze() for i in incidents), kept)
 
 
 def _discard_after(segs: list[_Seg], resume: int, incident: _Open) -> None:
@@ -224,26 +249,37 @@ def _discard_after(segs: list[_Seg], resume: int, incident: _Open) -> None:
 
 
 def render_report(report: GoodputReport) -> str:
-    """A plain-text table: categories with seconds and share, then incidents."""
+    """A plain-text table (no colours): categories with seconds and share, then incidents.
+
+    Column widths follow the longest header or value, so no header is cut.
+    """
     wall = report.wall_s
     lines = [f"goodput {report.goodput:.1%}  wall {wall:.3f}s  steps done {report.steps_done}"
-             f"  steps lost {report.steps_lost}  incidents {len(report.incidents)}", "",
-             f"{'category':<14}{'seconds':>12}{'share':>9}", "-" * 35]
-    for cat in Category:
-        sec = report.seconds[cat]
-        share = sec / wall if wall > 0 else 0.0
-        lines.append(f"{cat.value:<14}{sec:>12.3f}{share:>9.1%}")
+             f"  steps lost {report.steps_lost}  incidents {len(report.incidents)}", ""]
+    rows = [(c.value, f"{report.seconds[c]:.3f}", f"{report.seconds[c] / wall if wall > 0 else 0.0:.1%}")
+            for c in Category]
+    lines += _table(("category", "seconds", "share"), rows)
     if report.incidents:
         cols = (Category.DETECTION, Category.REFORMATION, Category.TRANSFER, Category.ROLLBACK,
                 Category.DISK_RESTORE)
-        head = f"{'#':>3} {'gen':>4}" + "".join(f"{c.value[:10]:>11}" for c in cols)
-        head += f"{'first':>9}{'down':>9}{'lost':>5}{'resume':>7} note"
-        lines += ["", head, "-" * len(head)]
+        head = ("#", "gen", *(c.value for c in cols), "first step", "downtime", "lost", "resume", "note")
+        body = []
         for inc in report.incidents:
             note = ",".join(n for n, on in (("disk", inc.from_disk), ("interrupted", inc.interrupted)) if on)
-            resume = "-" if inc.resume_step is None else str(inc.resume_step)
-            lines.append(f"{inc.index:>3} {inc.generation:>4}"
-                         + "".join(f"{inc.phases.get(c, 0.0):>11.3f}" for c in cols)
-                         + f"{inc.first_step_s:>9.3f}{inc.downtime_s:>9.3f}{inc.steps_lost:>5}"
-                         + f"{resume:>7} {note}")
+            body.append((str(inc.index), str(inc.generation), *(f"{inc.phases.get(c, 0.0):.3f}" for c in cols),
+                         f"{inc.first_step_s:.3f}", f"{inc.downtime_s:.3f}", str(inc.steps_lost),
+                         "-" if inc.resume_step is None else str(inc.resume_step), note or "-"))
+        lines += [""] + _table(head, body)
     return "\n".join(lines) + "\n"
+
+
+def _table(head: tuple[str, ...], rows: Sequence[tuple[str, ...]]) -> list[str]:
+    """Left-aligned first column, right-aligned numbers, widths from the widest cell."""
+    widths = [max(len(r[i]) for r in (head, *rows)) for i in range(len(head))]
+
+    def fmt(r: tuple[str, ...]) -> str:
+        return "  ".join(c.ljust(w) if i == 0 or i == len(r) - 1 and not c[:1].isdigit() else c.rjust(w)
+                         for i, (c, w) in enumerate(zip(r, widths))).rstrip()
+
+    out = [fmt(head), "-" * len(fmt(head))]
+    return out + [fmt(r) for r in rows]

@@ -3,9 +3,12 @@
 Why events are passed in and never sampled here: the ledger must be a pure
 record that can be replayed, merged and tested; whoever observes a phase
 boundary (the job loop, the recovery executor, the agent) reads its own
-monotonic clock and appends an :class:`Event`. Timestamps must not go
-backwards: wall-clock jumps (NTP) would otherwise show up as negative
-recovery phases.
+clocks and appends an :class:`Event`. Two clocks, for two jobs: ordering
+within one file uses the monotonic clock (must not go backwards: wall-clock
+jumps would otherwise show up as negative recovery phases); ``t_wall``
+(``time.time()`` read at the same moment) lets reports merge files from
+several hosts and show the time of day. Ledgers written before ``t_wall``
+existed still load; reports then fall back to monotonic time and say so.
 
 On disk the ledger is JSON Lines, one event per line, parsed into typed
 records; a malformed line is rejected with a :class:`LedgerFormatError`
@@ -40,6 +43,14 @@ class EventKind(str, Enum):
     SNAPSHOT_SAVED = "snapshot_saved"
     DISK_RESTORE = "disk_restore"
     JOB_END = "job_end"
+    # A rank's background re-protection round of the resume version committed (marker).
+    REPROTECT_DONE = "reprotect_done"
+    # The chaos injector is about to send a fault; attrs: kind, target. Its time is the kill time.
+    FAULT_INJECTED = "fault_injected"
+    # The coordinator leader saw a generation fail (job-level); attrs: lost (ranks "1,3"), generation.
+    INCIDENT_OPENED = "incident_opened"
+    # The leader published a plan (job-level); attrs: decision memory/disk, generation, resume step.
+    PLAN_PUBLISHED = "plan_published"
 
 
 class LedgerFormatError(ConfigError):
@@ -51,14 +62,15 @@ class LedgerFormatError(ConfigError):
         super().__init__(where, value, reason)
 
 
-_FIELDS = ("kind", "t_monotonic", "rank", "generation", "step", "attrs")
+_FIELDS = ("kind", "t_monotonic", "rank", "generation", "step", "attrs", "t_wall")
 
 
 @dataclass(frozen=True)
 class Event:
-    """One phase boundary: what happened, when (monotonic seconds), where.
+    """One phase boundary: what happened, when (monotonic and wall seconds), where.
 
-    ``rank`` is None for job-level events (emitted by the leader/agent).
+    ``t_wall`` is ``time.time()`` read together with ``t_monotonic`` (None in
+    ledgers written before it existed). ``rank`` is None for job-level events (emitted by the leader/agent).
     ``step`` is the training step the event refers to: for ``step_done`` the
     step just finished; for ``rollback_done`` the version resumed from; for
     ``disk_restore`` the snapshot step restored.
@@ -70,6 +82,7 @@ class Event:
     generation: int = 0
     step: int | None = None
     attrs: Mapping[str, AttrValue] = field(default_factory=dict)
+    t_wall: float | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.kind, EventKind):
@@ -82,11 +95,16 @@ class Event:
             raise LedgerFormatError(None, "generation", self.generation, "must be >= 0")
         if self.step is not None and self.step < 0:
             raise LedgerFormatError(None, "step", self.step, "must be >= 0 or null")
+        if self.t_wall is not None and (not math.isfinite(self.t_wall) or self.t_wall < 0):
+            raise LedgerFormatError(None, "t_wall", self.t_wall, "must be finite and >= 0, or null")
 
     def to_json(self) -> str:
-        return json.dumps({"kind": self.kind.value, "t_monotonic": self.t_monotonic,
-                           "rank": self.rank, "generation": self.generation, "step": self.step,
-                           "attrs": dict(self.attrs)}, sort_keys=True, allow_nan=False)
+        doc: dict[str, Any] = {"kind": self.kind.value, "t_monotonic": self.t_monotonic,
+                               "rank": self.rank, "generation": self.generation, "step": self.step,
+                               "attrs": dict(self.attrs)}
+        if self.t_wall is not None:  # old readers (and old files) stay byte-compatible without it
+            doc["t_wall"] = self.t_wall
+        return json.dumps(doc, sort_keys=True, allow_nan=False)
 
     @classmethod
     def from_json(cls, text: str, line: int | None = None) -> Event:
@@ -105,6 +123,7 @@ class Event:
         except ValueError as exc:
             raise LedgerFormatError(line, "kind", kind_name, "unknown event kind") from exc
         t = _req(raw, "t_monotonic", (int, float), line)
+        t_wall = None if raw.get("t_wall") is None else float(_req(raw, "t_wall", (int, float), line))
         rank = _opt_int(raw, "rank", line)
         gen = _req(raw, "generation", int, line)
         step = _opt_int(raw, "step", line)
@@ -115,7 +134,7 @@ class Event:
             if val is not None and not isinstance(val, (str, int, float, bool)):
                 raise LedgerFormatError(line, f"attrs.{key}", val, "must be a scalar")
         try:
-            return cls(kind, float(t), rank, gen, step, attrs)
+            return cls(kind, float(t), rank, gen, step, attrs, t_wall)
         except LedgerFormatError as exc:
             raise LedgerFormatError(line, exc.field, exc.value, exc.reason) from exc
 
