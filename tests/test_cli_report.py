@@ -1,4 +1,5 @@
-"""`ckptless report`: text and JSON output, merged rank ledgers, clean errors (exit 2, one line)."""
+"""`ckptless report`: terminal and JSON output of the merged ranks, HTML, baseline and estimate inputs,
+run-dir lookup, headers never cut, clean errors (exit 2, one line)."""
 
 from __future__ import annotations
 
@@ -37,12 +38,28 @@ def rank_ledger(rank: int) -> Ledger:
     return Ledger(es)
 
 
+HEADERS = ("category", "seconds", "share", "ml-goodput-measurement", "re-formation", "disk restore", "first step",
+           "sum = downtime", "kill -> first step s", "re-protection s (bg)", "restart-from-disk (ESTIMATE)")
+
+
 def test_text_report_from_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = tmp_path / "rank0.jsonl"
     rank_ledger(0).save(path)
     assert main(["report", str(path)]) == 0
     out = capsys.readouterr().out
-    assert out.startswith("goodput 55.6%") and "reformation" in out and "incidents 1" in out
+    assert "goodput 55.6%" in out and "incidents 1" in out and "Recovery phases" in out
+    assert all(h in out for h in HEADERS), [h for h in HEADERS if h not in out]
+    assert "…" not in out and "monotonic" in out  # nothing cut; old ledger: says which clock
+
+
+def test_headers_are_never_cut_on_a_narrow_terminal(tmp_path: Path) -> None:
+    for r in (0, 1):
+        rank_ledger(r).save(tmp_path / f"rank{r}.jsonl")
+    env = dict(child_env(), COLUMNS="40")
+    proc = subprocess.run([sys.executable, "-m", "ckptless.cli", "report", str(tmp_path)], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert all(h in proc.stdout for h in HEADERS) and "…" not in proc.stdout
 
 
 def test_json_report_from_directory_merges_ranks(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -51,14 +68,58 @@ def test_json_report_from_directory_merges_ranks(tmp_path: Path, capsys: pytest.
     (tmp_path / "notes.txt").write_text("ignored")
     assert main(["report", str(tmp_path), "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
+    # merged: each step ends with the slower rank (+0.01 s); phases end at the last rank
     assert doc["wall_s"] == pytest.approx(9.0) and doc["goodput"] == pytest.approx(5 / 9)
-    assert doc["steps_done"] == 5 and doc["steps_lost"] == 2
+    assert doc["steps_done"] == 5 and doc["steps_lost"] == 2 and doc["clock"] == "monotonic"
     assert sum(doc["seconds"].values()) == pytest.approx(9.0)
+    assert doc["seconds"]["wasted_progress"] == pytest.approx(2.49)  # steps 4, 5 and 5.01 -> 5.5
+    assert doc["seconds"]["startup"] == pytest.approx(0.01)
     (inc,) = doc["incidents"]
-    assert inc["resume_step"] == 3 and inc["phases"]["reformation"] == pytest.approx(0.2)
-    # rank 1's view of the same run, chosen with --ref-rank
+    assert inc["resume_step"] == 3 and inc["started_at"] == pytest.approx(5.5)  # the detector's fault_t
+    assert inc["phases"] == pytest.approx({"detection": 0.1, "reformation": 0.2, "transfer": 0.51,
+                                           "rollback": 0.1, "first_step": 1.0})
+    assert inc["downtime_s"] == pytest.approx(1.91) and inc["kill_to_first_step_s"] == pytest.approx(1.91)
+    est = doc["restart_from_disk"]["estimate"]
+    assert est["label"] == "estimate" and est["inputs"]["checkpoint_interval_steps"] == 500
+    # rank 1's own view of the same run, chosen with --ref-rank
     assert main(["report", str(tmp_path), "--json", "--ref-rank", "1"]) == 0
-    assert json.loads(capsys.readouterr().out)["steps_done"] == 5
+    one = json.loads(capsys.readouterr().out)
+    assert one["view"] == "one rank" and one["steps_done"] == 5
+
+
+def test_estimate_inputs_from_the_command_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    for r in (0, 1):
+        rank_ledger(r).save(tmp_path / f"rank{r}.jsonl")
+    assert main(["report", str(tmp_path), "--json", "--ckpt-every", "2", "--restart-s", "1", "--load-s", "0.5",
+                 "--save-s", "0.1"]) == 0
+    est = json.loads(capsys.readouterr().out)["restart_from_disk"]["estimate"]
+    assert est["inputs"]["interval_source"] == "--ckpt-every"
+    (f,) = est["failures"]
+    # fault after step 5 (resume 3 + 2 lost): 1 step since the checkpoint at 4, which must be loaded
+    assert (f["fault_step"], f["lost_steps"]) == (5, 1)
+    assert f["seconds"] == pytest.approx(1 + 0.5 + 0.01 + 1 * 1.0)
+    assert est["checkpoint_saves"] == 2 and est["checkpoint_save_s"] == pytest.approx(0.2)
+
+
+def test_run_dir_html_and_baseline(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run = tmp_path / "run"
+    (run / "goodput").mkdir(parents=True)
+    for r in (0, 1):
+        rank_ledger(r).save(run / "goodput" / f"rank{r}.jsonl")
+    (run / "pids_rank0.jsonl").write_text('{"pid": 1}\n')  # a run dir holds other JSON Lines files
+    base = tmp_path / "base"
+    base.mkdir()
+    Ledger([ev(K.JOB_START, 0.0, rank=None)] + [ev(K.STEP_DONE, float(s), s) for s in range(1, 6)]
+           + [ev(K.JOB_END, 5.5, rank=None)]).save(base / "rank0.jsonl")
+    page = tmp_path / "out" / "report.html"
+    assert main(["report", str(run), "--html", str(page), "--baseline", str(base)]) == 0
+    out = capsys.readouterr().out
+    assert "Measured baseline" in out and f"wrote {page}" in out
+    text = page.read_text(encoding="utf-8")
+    assert '<svg id="timeline"' in text and "Measured baseline" in text and "ESTIMATE" in text
+    assert main(["report", str(run), "--json", "--baseline", str(base)]) == 0
+    b = json.loads(capsys.readouterr().out)["restart_from_disk"]["baseline"]
+    assert b["has_failures"] is False and b["wall_delta_s"] == pytest.approx(5.5 - 9.0)
 
 
 @pytest.mark.parametrize("setup,needle", [
@@ -98,6 +159,9 @@ def test_usage_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert main([]) == 2
     assert main(["report"]) == 2
     assert main(["report", "x.jsonl", "--ref-rank", "-1"]) == 2
+    assert main(["report", "x.jsonl", "--ckpt-every", "0"]) == 2
+    assert main(["report", "x.jsonl", "--restart-s", "-1"]) == 2
+    assert main(["status", "--rdzv-id", "j"]) == 2
     assert "usage" in capsys.readouterr().err
 
 
