@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-all bench clean
+.PHONY: install browser demo test test-all bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -14,19 +14,33 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e '.[test]'
 	touch $(STAMP)
 
-install: $(STAMP)
+install: $(STAMP) browser
+
+# Debian's chromium + chromedriver for the test that renders `ckptless report --html`
+# headless (tests/test_report_html.py). apt-get runs only when a binary is missing,
+# so this costs nothing once installed; a failed install retries once after apt-get update.
+CHROMIUM ?= /usr/bin/chromium
+CHROMEDRIVER ?= /usr/bin/chromedriver
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+browser:
+	@if [ ! -x $(CHROMIUM) ] || [ ! -x $(CHROMEDRIVER) ]; then \
+	  echo "installing chromium chromium-driver (headless report test)"; \
+	  export DEBIAN_FRONTEND=noninteractive; \
+	  $(SUDO) apt-get install -y --no-install-recommends chromium chromium-driver \
+	  || { $(SUDO) apt-get update && $(SUDO) apt-get install -y --no-install-recommends chromium chromium-driver; }; \
+	fi
 
 # The main job: a fault-injected training run on the embedded etcd, ending in a goodput report.
 demo: $(STAMP)
 	$(VENV)/bin/ckptless-chaos demo
 
 # The CI suite: everything except the slow chaos matrix (a bounded, seeded subset of it runs).
-test: $(STAMP)
+test: $(STAMP) browser
 	$(PY) -m mypy ckptless launcher chaos
 	$(PY) -m pytest -q -m "not slow" tests
 
 # Everything, including the slow chaos/recovery matrix.
-test-all: $(STAMP)
+test-all: $(STAMP) browser
 	$(PY) -m pytest -q tests
 
 bench: $(STAMP)
