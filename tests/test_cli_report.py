@@ -122,6 +122,20 @@ def test_run_dir_html_and_baseline(tmp_path: Path, capsys: pytest.CaptureFixture
     assert b["has_failures"] is False and b["wall_delta_s"] == pytest.approx(5.5 - 9.0)
 
 
+def test_a_last_line_cut_short_is_skipped_with_a_note(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A SIGKILLed rank (or a live one) may leave its last line without a newline: report the rest."""
+    for r in (0, 1):
+        rank_ledger(r).save(tmp_path / f"rank{r}.jsonl")
+    with open(tmp_path / "rank1.jsonl", "a", encoding="utf-8") as f:
+        f.write('{"kind": "step_done", "t_monot')
+    assert main(["report", str(tmp_path), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["steps_done"] == 5 and any("rank1.jsonl: ignored an unfinished last line" in n for n in doc["notes"])
+    (tmp_path / "rank1.jsonl").write_text('{"kind": "step_done", "t_monot\n')  # with its newline: an error
+    assert main(["report", str(tmp_path)]) == 2
+    assert "line 1" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("setup,needle", [
     ("missing", "no such file or directory"),
     ("empty_dir", "no *.jsonl ledger files"),

@@ -126,7 +126,7 @@ def _comparison(r: Report) -> str:
 def render_html(r: Report) -> str:
     a, tf = r.analysis, r.time
     when = tf.day(a.start) + (f" → {tf.at(a.end)}" if a.clock == "wall" else "")
-    notes = "".join(f'<div class="note">{escape(n)}</div>' for n in a.notes)
+    notes = "".join(f'<div class="note">{escape(n)}</div>' for n in r.notes)
     if a.unmatched_faults:
         notes += '<div class="note">faults without an incident: ' + escape("; ".join(
             f"{f.kind} → {f.target} at {tf.at(f.t)}" for f in a.unmatched_faults)) + "</div>"

@@ -5,6 +5,10 @@ refuses monotonic time going backwards, which is right inside one file but
 wrong across files from several hosts (each host has its own monotonic
 clock). The report merges the files itself, on the wall clock
 (:func:`ckptless.goodput.analyze`).
+
+A last line without its newline is a write cut short (a SIGKILLed rank) or
+one still under way (a running job): it is skipped with a note, so a report
+of a killed or live run still works. Any other malformed line is an error.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ class LoadedRun:
     path: Path
     files: tuple[Path, ...]
     events: tuple[Event, ...]
+    notes: tuple[str, ...] = ()
 
 
 def ledger_files(path: Path) -> list[Path]:
@@ -44,13 +49,22 @@ def load_run(path: Path) -> LoadedRun:
     """Every event of every ledger file under ``path``, each file validated on its own."""
     files = ledger_files(path)
     events: list[Event] = []
+    notes: list[str] = []
     for f in files:
         try:
-            events.extend(Ledger.load(f))
+            text = f.read_text(encoding="utf-8")
+            body, _, tail = text.rpartition("\n")
+            if tail.strip():  # no newline after the last line: a write cut short (SIGKILL) or still under way
+                try:
+                    Event.from_json(tail)
+                    body = text
+                except CkptlessError:
+                    notes.append(f"{f.name}: ignored an unfinished last line ({len(tail)} bytes, no newline)")
+            events.extend(Ledger.from_jsonl(body))
         except CkptlessError as exc:
             raise ReportInputError(f"{f}: {exc}") from exc
         except UnicodeDecodeError as exc:
             raise ReportInputError(f"{f}: not UTF-8 text ({exc.reason} at byte {exc.start})") from exc
         except OSError as exc:
             raise ReportInputError(f"{f}: cannot read ({exc.strerror or exc})") from exc
-    return LoadedRun(path, tuple(files), tuple(events))
+    return LoadedRun(path, tuple(files), tuple(events), tuple(notes))

@@ -111,6 +111,7 @@ class Report:
     estimate: Estimate
     baseline: BaselineComparison | None
     baseline_source: Path | None
+    notes: tuple[str, ...] = ()
 
     @property
     def time(self) -> TimeFormat:
@@ -122,7 +123,7 @@ def build_report(run: LoadedRun, baseline: LoadedRun | None = None,
     job = analyze(run.events)
     comp = None if baseline is None else BaselineComparison(analyze(baseline.events), job)
     return Report(run.path, run.files, job, estimate(job, inputs), comp,
-                  None if baseline is None else baseline.path)
+                  None if baseline is None else baseline.path, job.notes + run.notes)
 
 
 def incident_to_json(i: IncidentView) -> dict[str, Any]:
@@ -174,6 +175,7 @@ def report_to_json(r: Report) -> dict[str, Any]:
     """The whole report as plain JSON types; the job's figures at the top level."""
     doc = analysis_to_json(r.analysis)
     doc["source"] = str(r.source)
+    doc["notes"] = list(r.notes)
     doc["files"] = [str(f) for f in r.files]
     doc["restart_from_disk"] = {"estimate": estimate_to_json(r.estimate)}
     if r.baseline is not None:

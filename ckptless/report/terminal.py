@@ -56,7 +56,7 @@ def _summary(r: Report) -> Text:
         t.append(f"\nincident {inc.index}: ", style="bold")
         t.append(f"kill -> first step {_s(k)} s" if k is not None else
                  f"no injection time; detection -> first step {_s(inc.downtime_s)} s")
-    for note in a.notes:
+    for note in r.notes:
         t.append(f"\nnote: {note}", style="yellow")
     return t
 
