@@ -60,9 +60,17 @@ def _nice(span: float, target: int) -> float:
     return next((m * mag for m in (1, 2, 2.5, 5) if m * mag >= raw), 10 * mag)
 
 
-def nice_ticks(lo: float, hi: float, target: int) -> tuple[list[float], float]:
-    """Multiples of a 1/2/2.5/5 x 10^k step between lo and hi, and the step."""
+_CLOCK_STEPS = (1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600, 7200, 10800, 21600, 43200, 86400)
+
+
+def nice_ticks(lo: float, hi: float, target: int, clock: bool = False) -> tuple[list[float], float]:
+    """Multiples of a 1/2/2.5/5 x 10^k step between lo and hi, and the step.
+
+    With ``clock``, steps of a second or more are clock units (15 s, 5 min, 1 h, ...)."""
     step = _nice(hi - lo, target)
+    if clock and step >= 1:
+        raw = (hi - lo) / max(target, 1)
+        step = float(next((c for c in _CLOCK_STEPS if c >= raw), 86400 * math.ceil(raw / 86400)))
     first = math.ceil(lo / step - 1e-9) * step
     n = int((hi - first) / step + 1e-9) + 1
     return [first + k * step for k in range(max(n, 0))], step
@@ -93,7 +101,7 @@ class TimeFormat:
     def ticks(self, lo: float, hi: float, target: int) -> tuple[list[float], float]:
         """Nice tick positions: whole clock units on the wall clock, from the start on the monotonic one."""
         if self.clock == "wall":
-            return nice_ticks(lo, hi, target)
+            return nice_ticks(lo, hi, target, clock=True)
         rel, step = nice_ticks(lo - self.origin, hi - self.origin, target)
         return [v + self.origin for v in rel], step
 
