@@ -1,0 +1,281 @@
+"""Node-local ``/dev/shm`` files of the peer store: names, owner records, cleanup.
+
+Why a file name carries (job, node, owner, holder, slot): with K >= 2, several
+holders of one owner can run on one host and share ``/dev/shm``. Names keyed by
+(job, owner, slot) alone made them map the *same* payload file and race on
+one manifest temp file (issue 8: ``No such file or directory: ...-o1-s1.json.tmp``
+in a fault-free run). The holder rank makes a name unique inside a node; the
+node id (hashed) keeps two agents that share a host apart (chaos clusters run
+several "nodes" on one machine), so a rank number that moved to another
+agent after a recovery never meets its previous incarnation's files.
+
+Why owner records: ``/dev/shm`` is RAM and outlives every process; a job whose
+agent was SIGKILLed would pin its replicas until reboot. Each agent writes
+``<group>.owner.json`` (its pid and the process start time from
+``/proc/<pid>/stat``, so a reused pid is not mistaken for the agent) *before*
+it spawns workers; :func:`cleanup_stale` deletes every group whose recorded
+agent is gone and never touches a group whose agent is alive.
+
+Layout (``<job>`` = :func:`file_prefix`, ``<n>`` = 8 hex digits of the node id)::
+
+    ckptless-<job>-n<n>-o<owner>-h<holder>-s<slot>.bin    payload, written in place
+    ckptless-<job>-n<n>-o<owner>-h<holder>-s<slot>.json   manifest, written last (tmp + rename)
+    ckptless-<job>-n<n>.owner.json                         the agent that owns this group
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+OWNER_RECORD_FORMAT = 1
+
+
+def file_prefix(job_id: str) -> str:
+    """Stable, filesystem-safe prefix for a job's files (sanitised name + hash)."""
+    safe = re.sub(r"[^A-Za-z0-9_.-]", "_", job_id)[:40]
+    digest = hashlib.blake2b(job_id.encode(), digest_size=4).hexdigest()
+    return f"ckptless-{safe}-{digest}"
+
+
+def node_tag(node: str | None) -> str:
+    """8 hex digits naming a node id in file names (ids hold hostnames, pids, uuids)."""
+    return hashlib.blake2b((node or "").encode(), digest_size=4).hexdigest()
+
+
+def group_prefix(job_id: str, node: str | None) -> str:
+    """Prefix of every file one node keeps for one job (the unit an owner record governs)."""
+    return f"{file_prefix(job_id)}-n{node_tag(node)}"
+
+
+def slot_path(shm_dir: str, job_id: str, node: str | None, owner: int, holder: int, slot: int, ext: str) -> str:
+    """Path of one slot's payload (``bin``) or manifest (``json``) file."""
+    return os.path.join(shm_dir, f"{group_prefix(job_id, node)}-o{owner}-h{holder}-s{slot}.{ext}")
+
+
+def owner_record_path(shm_dir: str, job_id: str, node: str | None = None) -> str:
+    return os.path.join(shm_dir, f"{group_prefix(job_id, node)}.owner.json")
+
+
+# The job part is matched lazily and the tail strictly to the end, so a name
+# splits into (job, node, tail) in exactly one way. Holder-less names without a
+# node are the pre-issue-8 layout; they are parsed so cleanup can remove them.
+_FILE = re.compile(
+    r"^(?P<job>ckptless-[A-Za-z0-9_.-]*?-[0-9a-f]{8})(?:-n(?P<node>[0-9a-f]{8}))?"
+    r"(?:-o(?P<owner>\d+)(?:-h(?P<holder>\d+))?-s(?P<slot>[01])\.(?P<ext>bin|json)|(?P<rec>\.owner\.json))"
+    r"(?P<tmp>\.tmp)?$"
+)
+
+
+@dataclass(frozen=True)
+class ShmFile:
+    """One parsed ckptless file name; ``kind`` is ``bin``, ``json`` or ``owner``."""
+
+    name: str
+    job: str
+    node: str | None
+    owner: int | None
+    holder: int | None
+    slot: int | None
+    kind: str
+    tmp: bool
+
+    @property
+    def group(self) -> str:
+        return self.job if self.node is None else f"{self.job}-n{self.node}"
+
+
+def parse_name(name: str) -> ShmFile | None:
+    """The parts of a ckptless shm file name, or None for any other file."""
+    m = _FILE.match(name)
+    if m is None:
+        return None
+    if m.group("rec") is not None:
+        if m.group("node") is None:
+            return None
+        return ShmFile(name, m.group("job"), m.group("node"), None, None, None, "owner", m.group("tmp") is not None)
+    holder = m.group("holder")
+    if (holder is None) != (m.group("node") is None):
+        return None  # a holder always comes with a node; legacy names have neither
+    return ShmFile(name, m.group("job"), m.group("node"), int(m.group("owner")),
+                   None if holder is None else int(holder), int(m.group("slot")), m.group("ext"),
+                   m.group("tmp") is not None)
+
+
+def list_files(shm_dir: str) -> list[ShmFile]:
+    """Every ckptless file in ``shm_dir`` (a missing directory holds none)."""
+    try:
+        names = sorted(os.listdir(shm_dir))
+    except FileNotFoundError:
+        return []
+    return [f for f in map(parse_name, names) if f is not None]
+
+
+def holder_files(shm_dir: str, job_id: str, node: str | None, holder: int) -> list[ShmFile]:
+    """The files one holder identity (job, node, holder) owns, temp files included."""
+    job, tag = file_prefix(job_id), node_tag(node)
+    return [f for f in list_files(shm_dir) if f.job == job and f.node == tag and f.holder == holder]
+
+
+def unlink_quiet(path: str) -> bool:
+    """Remove ``path``; False if it was already gone (a concurrent cleanup is fine)."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        return False
+    return True
+
+
+def _remove(shm_dir: str, files: list[ShmFile]) -> list[str]:
+    # Owner records go last: a cleanup that dies half-way still leaves the record
+    # that tells the next cleanup this group is dead.
+    removed = []
+    for f in sorted(files, key=lambda f: f.kind == "owner"):
+        path = os.path.join(shm_dir, f.name)
+        if unlink_quiet(path):
+            removed.append(path)
+    return removed
+
+
+# --- owner records --------------------------------------------------------------------------------
+def process_start_time(pid: int) -> int | None:
+    """Start time (clock ticks since boot, /proc/<pid>/stat field 22) of a live process.
+
+    None when there is no such process or it is a zombie: a dead agent that
+    its parent has not reaped yet must count as dead.
+    """
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            raw = f.read().decode(errors="replace")
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return None
+    fields = raw[raw.rfind(")") + 2:].split()  # comm may contain spaces and parentheses
+    if len(fields) < 20 or fields[0] in ("Z", "X"):
+        return None
+    return int(fields[19])
+
+
+def agent_alive(pid: int, start_time: int | None) -> bool:
+    """True while the process recorded as (pid, start time) still runs."""
+    if not os.path.isdir("/proc"):  # not Linux: no start times, only "pid exists"
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+    now = process_start_time(pid)
+    return now is not None and (start_time is None or now == start_time)
+
+
+@dataclass(frozen=True)
+class OwnerRecord:
+    job_id: str
+    node: str | None
+    pid: int
+    start_time: int | None
+    written: float
+
+
+def register_owner(shm_dir: str, job_id: str, pid: int | None = None, *, node: str | None = None) -> str:
+    """Record that agent ``pid`` (default: this process) owns the job's files on ``node``.
+
+    Call before spawning workers, so files never exist unowned. Written
+    atomically (tmp + rename); re-registering replaces the record.
+    """
+    pid = os.getpid() if pid is None else pid
+    os.makedirs(shm_dir, exist_ok=True)
+    path = owner_record_path(shm_dir, job_id, node)
+    doc = {"format": OWNER_RECORD_FORMAT, "job_id": job_id, "node": node, "pid": pid,
+           "start_time": process_start_time(pid), "written": time.time()}
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(doc, f)
+    os.replace(tmp, path)
+    return path
+
+
+def read_owner(path: str) -> OwnerRecord | None:
+    """The record at ``path``; None if missing or unreadable (treated as unowned)."""
+    try:
+        with open(path, "rb") as f:
+            doc = json.loads(f.read())
+        start = doc.get("start_time")
+        return OwnerRecord(str(doc["job_id"]), None if doc.get("node") is None else str(doc["node"]),
+                           int(doc["pid"]), None if start is None else int(start), float(doc.get("written", 0.0)))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
+# --- cleanup ----------------------------------------------------------------------------------------
+def cleanup_job(shm_dir: str, job_id: str, *, only_node: str | None = None) -> list[str]:
+    """Remove every file of the job (or only ``only_node``'s group); returns the paths removed.
+
+    Why a node filter: agents of one job that share a host each clean their
+    own group at exit, so the first to finish never pulls files from under
+    another node's still-running workers (their mappings would survive, but
+    a respawn there could no longer re-attach).
+    """
+    job, tag = file_prefix(job_id), node_tag(only_node)
+    return _remove(shm_dir, [f for f in list_files(shm_dir)
+                             if f.job == job and (only_node is None or f.node == tag)])
+
+
+def cleanup_stale(shm_dir: str, is_alive: Callable[[int, int | None], bool] = agent_alive,
+                  orphan_grace_s: float | None = None) -> list[str]:
+    """Remove the files of every group whose recorded agent is gone; returns paths removed.
+
+    A group whose owner record names a live agent (``is_alive(pid, start_time)``)
+    is kept. A group without a readable record (pre-issue-8 files, or a store
+    used without an agent) is removed only when ``orphan_grace_s`` is given,
+    no live agent is recorded for the same job, and none of its files changed
+    for that long; by default such files are left alone.
+    """
+    groups: dict[str, list[ShmFile]] = {}
+    for f in list_files(shm_dir):
+        groups.setdefault(f.group, []).append(f)
+    verdict: dict[str, bool | None] = {}  # group -> agent alive (None: no record)
+    for group, files in groups.items():
+        rec = next((f for f in files if f.kind == "owner" and not f.tmp), None)
+        owner = None if rec is None else read_owner(os.path.join(shm_dir, rec.name))
+        verdict[group] = None if owner is None else is_alive(owner.pid, owner.start_time)
+    live_jobs = {files[0].job for g, files in groups.items() if verdict[g]}
+    now = time.time()
+    removed: list[str] = []
+    for group, files in groups.items():
+        alive = verdict[group]
+        if alive is False:
+            removed += _remove(shm_dir, files)
+        elif alive is None and orphan_grace_s is not None and files[0].job not in live_jobs:
+            newest = max((_mtime(os.path.join(shm_dir, f.name)) for f in files), default=now)
+            if now - newest >= orphan_grace_s:
+                removed += _remove(shm_dir, files)
+    return removed
+
+
+def _mtime(path: str) -> float:
+    try:
+        return os.stat(path).st_mtime
+    except FileNotFoundError:
+        return 0.0
+
+
+def stat_signature(path: str) -> tuple[int, int, int, int] | None:
+    """(inode, size, mtime_ns, ctime_ns): changes when another process writes the file.
+
+    A cheap way to invalidate a cached "verified" verdict: ``write()`` and a
+    first write through a fresh mapping both update mtime on tmpfs. Not
+    complete (a mapping that read a page before writing it does not), hence
+    the age limit on cached verdicts as well.
+    """
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return None
+    return (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
