@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -28,7 +29,7 @@ def make_image(owner: int, version: int, nbytes: int = 50_000, generation: int =
 
 
 @pytest.fixture
-def shm_dir(tmp_path: Path) -> str:
+def shm_dir(tmp_path: Path) -> Iterator[str]:
     base = "/dev/shm" if os.path.isdir("/dev/shm") else str(tmp_path)
     d = os.path.join(base, f"ckptless-test-{os.getpid()}-{tmp_path.name}")
     os.makedirs(d, exist_ok=True)
@@ -131,7 +132,7 @@ def test_discard_newer_after_rollback() -> None:
 
 
 def test_shm_backing_survives_and_reattaches(shm_dir: str) -> None:
-    s = PeerStore("job/x", shm_dir=shm_dir)
+    s = PeerStore("job/x", shm_dir=shm_dir, holder=1, node="n0")
     imgs = {}
     for owner in (0, 3):
         for v in (1, 2):
@@ -142,16 +143,17 @@ def test_shm_backing_survives_and_reattaches(shm_dir: str) -> None:
     s.begin(m3)[:100].copy_(b3[:100])  # crash mid-write: slot of v1 has no manifest any more
     names = os.listdir(shm_dir)
     assert all(n.startswith(file_prefix("job/x")) for n in names)
-    t = PeerStore.attach(shm_dir, "job/x")
+    t = PeerStore.attach(shm_dir, "job/x", holder=1, node="n0")
     assert t.versions(0) == [2] and t.versions(3) == [1, 2] and not t.rejected
     for owner, v in ((0, 2), (3, 1), (3, 2)):
         img = t.get(owner, v)
         m, b = imgs[(owner, v)]
         assert img is not None and img.manifest == m and torch.equal(img.buffer, b)
     # Another job sees nothing; corruption at rest is rejected on attach.
-    assert PeerStore.attach(shm_dir, "other").owners() == []
+    assert PeerStore.attach(shm_dir, "other", holder=1, node="n0").owners() == []
+    assert PeerStore.attach(shm_dir, "job/x", holder=2, node="n0").owners() == []
     t.get(3, 2).buffer[0] ^= 1  # type: ignore[union-attr]
-    u = PeerStore.attach(shm_dir, "job/x")
+    u = PeerStore.attach(shm_dir, "job/x", holder=1, node="n0")
     assert u.versions(3) == [1] and len(u.rejected) == 1
 
 
@@ -164,14 +166,14 @@ def test_shm_survives_sigkill_of_writer(shm_dir: str) -> None:
         from ckptless.state.manifest import Manifest
         buf = torch.arange(30000, dtype=torch.int64).to(torch.uint8)
         m = Manifest("job", 1, 7, 0, 30000, 4096, tuple(chunk_checksums(buf, 4096)))
-        s = PeerStore("job", shm_dir={shm_dir!r})
+        s = PeerStore("job", shm_dir={shm_dir!r}, holder=0)
         s.put(m, buf)
         os.kill(os.getpid(), signal.SIGKILL)
         """
     )
     proc = subprocess.run([sys.executable, "-c", code], timeout=60)
     assert proc.returncode == -9
-    t = PeerStore.attach(shm_dir, "job")
+    t = PeerStore.attach(shm_dir, "job", holder=0)
     img = t.latest(1)
     assert img is not None and img.manifest.version == 7
     assert torch.equal(img.buffer, torch.arange(30000, dtype=torch.int64).to(torch.uint8))

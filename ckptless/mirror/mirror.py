@@ -88,7 +88,9 @@ class MirrorEngine:
         self.placement = placement or compute_placement(
             self.world_size, self.config.replicas, self.config.placement, node_of)
         self.job_id, self.generation = job_id, generation
-        self.store = store or PeerStore(job_id, generation, self.config.shm_dir)
+        # Files are keyed by this holder's rank and node: holders sharing a host never share a file.
+        self.store = store or PeerStore(job_id, generation, self.config.shm_dir, holder=self.rank,
+                                        node=None if node_of is None else str(node_of[self.rank]))
         self.store.set_generation(generation)
         self.group = group
         self.transport = MirrorTransport(

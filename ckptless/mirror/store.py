@@ -11,6 +11,14 @@ own process crash, so a respawned holder re-attaches its replicas instead of
 losing them. The payload is written first; the manifest JSON beside it is
 written (atomically) only after the payload verified, and removed before a
 slot is rewritten, so a crash mid-write never leaves a manifest that lies.
+Files are named by (job, node, owner, holder, slot) (:mod:`ckptless.mirror.shm`):
+holders of one owner that share a host never share a file.
+
+Why verdicts are cached: a replica is checksummed when it lands; at rest it can
+still rot (a bit flip, a stray writer). :meth:`PeerStore.verified_replicas`
+re-checks only what may have changed since (file stat changed, or the verdict
+is older than the caller allows), so a call right after a round costs a stat
+per file, and recovery never reports a replica it could not serve.
 
 Ordering: images are ordered by ``(generation, version)``; an image not newer
 than the newest complete one is rejected (:class:`StaleVersion`), as is one
@@ -19,16 +27,16 @@ from another job or an older generation (:class:`StaleGeneration`).
 
 from __future__ import annotations
 
-import hashlib
 import os
-import re
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 
-from ckptless.errors import IntegrityError, ManifestError, MirrorError, StaleGeneration
+from ckptless.errors import ConfigError, IntegrityError, ManifestError, MirrorError, StaleGeneration
+from ckptless.mirror.shm import file_prefix, holder_files, slot_path, stat_signature, unlink_quiet
 from ckptless.state.checksum import bad_chunks
 from ckptless.state.manifest import Manifest
 
@@ -56,14 +64,19 @@ def _key(m: Manifest) -> tuple[int, int]:
     return (m.generation, m.version)
 
 
-def file_prefix(job_id: str) -> str:
-    """Stable, filesystem-safe prefix for a job's files (sanitised name + hash)."""
-    safe = re.sub(r"[^A-Za-z0-9_.-]", "_", job_id)[:40]
-    digest = hashlib.blake2b(job_id.encode(), digest_size=4).hexdigest()
-    return f"ckptless-{safe}-{digest}"
+__all__ = ["AtRest", "Image", "PeerStore", "StaleVersion", "StoredImage", "file_prefix"]  # file_prefix: re-export
 
 
-_NAME = re.compile(r"-o(\d+)-s([01])\.bin$")
+@dataclass(frozen=True)
+class AtRest:
+    """Result of re-checking the complete replicas a store holds.
+
+    ``verified``: ``(owner, version, n_chunks)`` whose checksums match now;
+    ``corrupt``: ``(owner, version, bad chunk indices)``.
+    """
+
+    verified: list[tuple[int, int, int]]
+    corrupt: list[tuple[int, int, list[int]]]
 
 
 @dataclass
@@ -71,6 +84,21 @@ class _Slot:
     buffer: torch.Tensor | None = None
     complete: Manifest | None = None
     writing: Manifest | None = None
+    # Verdict on ``complete``: when it last verified, the payload file's stat
+    # then, or the chunks found corrupt. ``epoch`` changes whenever the slot's
+    # content is replaced, so a check that raced with a rewrite is not recorded.
+    checked_at: float | None = None
+    stat: tuple[int, int, int, int] | None = None
+    bad: list[int] | None = None
+    epoch: int = 0
+
+    def forget(self) -> None:
+        self.complete = None
+        self.checked_at, self.stat, self.bad = None, None, None
+        self.epoch += 1
+
+    def verified(self, stat: tuple[int, int, int, int] | None) -> None:
+        self.checked_at, self.stat, self.bad = time.monotonic(), stat, None
 
     @property
     def capacity(self) -> int:
@@ -89,18 +117,33 @@ class _Owner:
 
 
 class PeerStore:
-    """Holds other ranks' images; thread-safe for one writer plus readers."""
+    """Holds other ranks' images; thread-safe for one writer plus readers.
 
-    def __init__(self, job_id: str, generation: int = 0, shm_dir: str | None = None) -> None:
+    ``holder`` (this process's rank) and ``node`` (a stable id of its node,
+    e.g. the agent's node id) name the ``/dev/shm`` files; a file-backed store
+    needs ``holder``, an in-memory one ignores both. A fresh file-backed store
+    deletes what an earlier incarnation of the same (job, node, holder) left:
+    use :meth:`attach` to keep it.
+    """
+
+    def __init__(self, job_id: str, generation: int = 0, shm_dir: str | None = None, *,
+                 holder: int | None = None, node: str | None = None, keep_files: bool = False) -> None:
+        if shm_dir is not None and holder is None:
+            raise ConfigError("holder", holder, "a /dev/shm-backed store needs its holder rank: "
+                                                "holders sharing a host would otherwise share files")
         self.job_id = job_id
         self._generation = generation
         self.shm_dir = shm_dir
+        self.holder = holder
+        self.node = node
         self._owners: dict[int, _Owner] = {}
         self._lock = threading.Lock()
         self.rejected: list[tuple[str, str]] = []  # (path, reason) from attach()
         self._pinned: int | None = None
         if shm_dir is not None:
             os.makedirs(shm_dir, exist_ok=True)
+            if not keep_files:
+                self._unlink_files()
 
     # --- generation -----------------------------------------------------------
     @property
@@ -125,8 +168,13 @@ class PeerStore:
 
     # --- paths ------------------------------------------------------------------
     def _path(self, owner: int, slot: int, ext: str) -> str:
-        assert self.shm_dir is not None
-        return os.path.join(self.shm_dir, f"{file_prefix(self.job_id)}-o{owner}-s{slot}.{ext}")
+        assert self.shm_dir is not None and self.holder is not None
+        return slot_path(self.shm_dir, self.job_id, self.node, owner, self.holder, slot, ext)
+
+    def _unlink_files(self) -> None:
+        assert self.shm_dir is not None and self.holder is not None
+        for f in holder_files(self.shm_dir, self.job_id, self.node, self.holder):
+            unlink_quiet(os.path.join(self.shm_dir, f.name))
 
     def _ensure_capacity(self, owner: int, idx: int, slot: _Slot, nbytes: int) -> torch.Tensor:
         nbytes = max(nbytes, 1)  # zero-length mappings are not allowed
@@ -143,6 +191,9 @@ class PeerStore:
             os.truncate(path, nbytes)
             slot.buffer = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
         return slot.buffer
+
+    def _stat(self, owner: int, idx: int) -> tuple[int, int, int, int] | None:
+        return None if self.shm_dir is None else stat_signature(self._path(owner, idx, "bin"))
 
     # --- write path -------------------------------------------------------------
     def check(self, manifest: Manifest) -> None:
@@ -168,7 +219,8 @@ class PeerStore:
         """Reserve the writing slot for ``manifest``; returns the view to fill (total_bytes long).
 
         The slot that does not hold the newest complete image is reused; whatever
-        older image it held is forgotten now.
+        older image it held is forgotten now (its manifest file first, so the
+        half-written payload is never mistaken for a complete one).
         """
         manifest.validate()
         with self._lock:
@@ -178,13 +230,10 @@ class PeerStore:
             own = self._owners.setdefault(manifest.owner, _Owner())
             idx = self._writable(own)
             slot = own.slots[idx]
-            slot.complete = None
+            slot.forget()
             slot.writing = manifest
             if self.shm_dir is not None:
-                try:
-                    os.unlink(self._path(manifest.owner, idx, "json"))
-                except FileNotFoundError:
-                    pass
+                unlink_quiet(self._path(manifest.owner, idx, "json"))
             buf = self._ensure_capacity(manifest.owner, idx, slot, manifest.total_bytes)
             return buf[: manifest.total_bytes]
 
@@ -218,7 +267,8 @@ class PeerStore:
         """Mark the written slot complete; verifies checksums unless ``verified``.
 
         On a checksum failure the slot is discarded and :class:`IntegrityError`
-        raised: the previous complete image stays the newest.
+        raised: the previous complete image stays the newest. The verdict is
+        cached, so :meth:`verified_replicas` right after a round re-checks nothing.
         """
         with self._lock:
             idx, slot = self._writing(owner)
@@ -231,7 +281,10 @@ class PeerStore:
                     raise IntegrityError(f"replica of owner {owner} v{m.version}: corrupt chunks {bad[:8]}")
             slot.writing = None
             slot.complete = m
+            slot.verified(self._stat(owner, idx))
             if self.shm_dir is not None:
+                # The temp name is this holder's own (the path is), so two holders
+                # of one owner never rename each other's file away (issue 8).
                 path = self._path(owner, idx, "json")
                 tmp = path + ".tmp"
                 with open(tmp, "wb") as f:
@@ -248,7 +301,7 @@ class PeerStore:
                     s.writing = None
 
     def put(self, manifest: Manifest, buffer: torch.Tensor) -> Manifest:
-        """Copy a whole image in (local use and tests); same rules as begin/complete."""
+        """Copy a whole image in (local use, repair from another holder, tests); same rules as begin/complete."""
         view = self.begin(manifest)
         view.copy_(buffer[: manifest.total_bytes])
         return self.complete(manifest.owner)
@@ -267,17 +320,20 @@ class PeerStore:
             assert s.complete is not None and s.buffer is not None
             return StoredImage(s.complete, s.buffer[: s.complete.total_bytes])
 
+    def _find(self, owner: int, version: int) -> tuple[int, _Slot] | None:
+        """Slot holding ``version`` of ``owner`` (newest generation first), as :meth:`get` sees it."""
+        own = self._owners.get(owner)
+        if own is None:
+            return None
+        hits = [(i, s) for i, s in enumerate(own.slots) if s.complete is not None and s.complete.version == version]
+        return max(hits, key=lambda h: _key(h[1].complete), default=None)  # type: ignore[arg-type]
+
     def get(self, owner: int, version: int) -> StoredImage | None:
         """The complete image of ``owner`` at ``version`` (newest generation first), if held."""
         with self._lock:
-            own = self._owners.get(owner)
-            if own is None:
+            s = (self._find(owner, version) or (0, None))[1]
+            if s is None or s.complete is None or s.buffer is None:
                 return None
-            hits = [s for s in own.slots if s.complete is not None and s.complete.version == version]
-            if not hits:
-                return None
-            s = max(hits, key=lambda s: _key(s.complete))  # type: ignore[arg-type]
-            assert s.complete is not None and s.buffer is not None
             return StoredImage(s.complete, s.buffer[: s.complete.total_bytes])
 
     def versions(self, owner: int) -> list[int]:
@@ -287,14 +343,91 @@ class PeerStore:
         return sorted(s.complete.version for s in own.slots if s.complete is not None)
 
     def verify(self, owner: int, version: int | None = None) -> None:
-        """Re-check an at-rest replica (e.g. before serving it to a replacement)."""
-        img = self.latest(owner) if version is None else self.get(owner, version)
-        if img is None:
+        """Re-check one at-rest replica now (e.g. before serving it); raises IntegrityError."""
+        img = self.latest(owner) if version is None else None
+        version = img.manifest.version if img is not None else version
+        res = None if version is None else self._check({(owner, version)}, 0.0)
+        if res is None or not (res.verified or res.corrupt):
             raise MirrorError(f"no image of owner {owner} (version {version}) held")
-        m = img.manifest
-        bad = bad_chunks(img.buffer, m.chunk_bytes, list(m.chunk_checksums), m.total_bytes)
-        if bad:
-            raise IntegrityError(f"held replica of owner {owner} v{m.version}: corrupt chunks {bad[:8]}")
+        if res.corrupt:
+            raise IntegrityError(f"held replica of owner {owner} v{version}: corrupt chunks {res.corrupt[0][2][:8]}")
+
+    # --- at-rest verification -------------------------------------------------------
+    def check_at_rest(self, max_age_s: float | None = None) -> AtRest:
+        """Verify every complete replica; re-checksums only where the cached verdict may be stale.
+
+        A verdict is stale when the payload file's stat changed (another
+        process wrote it) or, with ``max_age_s``, when it is older than that
+        (``0`` forces a full re-verify; in-memory rot shows up only that way).
+        Corrupt replicas stay held until :meth:`drop`.
+        """
+        with self._lock:
+            wanted = {(o, s.complete.version) for o, own in self._owners.items() for s in own.slots
+                      if s.complete is not None}
+        return self._check(wanted, max_age_s)
+
+    def verified_replicas(self, max_age_s: float | None = None) -> list[tuple[int, int, int]]:
+        """``(owner, version, n_chunks)`` of every complete replica whose checksums verify now.
+
+        What a worker may report to the coordinator: the planner then never
+        picks a holder whose copy is corrupt.
+        """
+        return self.check_at_rest(max_age_s).verified
+
+    def _check(self, wanted: set[tuple[int, int]], max_age_s: float | None) -> AtRest:
+        now = time.monotonic()
+        todo: list[tuple[int, int, int, _Slot, int, Manifest, torch.Tensor]] = []
+        verified: list[tuple[int, int, int]] = []
+        corrupt: list[tuple[int, int, list[int]]] = []
+        with self._lock:
+            for owner, version in sorted(wanted):
+                hit = self._find(owner, version)
+                if hit is None:
+                    continue
+                idx, s = hit
+                assert s.complete is not None and s.buffer is not None
+                if s.bad is not None:
+                    corrupt.append((owner, version, list(s.bad)))
+                elif (s.checked_at is None or (max_age_s is not None and now - s.checked_at >= max_age_s)
+                      or s.stat != self._stat(owner, idx)):
+                    todo.append((owner, version, idx, s, s.epoch, s.complete, s.buffer))
+                else:
+                    verified.append((owner, version, len(s.complete.chunk_checksums)))
+        # Checksums outside the lock: a mirror round may proceed meanwhile; a slot
+        # it rewrote (epoch changed) is simply not reported.
+        for owner, version, idx, s, epoch, m, buf in todo:
+            stat = self._stat(owner, idx)  # before reading: a later write changes it again
+            bad = bad_chunks(buf, m.chunk_bytes, list(m.chunk_checksums), m.total_bytes)
+            with self._lock:
+                if s.epoch != epoch or s.complete is not m:
+                    continue
+                if bad:
+                    s.bad, s.checked_at = bad, None
+                    corrupt.append((owner, version, bad))
+                else:
+                    s.verified(stat)
+                    verified.append((owner, version, len(m.chunk_checksums)))
+        return AtRest(sorted(verified), sorted(corrupt))
+
+    def drop(self, owner: int, version: int) -> bool:
+        """Discard the held replica(s) of ``owner`` at ``version`` (e.g. found corrupt); True if any.
+
+        The slot becomes empty and reusable; its manifest file goes, so a
+        respawned holder does not re-attach it either.
+        """
+        with self._lock:
+            own = self._owners.get(owner)
+            dropped = False
+            for i, s in enumerate(own.slots if own is not None else ()):
+                if s.complete is not None and s.complete.version == version:
+                    self._forget(owner, i, s)
+                    dropped = True
+            return dropped
+
+    def _forget(self, owner: int, idx: int, slot: _Slot) -> None:
+        slot.forget()
+        if self.shm_dir is not None:
+            unlink_quiet(self._path(owner, idx, "json"))
 
     def discard_newer(self, version: int) -> None:
         """After a rollback to ``version``: forget complete images newer than it."""
@@ -302,12 +435,7 @@ class PeerStore:
             for owner, own in self._owners.items():
                 for i, s in enumerate(own.slots):
                     if s.complete is not None and s.complete.version > version:
-                        s.complete = None
-                        if self.shm_dir is not None:
-                            try:
-                                os.unlink(self._path(owner, i, "json"))
-                            except FileNotFoundError:
-                                pass
+                        self._forget(owner, i, s)
 
     @property
     def bytes_held(self) -> int:
@@ -319,45 +447,43 @@ class PeerStore:
         return [s.buffer.data_ptr() for _, own in sorted(self._owners.items()) for s in own.slots if s.buffer is not None]
 
     def close(self, unlink: bool = False) -> None:
-        """Drop buffers; with ``unlink`` also delete the shm files (job finished)."""
+        """Drop buffers; with ``unlink`` also delete this holder's shm files (job finished)."""
         with self._lock:
-            if unlink and self.shm_dir is not None:
-                for owner in self._owners:
-                    for i in (0, 1):
-                        for ext in ("bin", "json"):
-                            try:
-                                os.unlink(self._path(owner, i, ext))
-                            except FileNotFoundError:
-                                pass
             self._owners.clear()
+            if unlink and self.shm_dir is not None:
+                self._unlink_files()
 
     # --- restart ----------------------------------------------------------------------
     @classmethod
-    def attach(cls, shm_dir: str, job_id: str) -> PeerStore:
+    def attach(cls, shm_dir: str, job_id: str, *, holder: int, node: str | None = None) -> PeerStore:
         """Re-open the replicas a previous incarnation of this holder left in ``shm_dir``.
 
-        Only slots with a manifest (written after their payload completed) whose
-        checksums verify are kept; the rest are listed in ``store.rejected``.
+        Only this (job, node, holder)'s files are considered. Slots with a
+        manifest (written after their payload completed) whose checksums verify
+        are kept; the rest are listed in ``store.rejected`` (their payload stays
+        as a reusable slot). Leftover temp files of a crashed write are removed.
         """
-        store = cls(job_id, 0, shm_dir)
-        prefix = file_prefix(job_id)
-        for name in sorted(os.listdir(shm_dir)):
-            match = _NAME.search(name)
-            if not name.startswith(prefix + "-o") or match is None:
+        store = cls(job_id, 0, shm_dir, holder=holder, node=node, keep_files=True)
+        for f in holder_files(shm_dir, job_id, node, holder):
+            path = os.path.join(shm_dir, f.name)
+            if f.tmp:
+                unlink_quiet(path)
                 continue
-            owner, idx = int(match.group(1)), int(match.group(2))
-            path = os.path.join(shm_dir, name)
-            own = store._owners.setdefault(owner, _Owner())
-            slot = own.slots[idx]
+            if f.kind != "bin":
+                continue
+            assert f.owner is not None and f.slot is not None
+            owner, idx = f.owner, f.slot
+            slot = store._owners.setdefault(owner, _Owner()).slots[idx]
+            stat = stat_signature(path)
             size = os.path.getsize(path)
             if size > 0:
                 slot.buffer = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
-            mpath = path[: -len(".bin")] + ".json"
+            mpath = store._path(owner, idx, "json")
             if not os.path.exists(mpath):
                 continue  # payload never completed: an empty, reusable slot
             try:
-                with open(mpath, "rb") as f:
-                    m = Manifest.from_bytes(f.read())
+                with open(mpath, "rb") as fh:
+                    m = Manifest.from_bytes(fh.read())
                 if m.job_id != job_id or m.owner != owner:
                     raise ManifestError(f"manifest names job {m.job_id!r} owner {m.owner}")
                 if m.total_bytes > size or slot.buffer is None and m.total_bytes:
@@ -368,5 +494,6 @@ class PeerStore:
                 store.rejected.append((path, str(exc)))
                 continue
             slot.complete = m
+            slot.verified(stat)
             store._generation = max(store._generation, m.generation)
         return store
