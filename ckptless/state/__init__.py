@@ -6,13 +6,15 @@ Public API::
     reg.protect(model=model, optimizer=opt, scheduler=sched, data=loader)
     cap = Capturer(reg, job_id="job", owner=rank)
     img = cap.capture(version=step, generation=gen, out=buf)   # StateImage
-    restore(reg, img)                          # verifies checksums first
+    report = restore(reg, img)                 # verifies checksums first; in place where exact
 """
 
-from ckptless.state.capture import ALIGN, Capturer, StateImage, restore
+from ckptless.state.capture import ALIGN, Capturer
 from ckptless.state.checksum import DEFAULT_CHUNK_BYTES
+from ckptless.state.image import StateImage
 from ckptless.state.manifest import Manifest, TensorEntry
 from ckptless.state.registry import RNG_NAME, Stateful, StateRegistry
+from ckptless.state.restore import ObjectRestore, RestoreReport, restore
 from ckptless.state.rng import RNGState
 from ckptless.state.tree import decode, encode
 
@@ -21,8 +23,10 @@ __all__ = [
     "Capturer",
     "DEFAULT_CHUNK_BYTES",
     "Manifest",
+    "ObjectRestore",
     "RNGState",
     "RNG_NAME",
+    "RestoreReport",
     "StateImage",
     "StateRegistry",
     "Stateful",

@@ -1,4 +1,4 @@
-"""Capture the protected state into one flat checksummed buffer; restore it.
+"""Capture the protected state into one flat checksummed buffer (restore: :mod:`ckptless.state.restore`).
 
 Why one flat buffer: the mirror ships an image to peers as raw bytes over a
 single collective (no per-tensor messages, no pickling), a peer can hold it
@@ -15,32 +15,22 @@ padding bytes are zeroed so identical states give identical images.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from ckptless.errors import ConfigError, ManifestError, StateError
+from ckptless.errors import ConfigError, StateError
 from ckptless.state import checksum
 from ckptless.state.checksum import DEFAULT_CHUNK_BYTES
-from ckptless.state.manifest import Manifest, TensorEntry, dtype_from_name, dtype_name
+from ckptless.state.image import StateImage, check_buffer, slot
+from ckptless.state.manifest import Manifest, TensorEntry, dtype_name
 from ckptless.state.registry import StateRegistry
-from ckptless.state.tree import decode, encode
+from ckptless.state.restore import restore
+from ckptless.state.tree import encode
 
 ALIGN = 64
 
-
-@dataclass
-class StateImage:
-    """One captured version of a rank's state: manifest plus raw bytes.
-
-    ``buffer`` is a 1-D contiguous uint8 CPU tensor of at least
-    ``manifest.total_bytes`` bytes (it may be a larger reused buffer; only the
-    first ``total_bytes`` are part of the image).
-    """
-
-    manifest: Manifest
-    buffer: torch.Tensor
+__all__ = ["ALIGN", "Capturer", "StateImage", "restore"]  # restore and StateImage re-exported: older import paths
 
 
 def _align(n: int) -> int:
@@ -56,22 +46,6 @@ def _layout(tensors: list[torch.Tensor]) -> tuple[list[TensorEntry], int]:
         entries.append(TensorEntry(dtype_name(t.dtype), tuple(t.shape), off, nbytes))
         end = off + nbytes
     return entries, end
-
-
-def _check_buffer(buf: torch.Tensor, what: str) -> None:
-    if (
-        not isinstance(buf, torch.Tensor)
-        or buf.dtype != torch.uint8
-        or buf.dim() != 1
-        or not buf.is_contiguous()
-        or buf.device.type != "cpu"
-    ):
-        raise StateError(f"{what} must be a 1-D contiguous uint8 CPU tensor")
-
-
-def _slot(buf: torch.Tensor, entry: TensorEntry, dtype: torch.dtype) -> torch.Tensor:
-    """View of ``buf`` where ``entry``'s tensor lives, with its dtype and shape."""
-    return buf[entry.offset : entry.offset + entry.nbytes].view(dtype).view(entry.shape)
 
 
 class Capturer:
@@ -134,7 +108,7 @@ class Capturer:
         entries, total = _layout(tensors)
         if out is None:
             out = self.allocate(total)
-        _check_buffer(out, "capture buffer")
+        check_buffer(out, "capture buffer")
         if out.numel() < total:
             raise StateError(f"capture buffer too small: state needs {total} bytes, buffer has {out.numel()}")
         self._copy(out, tensors, entries)
@@ -158,7 +132,7 @@ class Capturer:
         for t, e in zip(tensors, entries):
             if e.offset > end:
                 out[end : e.offset].zero_()
-            dst = _slot(out, e, t.dtype)
+            dst = slot(out, e, t.dtype)
             if t.device.type == "cpu":
                 dst.copy_(t)
             else:
@@ -185,43 +159,3 @@ class Capturer:
                 dst.copy_(src, non_blocking=True)
         stream.synchronize()
 
-
-def restore(registry: StateRegistry, image: StateImage, verify: bool = True) -> None:
-    """Load ``image`` into the registry's objects, exactly.
-
-    Order of checks, all before any object is touched: buffer shape, manifest
-    structure, checksums (:class:`IntegrityError`), the tree, and that the
-    image holds exactly the registry's object names. Tensors handed to
-    ``load_state_dict`` are fresh clones, since the image buffer is reused.
-    If an object's ``load_state_dict`` itself fails, objects before it in
-    registry order are already loaded: treat the process state as undefined
-    and restore again.
-    """
-    m = image.manifest
-    buf = image.buffer
-    _check_buffer(buf, "image buffer")
-    m.validate()
-    if buf.numel() < m.total_bytes:
-        raise ManifestError(f"image buffer has {buf.numel()} bytes, manifest says {m.total_bytes}")
-    if verify:
-        checksum.verify(
-            buf, m.chunk_bytes, list(m.chunk_checksums), m.total_bytes,
-            what=f"image of owner {m.owner} version {m.version} (generation {m.generation})",
-        )
-    tensors = [_slot(buf, e, dtype_from_name(e.dtype)).clone() for e in m.tensors]
-    states = decode(m.tree, tensors)
-    if not isinstance(states, dict) or not all(isinstance(k, str) for k in states):
-        raise ManifestError("state tree root is not a dict of object names")
-    want, have = set(registry.names()), set(states)
-    if want != have:
-        raise StateError(
-            f"image objects {sorted(have)} do not match protected objects {sorted(want)}"
-            f" (missing from image: {sorted(want - have)}, unknown: {sorted(have - want)})"
-        )
-    for name, obj in registry.items():
-        try:
-            obj.load_state_dict(states[name])
-        except StateError:
-            raise
-        except Exception as exc:
-            raise StateError(f"{name}.load_state_dict() failed: {exc}") from exc

@@ -143,16 +143,21 @@ def _enc_ndarray(arr: np.ndarray, path: str, tensors: list[torch.Tensor]) -> int
 # --- decoding ---------------------------------------------------------------
 
 
-def decode(tree: Any, tensors: Sequence[torch.Tensor]) -> Any:
+def decode(tree: Any, tensors: Sequence[torch.Tensor], move: bool = True) -> Any:
     """Rebuild the object :func:`encode` produced ``tree`` from.
 
     ``tensors[i]`` is placed wherever the tree says ``{"T": i}``; tensors that
     were on an accelerator are moved back to it. Anything not produced by
     :func:`encode` raises :class:`ManifestError` naming the path: the tree may
     come from a peer or from disk and is validated, never trusted.
+
+    ``move=False`` validates without moving: ``{"Td": ...}`` tensors are left
+    where they are and only their device is checked to exist (a zero-size
+    allocation). Restore uses it to vet a whole image before touching any
+    object without copying every device tensor to its device first.
     """
     try:
-        return _dec(tree, "", tensors, 0)
+        return _dec(tree, "", tensors, 0, move)
     except RecursionError as exc:  # pragma: no cover - MAX_DEPTH stops this first
         raise ManifestError("state tree nested too deeply") from exc
 
@@ -167,7 +172,7 @@ def _index(raw: Any, path: str, n: int) -> int:
     return raw
 
 
-def _dec(node: Any, path: str, tensors: Sequence[torch.Tensor], depth: int) -> Any:
+def _dec(node: Any, path: str, tensors: Sequence[torch.Tensor], depth: int, move: bool = True) -> Any:
     if depth > MAX_DEPTH:
         raise _bad(path, f"nested deeper than {MAX_DEPTH} levels")
     kind = type(node)
@@ -178,18 +183,18 @@ def _dec(node: Any, path: str, tensors: Sequence[torch.Tensor], depth: int) -> A
             raise _bad(path, "non-finite float must be tagged")
         return node
     if kind is list:
-        return [_dec(v, _join(path, i), tensors, depth + 1) for i, v in enumerate(node)]
+        return [_dec(v, _join(path, i), tensors, depth + 1, move) for i, v in enumerate(node)]
     if kind is not dict or len(node) != 1:
         raise _bad(path, f"unexpected node of type {kind.__name__}")
     ((tag, val),) = node.items()
     if tag == "d":
-        return _dec_dict(val, path, tensors, depth, {})
+        return _dec_dict(val, path, tensors, depth, {}, move)
     if tag == "o":
         if type(val) is not list or len(val) != 2:
             raise _bad(path, "OrderedDict payload must be [items, metadata]")
-        od = _dec_dict(val[0], path, tensors, depth, OrderedDict())
+        od = _dec_dict(val[0], path, tensors, depth, OrderedDict(), move)
         if val[1] is not None:
-            meta = _dec(val[1], _join(path, "_metadata"), tensors, depth + 1)
+            meta = _dec(val[1], _join(path, "_metadata"), tensors, depth + 1, move)
             if not isinstance(meta, dict):
                 raise _bad(path, "OrderedDict metadata is not a dict")
             od._metadata = meta  # type: ignore[attr-defined]
@@ -197,7 +202,7 @@ def _dec(node: Any, path: str, tensors: Sequence[torch.Tensor], depth: int) -> A
     if tag == "t":
         if type(val) is not list:
             raise _bad(path, "tuple payload is not a list")
-        return tuple(_dec(v, _join(path, i), tensors, depth + 1) for i, v in enumerate(val))
+        return tuple(_dec(v, _join(path, i), tensors, depth + 1, move) for i, v in enumerate(val))
     if tag == "T":
         return tensors[_index(val, path, len(tensors))]
     if tag == "Td":
@@ -205,6 +210,9 @@ def _dec(node: Any, path: str, tensors: Sequence[torch.Tensor], depth: int) -> A
             raise _bad(path, "device tensor payload must be [index, device]")
         t = tensors[_index(val[0], path, len(tensors))]
         try:
+            if not move:
+                torch.empty(0, device=torch.device(val[1]))  # the device exists here
+                return t
             return t.to(torch.device(val[1]))
         except (RuntimeError, AssertionError) as exc:
             raise StateError(f"cannot restore {_where(path)} onto device {val[1]!r}: {exc}") from exc
@@ -236,7 +244,9 @@ def _dec(node: Any, path: str, tensors: Sequence[torch.Tensor], depth: int) -> A
     raise _bad(path, f"unknown tag {tag!r}")
 
 
-def _dec_dict(val: Any, path: str, tensors: Sequence[torch.Tensor], depth: int, out: dict[Any, Any]) -> dict[Any, Any]:
+def _dec_dict(
+    val: Any, path: str, tensors: Sequence[torch.Tensor], depth: int, out: dict[Any, Any], move: bool = True
+) -> dict[Any, Any]:
     if type(val) is not list:
         raise _bad(path, "dict payload is not a list of pairs")
     for pair in val:
@@ -247,7 +257,7 @@ def _dec_dict(val: Any, path: str, tensors: Sequence[torch.Tensor], depth: int, 
             raise _bad(path, f"dict key {k!r} is not a str or int")
         if k in out:
             raise _bad(path, f"duplicate dict key {k!r}")
-        out[k] = _dec(v, _join(path, k), tensors, depth + 1)
+        out[k] = _dec(v, _join(path, k), tensors, depth + 1, move)
     return out
 
 
