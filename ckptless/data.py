@@ -10,19 +10,41 @@ earlier epochs rebuilds the same order from those two numbers.
 Sharding matches ``torch.utils.data.DistributedSampler``: the epoch
 permutation is padded (by wrapping) or truncated (``drop_last``) to a multiple
 of ``world_size`` and rank ``r`` takes every ``world_size``-th index from ``r``.
+
+:func:`resumable` turns an existing ``DataLoader`` into a
+:class:`ResumableLoader` in one line, keeping its batches and order (with a
+``DistributedSampler``: exactly its order, epoch by epoch).
+:func:`protects_data_position` tells the job loop whether a registry holds
+any data position at all.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.utils.data import DataLoader, Sampler
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    DistributedSampler,
+    IterableDataset,
+    RandomSampler,
+    Sampler,
+    SequentialSampler,
+)
 
 from ckptless.errors import ConfigError, StateError
 
+if TYPE_CHECKING:
+    from ckptless.state.registry import StateRegistry
+
 _MIX = 0x9E3779B97F4A7C15  # golden-ratio constant: spreads seeds so (seed, epoch) pairs don't collide
+_SEEDINGS = ("mixed", "distributed")
+
+DATA_POSITION_ATTR = "__ckptless_data_position__"
+"""A protected object whose class (or instance) sets this to ``True`` declares
+that it holds the data position; see :func:`protects_data_position`."""
 
 
 def _check_int(field: str, value: Any, low: int) -> int:
@@ -46,7 +68,16 @@ class ResumableSampler(Sampler[int]):
     that ``DataLoader`` its own ``generator=torch.Generator()``: otherwise
     each new DataLoader iterator draws a seed from the global torch RNG, and
     the iterator re-created after a restore shifts the global stream.
+
+    ``seeding`` picks how ``(seed, epoch)`` seeds the epoch's permutation:
+    ``"mixed"`` (default) spreads the pair so no two pairs alias;
+    ``"distributed"`` seeds with ``seed + epoch`` exactly like
+    ``DistributedSampler``, so the order equals
+    ``DistributedSampler(shuffle=True, seed=seed)`` after ``set_epoch(epoch)``
+    (and, like it, seed 1 epoch 0 is seed 0 epoch 1).
     """
+
+    __ckptless_data_position__ = True
 
     def __init__(
         self,
@@ -56,9 +87,13 @@ class ResumableSampler(Sampler[int]):
         world_size: int = 1,
         shuffle: bool = True,
         drop_last: bool = False,
+        seeding: str = "mixed",
     ) -> None:
         self.dataset_len = _check_int("dataset_len", dataset_len, 1)
         self.seed = _check_int("seed", seed, 0)
+        if seeding not in _SEEDINGS:
+            raise ConfigError("seeding", seeding, f"must be one of {_SEEDINGS}")
+        self.seeding = seeding
         self.shuffle = bool(shuffle)
         self.drop_last = bool(drop_last)
         self.rank = 0
@@ -99,7 +134,10 @@ class ResumableSampler(Sampler[int]):
         n = self.dataset_len
         if self.shuffle:
             g = torch.Generator()
-            g.manual_seed((self.seed * _MIX + epoch) % (1 << 63))
+            if self.seeding == "distributed":
+                g.manual_seed(self.seed + epoch)  # DistributedSampler.__iter__, verbatim
+            else:
+                g.manual_seed((self.seed * _MIX + epoch) % (1 << 63))
             order = torch.randperm(n, generator=g).tolist()
         else:
             order = list(range(n))
@@ -155,8 +193,16 @@ class ResumableLoader:
     ``next_batch()`` crosses epoch boundaries by itself; after
     ``load_state_dict`` the next batch comes from the restored position (the
     internal iterator is rebuilt). A batch holds ``batch_size`` samples except
-    the last of each epoch, which holds the remainder.
+    the last of each epoch, which holds the remainder, or is dropped with
+    ``drop_last`` (as ``DataLoader(drop_last=True)`` does).
+
+    Worker processes are started per epoch and after every restore, with
+    worker seeds derived from ``(seed, epoch, index)``: random transforms in
+    workers are reproducible across a restore (they are not the seeds a plain
+    ``DataLoader`` would draw from the global RNG).
     """
+
+    __ckptless_data_position__ = True
 
     def __init__(
         self,
@@ -166,6 +212,12 @@ class ResumableLoader:
         collate_fn: Callable[[list[Any]], Any] | None = None,
         num_workers: int = 0,
         pin_memory: bool = False,
+        drop_last: bool = False,
+        timeout: float = 0,
+        worker_init_fn: Callable[[int], None] | None = None,
+        multiprocessing_context: Any = None,
+        prefetch_factor: int | None = None,
+        pin_memory_device: str = "",
     ) -> None:
         if not isinstance(sampler, ResumableSampler):
             raise ConfigError("sampler", sampler, "must be a ResumableSampler")
@@ -175,16 +227,45 @@ class ResumableLoader:
         self.num_workers = _check_int("num_workers", num_workers, 0)
         self.collate_fn = collate_fn
         self.pin_memory = pin_memory
+        self.drop_last = bool(drop_last)
+        self._loader_kwargs: dict[str, Any] = {
+            "timeout": timeout,
+            "worker_init_fn": worker_init_fn,
+            "multiprocessing_context": multiprocessing_context,
+            "prefetch_factor": prefetch_factor,
+        }
+        if pin_memory_device:
+            self._loader_kwargs["pin_memory_device"] = pin_memory_device
         self._it: Iterator[Any] | None = None
+        self._check_nonempty()
 
     def __len__(self) -> int:
         """Batches per full epoch."""
-        return -(-self.sampler.num_samples // self.batch_size)
+        n = self.sampler.num_samples
+        return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
+
+    def _check_nonempty(self) -> None:
+        n = self.sampler.num_samples
+        if self.drop_last and n < self.batch_size:
+            raise ConfigError(
+                "batch_size", self.batch_size,
+                f"exceeds this rank's {n} samples per epoch with drop_last=True: every epoch would be empty",
+            )
+
+    def _settle(self) -> None:
+        """Roll to the next epoch when nothing, or only a dropped short tail, is left of this one."""
+        s = self.sampler
+        if self.drop_last and s.num_samples - s.index < self.batch_size:
+            s.index = s.num_samples
+        s._normalise()
 
     def _open(self) -> Iterator[Any]:
+        self._check_nonempty()  # the world size may have changed (set_world)
+        self._settle()
         s = self.sampler
-        s._normalise()
         rest = s.epoch_indices(s.epoch)[s.index :]
+        if self.drop_last:
+            rest = rest[: len(rest) // self.batch_size * self.batch_size]
         # A DataLoader iterator draws its workers' base seed from the *global*
         # torch RNG unless given a generator. Reopening mid-epoch after a
         # restore would then consume one extra global draw and shift every
@@ -200,6 +281,7 @@ class ResumableLoader:
             num_workers=self.num_workers,
             pin_memory=self.pin_memory,
             generator=g,
+            **self._loader_kwargs,
         )
         return iter(loader)
 
@@ -212,24 +294,160 @@ class ResumableLoader:
                 batch = next(self._it)
             except StopIteration:
                 self._it = None
-                self.sampler._normalise()
+                self._settle()
                 continue
             s = self.sampler
             s.index = min(s.index + self.batch_size, s.num_samples)
-            if s.index >= s.num_samples:
-                s._normalise()
+            self._settle()
+            if s.index == 0:
                 self._it = None  # epoch done: the next call opens the next epoch
             return batch
 
     def __iter__(self) -> Iterator[Any]:
         """The remaining batches of the current epoch."""
-        epoch = self.sampler.state_dict()["epoch"]
-        while self.sampler.state_dict()["epoch"] == epoch:
+        self._settle()
+        epoch = self.sampler.epoch
+        while self.sampler.epoch == epoch:
             yield self.next_batch()
 
+    def set_epoch(self, epoch: int) -> None:
+        """Go to the start of ``epoch``, unless already in it (then keep the position).
+
+        ``DistributedSampler`` scripts call ``set_epoch(epoch)`` at the top of
+        every epoch; keeping the position when the epoch is unchanged makes
+        that call harmless after a mid-epoch restore.
+        """
+        self._settle()
+        if _check_int("epoch", epoch, 0) != self.sampler.epoch:
+            self.sampler.set_epoch(epoch)
+            self._it = None
+
     def state_dict(self) -> dict[str, int]:
+        self._settle()
         return self.sampler.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.sampler.load_state_dict(state)
         self._it = None
+
+
+# --- one-line wrapping of a stock DataLoader ------------------------------------------
+
+
+def _agree(field: str, given: int | None, found: int) -> int:
+    if given is not None and given != found:
+        raise ConfigError(field, given, f"conflicts with the loader's DistributedSampler ({field}={found})")
+    return found
+
+
+def resumable(
+    loader: DataLoader[Any],
+    *,
+    rank: int | None = None,
+    world_size: int | None = None,
+    seed: int | None = None,
+) -> ResumableLoader:
+    """A :class:`ResumableLoader` that yields what ``loader`` yields, and is ``Stateful``.
+
+    ``job.protect(data=resumable(DataLoader(ds, batch_size=8, shuffle=True)))``
+    then resumes bitwise exactly. Keeps the dataset, ``batch_size``,
+    ``drop_last``, ``collate_fn``, ``num_workers``, ``pin_memory``, ``timeout``,
+    ``worker_init_fn``, ``multiprocessing_context``, ``prefetch_factor``.
+
+    The order of epoch ``e`` (the wrapper rolls epochs by itself):
+
+    * ``DistributedSampler``: its own order after ``set_epoch(e)``, exactly
+      (its rank, world size, seed, shuffle and drop_last are used; ``rank``,
+      ``world_size``, ``seed`` given here must agree). Starts at its epoch.
+    * ``shuffle=False`` (``SequentialSampler``): dataset order.
+    * ``shuffle=True`` (``RandomSampler``): a plain loader draws each epoch's
+      permutation from the global RNG, which no position can reproduce, so the
+      order is *defined* as ``DistributedSampler(shuffle=True, seed=seed)``'s
+      (``seed`` default 0); ``loader.generator`` is not used.
+
+    Without a DistributedSampler the loader is not sharded (every rank sees
+    the whole dataset, as the plain loader did) unless ``rank``/``world_size``
+    are given, which shard it as a DistributedSampler would.
+
+    Raises :class:`ConfigError` naming the field for what cannot be made
+    exact: an ``IterableDataset`` or a dataset without ``len``, automatic
+    batching off, a custom ``batch_sampler`` or ``sampler`` (including
+    ``RandomSampler`` with replacement or ``num_samples``, and subclasses of
+    the samplers above), ``in_order=False``.
+    """
+    if not isinstance(loader, DataLoader):
+        raise ConfigError("loader", loader, "must be a torch.utils.data.DataLoader")
+    ds = loader.dataset
+    if isinstance(ds, IterableDataset):
+        raise ConfigError(
+            "dataset", type(ds).__name__,
+            "is an IterableDataset: its position lives inside its iterator; use a map-style Dataset",
+        )
+    try:
+        n = len(ds)  # type: ignore[arg-type]
+    except TypeError as exc:
+        raise ConfigError("dataset", type(ds).__name__, "has no len(): not a map-style dataset") from exc
+    if loader.batch_size is None:
+        if loader.batch_sampler is not None:
+            raise ConfigError("batch_sampler", loader.batch_sampler, "a custom batch_sampler cannot be reproduced; pass batch_size")
+        raise ConfigError("batch_size", None, "automatic batching is off (batch_size=None); not supported")
+    if type(loader.batch_sampler) is not BatchSampler:
+        raise ConfigError("batch_sampler", loader.batch_sampler, "a custom batch_sampler cannot be reproduced")
+    if not getattr(loader, "in_order", True):
+        raise ConfigError("in_order", False, "out-of-order batches depend on worker timing")
+    sampler = loader.sampler
+    epoch = 0
+    if type(sampler) is DistributedSampler:
+        if len(sampler.dataset) != n:  # type: ignore[arg-type]
+            raise ConfigError("sampler", sampler, "is a DistributedSampler over a dataset of another length")
+        rank = _agree("rank", rank, sampler.rank)
+        world_size = _agree("world_size", world_size, sampler.num_replicas)
+        seed = _agree("seed", seed, sampler.seed)
+        shuffle, sample_drop, epoch = sampler.shuffle, sampler.drop_last, sampler.epoch
+    elif type(sampler) in (SequentialSampler, RandomSampler):
+        if len(sampler) != n:  # type: ignore[arg-type]
+            raise ConfigError("sampler", sampler, "does not cover the dataset once")
+        if isinstance(sampler, RandomSampler) and sampler.replacement:
+            raise ConfigError("sampler", sampler, "RandomSampler with replacement cannot be reproduced")
+        shuffle, sample_drop = type(sampler) is RandomSampler, False
+    else:
+        raise ConfigError(
+            "sampler", sampler,
+            "only SequentialSampler, RandomSampler and DistributedSampler orders can be reproduced;"
+            " build a ResumableLoader with a ResumableSampler instead",
+        )
+    rs = ResumableSampler(
+        n,
+        seed=0 if seed is None else seed,
+        rank=0 if rank is None else rank,
+        world_size=1 if world_size is None else world_size,
+        shuffle=shuffle,
+        drop_last=sample_drop,
+        seeding="distributed",
+    )
+    rs.set_epoch(_check_int("epoch", epoch, 0))
+    return ResumableLoader(
+        ds,
+        rs,
+        loader.batch_size,
+        collate_fn=loader.collate_fn,
+        num_workers=loader.num_workers,
+        pin_memory=loader.pin_memory,
+        drop_last=loader.drop_last,
+        timeout=loader.timeout,
+        worker_init_fn=loader.worker_init_fn,
+        multiprocessing_context=loader.multiprocessing_context,
+        prefetch_factor=loader.prefetch_factor,
+        pin_memory_device=loader.pin_memory_device,
+    )
+
+
+def protects_data_position(registry: StateRegistry) -> bool:
+    """Whether any protected object holds the data position.
+
+    True for :class:`ResumableLoader` / :class:`ResumableSampler` (what
+    :func:`resumable` returns included) and any object declaring
+    ``__ckptless_data_position__ = True``. The job loop warns once when this
+    is False: without a data position a recovered run feeds different batches.
+    """
+    return any(getattr(obj, DATA_POSITION_ATTR, False) is True for _, obj in registry.items())

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import pytest
 import torch
@@ -173,3 +173,211 @@ def test_set_world_takes_over_rank_and_guards_world_change() -> None:
     s.set_epoch(3)
     s.set_world(1, 2)
     assert len(s) == 10
+
+
+# --- resumable(DataLoader): one-line wrapping (issue 10) ----------------------------------
+
+from torch.utils.data import (  # noqa: E402
+    BatchSampler,
+    Dataset,
+    IterableDataset,
+    RandomSampler,
+    SequentialSampler,
+    SubsetRandomSampler,
+)
+
+from ckptless.data import protects_data_position, resumable  # noqa: E402
+from ckptless.state import Capturer, StateRegistry, restore  # noqa: E402
+
+N, WORLD, BS = 23, 3, 4
+
+
+def _ds() -> TensorDataset:
+    return TensorDataset(torch.arange(N, dtype=torch.float32) * 1.5, torch.arange(N) * 2)
+
+
+def _assert_batches_equal(a: list[Any], b: list[Any]) -> None:
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        assert len(x) == len(y) and all(torch.equal(u, v) for u, v in zip(x, y))
+
+
+def _dist_loader(ds: Any, rank: int, shuffle: bool, sample_drop: bool, batch_drop: bool, workers: int) -> DataLoader:
+    s: DistributedSampler[Any] = DistributedSampler(ds, num_replicas=WORLD, rank=rank, shuffle=shuffle, seed=7, drop_last=sample_drop)
+    return DataLoader(ds, batch_size=BS, sampler=s, drop_last=batch_drop, num_workers=workers)
+
+
+def _reference(ds: Any, rank: int, shuffle: bool, sample_drop: bool, batch_drop: bool, workers: int, epochs: int = 2) -> list[Any]:
+    """What a DistributedSampler script sees: set_epoch(e), then the whole loader, per epoch."""
+    dl = _dist_loader(ds, rank, shuffle, sample_drop, batch_drop, workers)
+    out: list[Any] = []
+    for e in range(epochs):
+        dl.sampler.set_epoch(e)  # type: ignore[attr-defined]
+        out += list(dl)
+    return out
+
+
+CASES = [(True, False, False), (True, True, True), (False, False, True), (False, True, False)]
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize(("shuffle", "sample_drop", "batch_drop"), CASES)
+def test_resumable_iterates_like_dataloader_with_distributed_sampler(
+    shuffle: bool, sample_drop: bool, batch_drop: bool, workers: int
+) -> None:
+    ds = _ds()
+    for rank in range(WORLD) if workers == 0 else [1]:
+        want = _reference(ds, rank, shuffle, sample_drop, batch_drop, workers)
+        dl = _dist_loader(ds, rank, shuffle, sample_drop, batch_drop, workers)
+        rl = resumable(dl)
+        assert len(rl) == len(dl)
+        got: list[Any] = []
+        for e in range(2):
+            rl.set_epoch(e)  # the script's own call stays harmless
+            got += list(rl)
+        _assert_batches_equal(want, got)
+        assert rl.state_dict() == {"epoch": 2, "index": 0}
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize(("shuffle", "sample_drop", "batch_drop"), CASES)
+def test_resumable_resumes_exactly_in_a_fresh_loader(shuffle: bool, sample_drop: bool, batch_drop: bool, workers: int) -> None:
+    ds = _ds()
+    want = _reference(ds, 2, shuffle, sample_drop, batch_drop, workers, epochs=3)
+    per_epoch = len(_dist_loader(ds, 2, shuffle, sample_drop, batch_drop, workers))
+    for k in sorted({1, per_epoch, per_epoch + 1}):
+        a = resumable(_dist_loader(ds, 2, shuffle, sample_drop, batch_drop, workers))
+        got = [a.next_batch() for _ in range(k)]
+        state = a.state_dict()
+        a.next_batch()  # work that will be rolled back
+        b = resumable(_dist_loader(ds, 2, shuffle, sample_drop, batch_drop, workers))
+        b.load_state_dict(state)
+        got += [b.next_batch() for _ in range(len(want) - k)]
+        _assert_batches_equal(want, got)
+
+
+def test_resumable_through_capture_and_restore_and_global_rng_untouched() -> None:
+    ds = _ds()
+    want = _reference(ds, 0, True, False, False, 0, epochs=3)  # 2 batches per epoch
+    reg = StateRegistry()
+    reg.protect(data=resumable(_dist_loader(ds, 0, True, False, False, 0)))
+    got = [reg["data"].next_batch() for _ in range(3)]  # type: ignore[attr-defined]
+    img = Capturer(reg, "job", 0).capture(3, 0)
+    fresh = StateRegistry()
+    fresh.protect(data=resumable(_dist_loader(ds, 0, True, False, False, 0)))
+    restore(fresh, img)
+    before = torch.get_rng_state()
+    got += list(fresh["data"]) + list(fresh["data"])  # type: ignore[call-overload]
+    assert torch.equal(torch.get_rng_state(), before)
+    _assert_batches_equal(want, got)
+
+
+def test_resumable_shuffle_order_is_distributed_samplers_for_seed() -> None:
+    ds = _ds()
+    rl = resumable(DataLoader(ds, batch_size=BS, shuffle=True), seed=11)
+    ref_s: DistributedSampler[Any] = DistributedSampler(ds, num_replicas=1, rank=0, shuffle=True, seed=11)
+    ref = DataLoader(ds, batch_size=BS, sampler=ref_s)
+    for e in range(2):
+        ref_s.set_epoch(e)
+        _assert_batches_equal(list(ref), list(rl))
+    # explicit rank/world_size shard an unsharded loader like a DistributedSampler
+    sharded = resumable(DataLoader(ds, batch_size=BS, shuffle=False, drop_last=True), rank=1, world_size=WORLD)
+    _assert_batches_equal(list(DataLoader(ds, batch_size=BS, drop_last=True, sampler=DistributedSampler(
+        ds, num_replicas=WORLD, rank=1, shuffle=False))), list(sharded))
+    # plain sequential: the dataset order, unsharded, custom collate kept
+    seq = resumable(DataLoader(ds, batch_size=5, collate_fn=lambda items: [int(y) for _, y in items]))
+    assert [b for b in seq] == [[2 * i for i in range(j, min(j + 5, N))] for j in range(0, N, 5)]
+
+
+def test_resumable_starts_at_the_samplers_epoch_and_set_epoch_semantics() -> None:
+    ds = _ds()
+    dl = _dist_loader(ds, 0, True, False, False, 0)
+    dl.sampler.set_epoch(4)  # type: ignore[attr-defined]
+    rl = resumable(dl)
+    assert rl.state_dict() == {"epoch": 4, "index": 0}
+    rl.next_batch()
+    rl.set_epoch(4)  # same epoch: position kept
+    assert rl.state_dict() == {"epoch": 4, "index": BS}
+    rl.set_epoch(6)
+    assert rl.state_dict() == {"epoch": 6, "index": 0}
+
+
+class _Stream(IterableDataset[int]):
+    def __iter__(self) -> Any:
+        return iter(range(4))
+
+
+class _NoLen(Dataset[int]):
+    def __getitem__(self, i: int) -> int:
+        return i
+
+
+class _MySampler(DistributedSampler[Any]):
+    pass
+
+
+@pytest.mark.parametrize(
+    ("make", "field"),
+    [
+        (lambda ds: DataLoader(_Stream(), batch_size=2), "dataset"),
+        (lambda ds: DataLoader(_NoLen(), batch_size=2), "dataset"),
+        (lambda ds: DataLoader(ds, batch_sampler=BatchSampler(SequentialSampler(ds), 3, False)), "batch_sampler"),
+        (lambda ds: DataLoader(ds, batch_size=None), "batch_size"),
+        (lambda ds: DataLoader(ds, batch_size=2, sampler=SubsetRandomSampler(range(5))), "sampler"),
+        (lambda ds: DataLoader(ds, batch_size=2, sampler=RandomSampler(ds, replacement=True)), "sampler"),
+        (lambda ds: DataLoader(ds, batch_size=2, sampler=RandomSampler(ds, num_samples=5)), "sampler"),
+        (lambda ds: DataLoader(ds, batch_size=2, sampler=_MySampler(ds, num_replicas=2, rank=0)), "sampler"),
+        (lambda ds: DataLoader(ds, batch_size=2, num_workers=1, in_order=False), "in_order"),
+        (lambda ds: DataLoader(ds, batch_size=9, drop_last=True, sampler=DistributedSampler(ds, 3, 0)), "batch_size"),
+        (lambda ds: list(ds), "loader"),
+    ],
+    ids=["iterable", "no_len", "batch_sampler", "no_batching", "subset_sampler", "replacement", "num_samples",
+         "sampler_subclass", "out_of_order", "empty_epochs", "not_a_loader"],
+)
+def test_resumable_refuses_what_cannot_be_exact(make: Callable[[Any], Any], field: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        resumable(make(_ds()))
+    assert err.value.field == field
+
+
+def test_resumable_rejects_conflicting_world() -> None:
+    dl = _dist_loader(_ds(), 1, True, False, False, 0)
+    assert resumable(dl, rank=1, world_size=WORLD, seed=7).sampler.rank == 1
+    for kwargs, field in [({"rank": 0}, "rank"), ({"world_size": 2}, "world_size"), ({"seed": 8}, "seed")]:
+        with pytest.raises(ConfigError) as err:
+            resumable(dl, **kwargs)
+        assert err.value.field == field
+
+
+def test_protects_data_position() -> None:
+    class Declared:
+        __ckptless_data_position__ = True
+
+        def state_dict(self) -> dict[str, Any]:
+            return {}
+
+        def load_state_dict(self, s: dict[str, Any]) -> None:
+            pass
+
+    class Anything(Declared):
+        __ckptless_data_position__ = "yes"  # type: ignore[assignment]  # only True counts
+
+    reg = StateRegistry()
+    reg.protect(model=torch.nn.Linear(2, 2))
+    assert not protects_data_position(reg)
+    reg.protect(other=Anything())
+    assert not protects_data_position(reg)
+    for obj in (Declared(), ResumableSampler(4), resumable(DataLoader(_ds(), batch_size=2))):
+        r = StateRegistry()
+        r.protect(data=obj)
+        assert protects_data_position(r)
+
+
+def test_sampler_seeding_distributed_matches_and_is_validated() -> None:
+    s = ResumableSampler(N, seed=3, seeding="distributed")
+    ref: DistributedSampler[int] = DistributedSampler(_ds(), num_replicas=1, rank=0, shuffle=True, seed=3)
+    ref.set_epoch(2)
+    assert s.epoch_indices(2) == list(ref)
+    with pytest.raises(ConfigError) as err:
+        ResumableSampler(N, seeding="torch")
+    assert err.value.field == "seeding"
