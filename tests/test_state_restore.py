@@ -407,3 +407,63 @@ def test_plan_rejects_live_tensor_inside_the_image_buffer() -> None:
         inplace.plan(m, sub, img.manifest.tensors, img.buffer)
     rep = by_name(restore(reg, img))
     assert not rep["model"].in_place and "inside the image buffer" in rep["model"].reason
+
+
+# --- CUDA (skipped without a GPU; run on a lent GPU machine) -----------------------------
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("opt_kwargs", [{}, {"foreach": True}, {"fused": True}, {"capturable": True}], ids=str)
+def test_cuda_in_place_equals_clone_path(opt_kwargs: dict[str, Any]) -> None:
+    """Device tensors ("Td" in the tree): host-to-device copy_ into the live tensors, step tensors included."""
+
+    def make() -> tuple[nn.Module, torch.optim.Optimizer, StateRegistry]:
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 8)).cuda()
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-2, **opt_kwargs)
+        reg = StateRegistry()
+        reg.protect(model=m, optimizer=opt)
+        return m, opt, reg
+
+    def train(m: nn.Module, opt: torch.optim.Optimizer, n: int, seed: int) -> None:
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        for _ in range(n):
+            loss = m(torch.randn(16, 32, device="cuda", generator=g)).square().mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+
+    (m1, o1, r1), (m2, o2, r2) = make(), make()
+    for m, o in ((m1, o1), (m2, o2)):
+        train(m, o, 3, 1)
+    img = Capturer(r1, "job", 0).capture(3, 0)
+    assert "Td" in str(img.manifest.tree)
+    for m, o in ((m1, o1), (m2, o2)):
+        train(m, o, 2, 2)
+    ptrs = [p.data_ptr() for p in m2.parameters()] + [
+        v.data_ptr() for s in o2.state.values() for v in s.values() if isinstance(v, torch.Tensor)
+    ]
+    restore(r1, img, in_place=False)
+    rep = by_name(restore(r2, img))
+    assert rep["model"].in_place and rep["optimizer"].in_place, (rep["model"].reason, rep["optimizer"].reason)
+    assert ptrs == [p.data_ptr() for p in m2.parameters()] + [
+        v.data_ptr() for s in o2.state.values() for v in s.values() if isinstance(v, torch.Tensor)
+    ]
+    assert_same(o1.state_dict(), o2.state_dict())
+    assert_same(m1.state_dict(), m2.state_dict())
+    img.buffer.fill_(0xAB)
+    assert_same(m1.state_dict(), m2.state_dict())
+    for m, o in ((m1, o1), (m2, o2)):
+        train(m, o, 2, 3)
+    assert_same(m1.state_dict(), m2.state_dict())
+    assert_same(o1.state_dict(), o2.state_dict())
+
+
+def test_decode_without_move_validates_devices_but_moves_nothing() -> None:
+    from ckptless.state import decode
+
+    t = torch.arange(3.0)
+    assert decode({"Td": [0, "meta"]}, [t], move=False) is t
+    assert decode({"Td": [0, "meta"]}, [t]).device.type == "meta"
+    with pytest.raises(StateError, match="onto device"):
+        decode({"Td": [0, "nosuchdevice:0"]}, [t], move=False)
