@@ -84,7 +84,7 @@ def alive(pid: int) -> bool:
     """True unless the pid is gone or a zombie (an unreaped zombie is dead for our purposes)."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):  # ESRCH: reaped between open and read
         return False
     return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
 
