@@ -17,6 +17,10 @@ Design:
   was SIGKILLed.  The kernel ties it to the *thread* that forked, so all
   spawns go through one long-lived spawner thread: a worker started from a
   short-lived thread would be killed when that thread ends.
+* ``warm=True``: respawns are forked from a per-agent fork server with torch
+  already imported (launcher/forkserver.py: how the worker still ends up the
+  agent's own child with PDEATHSIG tied to the agent); cold Popen whenever
+  the server cannot serve, with the reason logged.
 """
 
 from __future__ import annotations
@@ -34,9 +38,11 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
-from typing import IO, Any
+from typing import IO, Any, Protocol
 
+from ckptless.launcher import forkserver
 from ckptless.launcher.args import Std
+from ckptless.launcher.forkserver import ForkServer, ForkServerError, WarmChild
 from ckptless.launcher.worker_env import substitute_local_rank
 
 from ckptless.errors import WorkerError
@@ -45,6 +51,16 @@ log = logging.getLogger(__name__)
 
 _PR_SET_PDEATHSIG = 1
 _KILL_WAIT = 5.0  # after SIGKILL the kernel needs only ms; bounded anyway
+_WARM_REPLY = 5.0  # a fork server answers in ms; past this it is killed and we spawn cold
+
+
+class _Proc(Protocol):
+    """What the reaper needs of a worker: Popen, or a WarmChild from the fork server."""
+
+    @property
+    def pid(self) -> int: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -149,7 +165,8 @@ class _Slot:
 
     def __init__(self, argv: list[str], env: dict[str, str], logs: WorkerLogs) -> None:
         self.argv, self.env, self.logs = argv, env, logs
-        self.proc: subprocess.Popen[bytes] | None = None
+        self.proc: subprocess.Popen[bytes] | WarmChild | None = None
+        self.warm = False  # the current incarnation came from the fork server
         self.incarnation = -1
         self.exit: WorkerExit | None = None
         self.done = threading.Event()
@@ -167,6 +184,9 @@ class WorkerGroup:
     from ``log_dir``/``redirects``/``tee`` like torchrun; it then also sets
     TORCHELASTIC_ERROR_FILE in each env.  With neither, workers write to the
     agent's console and TORCHELASTIC_ERROR_FILE stays as given.
+    ``warm=True``: ``start`` also starts a fork server (torch preloaded) and
+    ``respawn`` forks from it; initial spawns stay cold (the server is still
+    importing then).  It makes this process a child subreaper.
     """
 
     def __init__(self, commands: Sequence[Sequence[str]], envs: Sequence[Mapping[str, str]],
@@ -174,7 +194,7 @@ class WorkerGroup:
                  logs: Sequence[WorkerLogs] | None = None, log_dir: str | None = None,
                  redirects: Sequence[Std] | None = None, tee: Sequence[Std] | None = None,
                  local_ranks_filter: frozenset[int] | None = None, attempt: int = 0,
-                 cwd: str | None = None, kill_group_on_exit: bool = True) -> None:
+                 cwd: str | None = None, kill_group_on_exit: bool = True, warm: bool = False) -> None:
         n = len(commands)
         if len(envs) != n or (logs is not None and len(logs) != n) or not n:
             raise WorkerError(f"need one command, env (and logs) per worker: got {n}, {len(envs)}")
@@ -195,6 +215,18 @@ class WorkerGroup:
         self._cb_lock = threading.Lock()
         self._stopping = False
         self._preexec = _pdeathsig_preexec(os.getpid())
+        self._server = self._make_server() if warm else None
+
+    def _make_server(self) -> ForkServer | None:
+        slot, cwd = self._slots[0], self._cwd or os.getcwd()
+        plan = forkserver.plan(slot.argv, slot.argv[0], cwd)
+        if isinstance(plan, str):
+            log.warning("warm respawns disabled: %s", plan)
+            return None
+        if not forkserver.set_child_subreaper():
+            log.warning("warm respawns disabled: cannot become a child subreaper (Linux only)")
+            return None
+        return ForkServer(slot.argv[0], slot.env, cwd, forkserver.main_path0(plan, cwd))
 
     # --- spawning ----------------------------------------------------------
     @property
@@ -206,6 +238,8 @@ class WorkerGroup:
         try:
             for rank in range(self.size):
                 self._spawn(rank, timeout)
+            if self._server is not None:
+                _spawn_thread().submit(self._server.start, self._preexec).result(timeout=timeout)
         except BaseException:
             self.stop(timeout=min(timeout, 5.0))
             raise
@@ -225,16 +259,28 @@ class WorkerGroup:
             if slot.proc is not None and not slot.done.is_set():
                 raise WorkerError(f"local rank {local_rank} (pid {slot.proc.pid}) is still running")
             slot.env.update(env_updates or {})
-        return self._spawn(local_rank, timeout)
+        return self._spawn(local_rank, timeout, warm=True)
 
-    def _spawn(self, rank: int, timeout: float) -> int:
-        fut = _spawn_thread().submit(self._spawn_here, rank)
+    def warm_ready(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` until the fork server can serve respawns; False if it cannot."""
+        return self._server is not None and self._server.ready(timeout)
+
+    def forkserver_pid(self) -> int | None:
+        """The fork server's pid while it runs (None: not warm, or dead)."""
+        return self._server.pid if self._server is not None else None
+
+    def spawned_warm(self, local_rank: int) -> bool:
+        """True if the current incarnation of ``local_rank`` was forked by the fork server."""
+        return self._slot(local_rank).warm
+
+    def _spawn(self, rank: int, timeout: float, warm: bool = False) -> int:
+        fut = _spawn_thread().submit(self._spawn_here, rank, warm)
         try:
             return fut.result(timeout=timeout)
         except FutureTimeout as exc:
             raise WorkerError(f"local rank {rank}: spawn did not finish in {timeout}s") from exc
 
-    def _spawn_here(self, rank: int) -> int:
+    def _spawn_here(self, rank: int, warm: bool = False) -> int:
         """Runs on the spawner thread."""
         slot = self._slots[rank]
         mode = "ab" if slot.incarnation >= 0 else "wb"
@@ -242,27 +288,85 @@ class WorkerGroup:
         lg = slot.logs
         out, out_tee = self._stream(slot, lg.stdout, lg.tee_stdout, mode)
         err, err_tee = self._stream(slot, lg.stderr, lg.tee_stderr, mode)
-        try:
-            proc = subprocess.Popen(slot.argv, env=slot.env, cwd=self._cwd, stdin=subprocess.DEVNULL,
-                                    stdout=out, stderr=err, start_new_session=True,
-                                    preexec_fn=self._preexec, close_fds=True)  # noqa: PLW1509 - see _pdeathsig_preexec
-        except OSError as exc:
-            self._close_files(slot)
-            raise WorkerError(f"local rank {rank}: cannot start {slot.argv[0]!r}: {exc}") from exc
+        got = self._spawn_warm(rank, out, err) if warm and self._server is not None else "cold"
+        proc: subprocess.Popen[bytes] | WarmChild
+        if isinstance(got, tuple):
+            proc, pipes = got
+        else:
+            try:
+                proc = subprocess.Popen(slot.argv, env=slot.env, cwd=self._cwd, stdin=subprocess.DEVNULL,
+                                        stdout=out, stderr=err, start_new_session=True,
+                                        preexec_fn=self._preexec, close_fds=True)  # noqa: PLW1509 - see _pdeathsig_preexec
+            except OSError as exc:
+                self._close_files(slot)
+                raise WorkerError(f"local rank {rank}: cannot start {slot.argv[0]!r}: {exc}") from exc
+            pipes = [proc.stdout, proc.stderr]
+            if warm:
+                self._restart_server_if_dead()
         with self._lock:
-            slot.proc, slot.exit = proc, None
+            slot.proc, slot.exit, slot.warm = proc, None, isinstance(proc, WarmChild)
             slot.incarnation += 1
             slot.done = threading.Event()
             incarnation = slot.incarnation
-        for pipe, fobj, fd in ((proc.stdout, out_tee, 1), (proc.stderr, err_tee, 2)):
+        for pipe, fobj, fd in ((pipes[0], out_tee, 1), (pipes[1], err_tee, 2)):
             if pipe is not None and fobj is not None:
                 t = threading.Thread(target=_pump, args=(pipe, fobj, fd), daemon=True,
                                      name=f"ckptless-tee-{rank}-{fd}")
                 t.start()
                 slot.pumps.append(t)
-        threading.Thread(target=self._reap, args=(rank, proc, incarnation, slot.done), daemon=True,
-                         name=f"ckptless-reaper-{rank}").start()
+        try:
+            threading.Thread(target=self._reap, args=(rank, proc, incarnation, slot.done), daemon=True,
+                             name=f"ckptless-reaper-{rank}").start()
+        except BaseException:
+            if isinstance(proc, WarmChild):
+                proc.release(go=False)  # unwatched: it exits without running user code
+            raise
+        if isinstance(proc, WarmChild):
+            proc.release()  # watched now: let it run user code
         return proc.pid
+
+    def _spawn_warm(self, rank: int, out: Any, err: Any) -> tuple[WarmChild, list[IO[bytes] | None]] | str:
+        """Fork the worker from the server; the reason on failure (logged; caller spawns cold)."""
+        assert self._server is not None
+        slot, cwd = self._slots[rank], self._cwd or os.getcwd()
+        plan = forkserver.plan(slot.argv, self._server.python, cwd)
+        reason = plan if isinstance(plan, str) else ""
+        fds: list[int] = []
+        reads: list[IO[bytes] | None] = []
+        ours: list[int] = []
+        try:
+            for arg, std in ((out, 1), (err, 2)):  # Popen's stdout/stderr arguments, as fds
+                if arg == subprocess.PIPE:
+                    r, w = os.pipe()
+                    ours.append(w)
+                    reads.append(open(r, "rb", buffering=0))  # noqa: SIM115 - the pump closes it
+                    fds.append(w)
+                else:
+                    reads.append(None)
+                    fds.append(std if arg is None else arg.fileno())
+            if not isinstance(plan, str):
+                return self._server.spawn(plan, slot.argv, slot.env, cwd, fds[0], fds[1], _WARM_REPLY), reads
+        except ForkServerError as exc:
+            reason = str(exc)
+        finally:
+            for fd in ours:
+                os.close(fd)
+        for f in reads:
+            if f is not None:
+                f.close()
+        log.warning("local rank %d: cold respawn (%s)", rank, reason)
+        return reason
+
+    def _restart_server_if_dead(self) -> None:
+        """Lazily, after a cold spawn: a dead fork server is replaced (import cost off the critical path)."""
+        server = self._server
+        if server is None or server.dead is None or server.broken is not None or self._stopping:
+            return
+        log.warning("fork server died (%s); starting a new one", server.dead)
+        try:
+            server.start(self._preexec)
+        except OSError:
+            log.exception("cannot restart the fork server; respawns stay cold")
 
     @staticmethod
     def _stream(slot: _Slot, path: str | None, tee: bool, mode: str) -> tuple[Any, IO[bytes] | None]:
@@ -283,7 +387,7 @@ class WorkerGroup:
         slot.files.clear()
 
     # --- reaping -----------------------------------------------------------
-    def _reap(self, rank: int, proc: subprocess.Popen[bytes], incarnation: int, done: threading.Event) -> None:
+    def _reap(self, rank: int, proc: _Proc, incarnation: int, done: threading.Event) -> None:
         """Block until the worker exits; kill its group; reap; report. One thread per incarnation."""
         code: int | None = None
         sig: int | None = None
@@ -312,6 +416,8 @@ class WorkerGroup:
                     self._on_exit(ex)
                 except Exception:  # a broken callback must not kill the reaper silently
                     log.exception("on_exit callback failed for %s", ex)
+        # Only a subreaper (warm) adopts the group's killed descendants; reap them (else a no-op).
+        forkserver.reap_group_orphans(proc.pid)
 
     # --- observing ---------------------------------------------------------
     def _slot(self, local_rank: int) -> _Slot:
@@ -371,6 +477,8 @@ class WorkerGroup:
                 raise WorkerError(f"workers {sorted(self.pids())} survived SIGKILL for {_KILL_WAIT}s")
         for slot in self._slots:
             self._close_files(slot)
+        if self._server is not None:
+            self._server.close()
         return self.exits()
 
     def __enter__(self) -> WorkerGroup:  # noqa: PYI034 - typing.Self needs 3.11
