@@ -106,6 +106,17 @@ class TransportError(MirrorError):
     """A collective or point-to-point transfer failed or timed out."""
 
 
+class CollectiveError(TransportError, RuntimeError):
+    """A collective or point-to-point operation of the training groups failed: a peer died, the
+    network broke, or the generation was torn down. Raised at the process-group boundary
+    (``ckptless.worker.groups``), so a failure is classified by where it arose, never by text.
+    Also a ``RuntimeError``: code that caught torch's plain errors keeps working."""
+
+
+class PeerFailure(TransportError):
+    """Another rank of this generation failed, as the coordinator says (an incident was opened)."""
+
+
 class PlacementError(MirrorError):
     """No valid placement exists for the requested world, K and node layout."""
 

@@ -1,10 +1,17 @@
-"""The user-facing job: ``init()``, ``protect()``, ``run()``.
+"""The user-facing job: ``init()``, ``protect()``, ``run()``, ``close()``.
 
-Why a loop API (``run(train_step, steps)``) instead of hooks: the framework
-must own the points between steps to capture, mirror, commit and, after a
-failure, roll back and resume. User code then holds no recovery logic: after a
-recovery ``torch.distributed``'s default group is valid again and
-``train_step`` is simply called with the next step number.
+Why a loop API (``run(train_step, steps)``): the framework must own the points
+between steps to capture, mirror, commit and, after a failure, roll back and
+resume. User code then holds no recovery logic: after a recovery its groups
+(default, subgroups, DDP, FSDP2) work again and ``train_step`` is simply
+called with the next step number.
+
+How it is driven: a worker's life is the pure state machine of
+:mod:`ckptless.worker.machine`; this class executes the actions it returns
+(:mod:`ckptless.worker.actions` holds the executors) and feeds back what
+happened. ``init()`` runs the machine until it needs the user's objects (a
+replacement restores them only in ``run()``, after the script built them);
+``run()`` runs it to the end.
 
 Version ``v`` is the protected state after ``v`` completed steps.
 """
@@ -13,38 +20,51 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import time
+from collections import deque
 from collections.abc import Callable
-from pathlib import Path
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
 
-from ckptless.errors import CkptlessError, ConfigError, MirrorError, TransportError
+from ckptless.errors import CkptlessError, ConfigError, MirrorError, RecoveryError
 from ckptless.goodput.ledger import EventKind
 from ckptless.mirror.config import MirrorConfig
 from ckptless.mirror.mirror import MirrorEngine
 from ckptless.mirror.store import PeerStore, StoredImage
-from ckptless.recovery.executor import RECOVERABLE, PeerFailure, apply_decision, build_report, is_recoverable
 from ckptless.recovery.wire import Membership
 from ckptless.snapshot import SnapshotConfig, SnapshotWriter
 from ckptless.state.capture import Capturer, StateImage
 from ckptless.state.registry import StateRegistry
-from ckptless.worker import exit_guard
+from ckptless.worker import actions, exit_file, exit_guard, groups
 from ckptless.worker.context import WorkerContext
 from ckptless.worker.control import WorkerControl
-from ckptless.worker.groups import Groups, connect_store, destroy_groups, form_groups
+from ckptless.worker.generation import Generation
 from ckptless.worker.heartbeat import Heartbeat
 from ckptless.worker.ledger import WorkerLedger
+from ckptless.worker.machine import (
+    Action,
+    Event,
+    Failed,
+    FormGroups,
+    Forming,
+    Joining,
+    RestoreState,
+    Started,
+    State,
+    Train,
+    WaitFinalCommit,
+    WorkerConfig,
+    is_terminal,
+    step,
+)
 
 log = logging.getLogger(__name__)
 
-# Engines of failed generations. Never freed: their unregistered mirror groups may
-# still have Gloo operations in flight on native threads, and freeing a group or
-# a buffer under such an operation aborts the process. Each holds a few sockets
-# and threads; the image pools are released (see Job._leave).
-_RETIRED_ENGINES: list[MirrorEngine] = []
+SPARE_WAIT_S = 7 * 86400.0  # a warm spare waits for a rank as long as the job lives
 
 
 @dataclass(frozen=True)
@@ -56,82 +76,162 @@ class RunResult:
     recoveries: int
 
 
+@dataclass(frozen=True)
+class RunSpec:
+    train_step: Callable[[int], Any]
+    steps: int
+    start_step: int
+
+
 class Job:
     """One rank's handle on the protected training job (see :func:`init`)."""
 
     def __init__(self, ctx: WorkerContext, mirror_config: MirrorConfig | None = None) -> None:
         self.ctx = ctx
+        self.worker_id = ctx.worker_id
         self.registry = StateRegistry()
         self.recoveries = 0
+        exit_guard.install()
         # One process cannot mirror to a peer: K is capped at world size - 1.
         self.replicas = min(ctx.replicas, ctx.world_size - 1)
-        self._mirror_config = mirror_config or MirrorConfig.build(
+        self.recovery = bool(ctx.etcd_endpoint) and self.replicas > 0
+        self.mirror_config = mirror_config or MirrorConfig.build(
             replicas=max(self.replicas, 1), mirror_every=ctx.mirror_every, placement=ctx.placement,
             shm_dir=ctx.shm_dir, timeout_s=ctx.collective_timeout_s,
         )
         self.heartbeat = Heartbeat(os.environ.get("CKPTLESS_HEARTBEAT_FILE"))
+        self.ledger = WorkerLedger(ctx.goodput_dir, None if ctx.role == "spare" else ctx.rank)
         self.control: WorkerControl | None = None
-        self.membership: Membership | None = None
-        self.worker_id = ctx.worker_id
-        if ctx.etcd_endpoint and self.replicas > 0:
+        if self.recovery:
+            assert ctx.etcd_endpoint is not None
             self.control = WorkerControl(ctx.etcd_endpoint, ctx.job_id, ctx.worker_id)
-            after = -1 if ctx.role == "spare" else ctx.generation - 1
-            self.membership = self.control.wait_membership(ctx.recovery_timeout_s if ctx.role != "spare" else 7 * 86400,
-                                                           after=after)
-        self.rank = ctx.rank if self.membership is None else self.membership.rank_of(self.worker_id) or 0
-        self.world_size = ctx.world_size if self.membership is None else self.membership.world_size
-        self.generation = ctx.generation if self.membership is None else self.membership.generation
-        if ctx.role == "spare":
-            os.environ.update({"RANK": str(self.rank), "WORLD_SIZE": str(self.world_size)})
-        if self.replicas > 0:
-            self._mirror_config.validate_for_world(self.world_size)
-        self.ledger = WorkerLedger(ctx.goodput_dir, self.rank)
-        self.ledger.emit(EventKind.JOB_START, generation=self.generation, role=ctx.role)
-        self._store: dist.Store | None = None
-        self._store_addr: tuple[str, int] | None = None
-        self.groups: Groups | None = None
-        while self.groups is None:
-            try:
-                self.groups = self._form()
-            except RECOVERABLE as exc:
-                if ctx.role == "member" or self.control is None or not is_recoverable(exc):
-                    raise
-                # A peer failed while we were joining: say we hold nothing, take the next generation.
-                log.warning("worker %s: generation %d failed while joining: %s", self.worker_id, self.generation, exc)
-                destroy_groups()
-                self.control.report(self.generation, self.rank, build_report(self.worker_id, [], None, None))
-                self.membership = self.control.wait_membership(ctx.recovery_timeout_s, after=self.generation)
-                self.generation = self.membership.generation
-                self.rank = self.membership.rank_of(self.worker_id) or 0
-        self.engine: MirrorEngine | None = None
+        self.gen: Generation | None = None
+        self.seen: Membership | None = None  # the newest membership that includes us
         self.peer_store: PeerStore | None = None
-        self._own_images: list[StoredImage] = []
-        self._capturer: Capturer | None = None
+        self.own_images: list[StoredImage] = []
+        self.committed: int | None = None
         self.snapshots: SnapshotWriter | None = None
-        # A replacement or spare joins a recovery in progress: it rebuilds in run().
-        self._rejoin = self.membership.decision if (self.membership is not None and ctx.role != "member") else None
-
-    # --- groups --------------------------------------------------------------------
-    def _form(self) -> Groups:
-        if self.membership is not None:
-            addr = (self.membership.store_host, self.membership.store_port)
+        self.spec: RunSpec | None = None
+        self.exit_error: BaseException | None = None  # the user's exception, re-raised from run()
+        self.bad_snapshot: int | None = None
+        self.resume_version: int | None = None
+        self.first_after_recovery = False
+        self._capturer: Capturer | None = None
+        self._store: tuple[tuple[str, int], dist.Store] | None = None
+        self._cfg = WorkerConfig(join_timeout_s=ctx.recovery_timeout_s, form_timeout_s=max(600.0, ctx.recovery_timeout_s),
+                                 await_timeout_s=max(600.0, ctx.recovery_timeout_s))
+        self._state: State = Joining(0.0)
+        self._pending: deque[Action] = deque()
+        self.ledger.emit(EventKind.JOB_START, generation=ctx.generation, role=ctx.role)
+        if self.recovery:
+            self.feed(Started(time.monotonic(), SPARE_WAIT_S if ctx.role == "spare" else None))
+            self._drive(self._needs_user_objects)
         else:
-            addr = (self.ctx.master_addr, self.ctx.master_port)
-        if self._store is None or self._store_addr != addr:
-            self._store = connect_store(addr[0], addr[1], self.ctx.collective_timeout_s)
-            self._store_addr = addr
-        control = self.control
-        abort = (lambda: control.incident(self.generation)) if control is not None else None
-        return form_groups(self._store, self.generation, self.rank, self.world_size,
-                           self.ctx.collective_timeout_s, abort,
-                           arrive_timeout_s=max(self.ctx.recovery_timeout_s, self.ctx.collective_timeout_s))
+            self._start_without_coordinator()
 
-    def _node_of(self) -> list[str] | None:
-        if self.membership is None:
-            return None
-        return [self.membership.worker_of(r).node_id for r in range(self.world_size)]
+    # --- identity (derived from the generation, never copied) ---------------------------------
+    @property
+    def rank(self) -> int:
+        if self.seen is not None:
+            r = self.seen.rank_of(self.worker_id)
+            if r is not None:
+                return r
+        return self.ctx.rank
 
-    # --- protection --------------------------------------------------------------
+    @property
+    def world_size(self) -> int:
+        return self.seen.world_size if self.seen is not None else self.ctx.world_size
+
+    @property
+    def generation(self) -> int:
+        return self.seen.generation if self.seen is not None else self.ctx.generation
+
+    @property
+    def committed_version(self) -> int | None:
+        engine = self.gen.engine if self.gen is not None else None
+        return engine.committed_version if engine is not None else self.committed
+
+    @property
+    def state(self) -> State:
+        return self._state
+
+    # --- the machine --------------------------------------------------------------------------
+    def feed(self, event: Event) -> None:
+        self._state, acts = step(self._state, event, self._cfg)
+        self._pending.extend(acts)
+
+    def _needs_user_objects(self, action: Action) -> bool:
+        """Where ``init()`` stops: before anything that needs the script's objects or its run()."""
+        if isinstance(action, (RestoreState, Train, WaitFinalCommit)):
+            return True
+        # A generation made by a recovery forms only once every rank's script built its
+        # objects (a replacement runs its setup on unbound groups, see worker/rebindable.py).
+        return isinstance(action, FormGroups) and isinstance(self._state, Forming) and self._state.restore
+
+    def _drive(self, pause: Callable[[Action], bool] | None = None) -> None:
+        while self._pending:
+            action = self._pending[0]
+            if pause is not None and pause(action):
+                return
+            self._pending.popleft()
+            event = actions.execute(self, action)
+            if event is not None:
+                self.feed(event)
+        if isinstance(self._state, Failed):
+            self._raise_failure(self._state)
+
+    def _raise_failure(self, st: Failed) -> None:
+        """Leave the way the failure calls for; the agent reads how from the exit file."""
+        if st.kind == "user_error":
+            exc = self.exit_error
+            exit_file.write("user_error", None if exc is None else exit_file.summarize(exc))
+            code = getattr(exc, "code", 1) if isinstance(exc, SystemExit) else 1
+            exit_guard.set_exit_code(code if isinstance(code, int) else 1)
+            if exc is not None:
+                raise exc
+            raise RecoveryError(st.message)
+        if st.kind in ("job_ended", "fenced"):
+            exit_file.write(st.kind)
+            print(f"[ckptless] rank {self.rank}: {st.message}", file=sys.stderr, flush=True)
+            exit_guard.set_exit_code(1)
+            raise SystemExit(1)
+        err = RecoveryError(f"rank {self.rank}: {st.message}")
+        exit_file.write("internal", exit_file.summarize(err))
+        raise err
+
+    # --- groups and stores ----------------------------------------------------------------------
+    def store_for(self, m: Membership) -> dist.Store:
+        addr = (m.store_host, m.store_port)
+        if self._store is None or self._store[0] != addr:
+            self._store = (addr, groups.connect_store(addr[0], addr[1], self.ctx.collective_timeout_s))
+        return self._store[1]
+
+    def adopt(self, m: Membership) -> None:
+        """A membership that includes us: take its rank (a spare learns it now) and make the default group."""
+        first = self.seen is None
+        self.seen = m
+        rank = self.rank
+        if first and self.ctx.role == "spare":
+            os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(m.world_size)})
+        self.ledger.set_rank(rank)
+        groups.ensure_default_group(self.store_for(m), rank, m.world_size, self.ctx.collective_timeout_s)
+
+    def _start_without_coordinator(self) -> None:
+        """No etcd or nothing to mirror to (K = 0, world size 1): one generation, failures end the job."""
+        from ckptless.recovery.plan import Assignment
+
+        c = self.ctx
+        m = Membership(0, c.world_size, c.master_addr, c.master_port,
+                       tuple(Assignment(r, self.worker_id if r == c.rank else f"rank{r}", c.node_id, "survivor")
+                             for r in range(c.world_size)))
+        self.adopt(m)
+        gen = Generation(m, self.worker_id, self.store_for(m))
+        gen.mirror_group = groups.bind_all(gen.store, 0, gen.rank, gen.world_size, c.collective_timeout_s,  # type: ignore[arg-type]
+                                           time.monotonic() + c.recovery_timeout_s)
+        gen.bound = True
+        self.gen = gen
+
+    # --- protection ---------------------------------------------------------------------------------
     def protect(self, **objs: Any) -> None:
         """Register Stateful objects (model, optimizer, scheduler, data position, extras).
 
@@ -146,29 +246,34 @@ class Job:
 
     @property
     def capturer(self) -> Capturer:
-        if self._capturer is None:
-            self._capturer = Capturer(self.registry, self.ctx.job_id, self.rank, self._mirror_config.chunk_bytes)
+        if self._capturer is None or self._capturer.owner != self.rank:
+            self._capturer = Capturer(self.registry, self.ctx.job_id, self.rank, self.mirror_config.chunk_bytes)
         return self._capturer
 
-    def _ensure_engine(self) -> MirrorEngine | None:
-        if self.replicas == 0:
-            return None
-        if self.engine is None:
-            assert self.groups is not None
-            self.engine = MirrorEngine(
-                self.groups.mirror, self.ctx.job_id, self._mirror_config, generation=self.generation,
-                node_of=self._node_of(), store=self.peer_store,
-            )
-            self.peer_store = self.engine.store
-        return self.engine
+    def open_peer_store(self) -> PeerStore:
+        """Replicas outlive generations; with a node-local shm dir, a respawn re-attaches its predecessor's."""
+        if self.peer_store is None:
+            if self.ctx.shm_dir:
+                self.peer_store = PeerStore.attach(self.ctx.shm_dir, self.ctx.job_id, holder=self.rank,
+                                                   node=self.ctx.node_id)
+            else:
+                self.peer_store = PeerStore(self.ctx.job_id, self.generation)
+        return self.peer_store
 
-    @property
-    def committed_version(self) -> int | None:
-        return None if self.engine is None else self.engine.committed_version
+    def engine(self) -> MirrorEngine | None:
+        """This generation's mirror engine (created on first use)."""
+        gen = self.gen
+        if self.replicas == 0 or gen is None or gen.mirror_group is None:
+            return None
+        if gen.engine is None:
+            gen.engine = MirrorEngine(gen.mirror_group, self.ctx.job_id, self.mirror_config, generation=gen.number,
+                                      node_of=gen.node_of, store=self.open_peer_store())
+            exit_guard.watch(gen.engine.thread_alive, gen.engine.join)
+        return gen.engine
 
     def capture_and_mirror(self, version: int) -> StateImage:
         """Capture the protected state as ``version`` and hand it to the mirror engine."""
-        engine = self._ensure_engine()
+        engine = self.engine()
         if engine is None:
             return self.capturer.capture(version, self.generation)
         buf = engine.acquire_buffer(self.capturer.required_bytes())
@@ -176,132 +281,28 @@ class Job:
         engine.submit(image.manifest, image.buffer)
         return image
 
-    # --- the loop ------------------------------------------------------------------
+    # --- the loop ------------------------------------------------------------------------------------
     def run(self, train_step: Callable[[int], Any], steps: int, start_step: int = 0) -> RunResult:
         """Call ``train_step(step)`` for ``step`` in ``[start_step, steps)``, protected and recovered."""
         if steps < start_step:
             raise ConfigError("steps", steps, f"must be >= start_step ({start_step})")
         if len(self.registry) <= 1:
             log.warning("ckptless: nothing protected besides RNG; call job.protect(model=..., optimizer=...)")
-        every = self._mirror_config.mirror_every
-        step = start_step
-        first_after_recovery = False
-        if self._rejoin is not None:
-            step = self._recover(None)
-            first_after_recovery = True
-        elif self.replicas > 0:
-            step = self._guarded(lambda: self.capture_and_mirror(start_step), start_step)
-        while True:
-            while step < steps:
-                failure: str | None = None
-                done = step + 1
-                try:
-                    if self.control is not None and self.control.incident(self.generation):
-                        raise PeerFailure(f"generation {self.generation} was declared failed")
-                    train_step(step)
-                    self.heartbeat.beat(done)
-                    if self.replicas > 0 and (done % every == 0 or done == steps):
-                        self.capture_and_mirror(done)
-                    if self.snapshots is not None and self.snapshots.maybe_snapshot(done, self.generation):
-                        self.ledger.emit(EventKind.SNAPSHOT_SAVED, step=done, generation=self.generation,
-                                         block_s=self.snapshots.last_block_s)
-                except RECOVERABLE as exc:
-                    if not is_recoverable(exc) or self.control is None:
-                        raise
-                    failure = f"{type(exc).__name__}: {exc}"
-                if failure is not None:  # outside the except block: the traceback no longer pins the group
-                    step = self._recover(failure)
-                    first_after_recovery = True
-                    continue
-                kind = EventKind.FIRST_STEP_AFTER_RECOVERY if first_after_recovery else EventKind.STEP_DONE
-                self.ledger.emit(kind, step=done, generation=self.generation)
-                first_after_recovery = False
-                step = done
-            # The final version must be committed too; a failure here sends us back.
-            resumed = self._guarded(lambda: self._finish(steps), steps)
-            if resumed == steps:
-                break
-            step, first_after_recovery = resumed, True
-        committed = self.committed_version
-        return RunResult(steps - start_step, steps, committed, self.generation, self.recoveries)
+        else:
+            from ckptless.data import protects_data_position
 
-    def _guarded(self, fn: Callable[[], Any], step: int) -> int:
-        """Run ``fn``; on a peer failure recover and return the resume step instead."""
-        failure: str | None = None
-        try:
-            fn()
-        except RECOVERABLE as exc:
-            if not is_recoverable(exc) or self.control is None:
-                raise
-            failure = f"{type(exc).__name__}: {exc}"
-        return step if failure is None else self._recover(failure)
+            if not protects_data_position(self.registry):
+                log.warning("ckptless: no data position is protected: after a recovery the resumed ranks will "
+                            "not replay the same batches (protect one, e.g. data=ckptless.data.resumable(loader))")
+        self.spec = RunSpec(train_step, steps, start_step)
+        if not self.recovery:
+            return actions.run_without_recovery(self)
+        self._drive()
+        if not is_terminal(self._state):
+            raise RecoveryError(f"rank {self.rank}: the worker stopped in state {self._state}")
+        return RunResult(steps - start_step, steps, self.committed_version, self.generation, self.recoveries)
 
-    # --- recovery ------------------------------------------------------------------
-    def _leave(self) -> None:
-        """Drop the broken groups at once; keep our images and the peer store."""
-        engine, self.engine = self.engine, None
-        if engine is not None:
-            engine.retire()
-            _RETIRED_ENGINES.append(engine)
-            exit_guard.watch(engine.thread_alive, engine.join)
-            self._own_images = engine.own_images() or self._own_images
-            self.peer_store = engine.store
-        destroy_groups()
-        if engine is not None:
-            engine.join(0.2)  # usually done at once: its peers are gone
-
-    def _recover(self, failure: str | None) -> int:
-        """Leave, report, await the next generation, rebuild, roll back; returns the resume step."""
-        assert self.control is not None
-        t0 = time.monotonic()
-        if failure is not None:
-            log.warning("rank %d: failure in generation %d: %s", self.rank, self.generation, failure)
-            self.ledger.emit(EventKind.FAILURE_DETECTED, generation=self.generation, reason=failure[:200])
-        deadline = t0 + self.ctx.recovery_timeout_s
-        self.heartbeat.recovering()
-        pending = self._rejoin if failure is None else None
-        while True:
-            failure = None
-            try:
-                if pending is None:
-                    self._leave()
-                    self.control.report(self.generation, self.rank, build_report(
-                        self.worker_id, self._own_images, self.peer_store, self.committed_version))
-                    left = deadline - time.monotonic()
-                    self.membership = self.control.wait_membership(max(left, 0.1), after=self.generation)
-                    self.generation = self.membership.generation
-                    self.groups = self._form()
-                    self.ledger.emit(EventKind.GROUPS_REFORMED, generation=self.generation)
-                pending = None
-                self._rejoin = None
-                assert self.membership is not None and self.membership.decision is not None
-                resume = apply_decision(self, self.membership, self.membership.decision)
-                # Restore K replicas under the new membership. The round runs in the
-                # background while training resumes: until it commits, a second
-                # failure is planned from the replicas the old generation left.
-                self.capture_and_mirror(resume)
-            except RECOVERABLE as exc:
-                if not is_recoverable(exc):
-                    raise
-                failure = f"{type(exc).__name__}: {exc}"
-                pending = None
-            if failure is None:
-                self.recoveries += 1
-                self._own_images = []
-                log.warning("rank %d: resumed at step %d in generation %d after %.3fs",
-                            self.rank, resume, self.generation, time.monotonic() - t0)
-                return resume
-            log.warning("rank %d: failure during recovery: %s", self.rank, failure)
-            self.ledger.emit(EventKind.FAILURE_DETECTED, generation=self.generation, reason=failure[:200])
-
-    def _finish(self, final_version: int) -> int | None:
-        engine = self.engine
-        if engine is None:
-            return None
-        if not engine.wait_committed(final_version, timeout=self._mirror_config.timeout_s):
-            raise TransportError(f"final version {final_version} was not committed within {self._mirror_config.timeout_s}s")
-        return engine.committed_version
-
+    # --- the end --------------------------------------------------------------------------------------
     def close(self) -> None:
         """Stop mirroring and snapshots and leave the groups (idempotent)."""
         if self.snapshots is not None:
@@ -310,22 +311,25 @@ class Job:
             except CkptlessError as exc:  # a last-resort copy failed: report it, the run itself succeeded
                 log.warning("rank %d: disk snapshot failed: %s", self.rank, exc)
             self.snapshots = None
-        if self.engine is not None:
+        gen = self.gen
+        if gen is not None and gen.engine is not None:
             try:
-                self.engine.close(timeout=self._mirror_config.timeout_s)
+                gen.engine.close(timeout=self.mirror_config.timeout_s)
             except MirrorError:
                 log.warning("mirror engine did not stop cleanly", exc_info=True)
-            self.engine = None
+            gen.engine = None
         self.ledger.emit(EventKind.JOB_END, generation=self.generation)
         self.ledger.close()
-        if dist.is_initialized():
+        if gen is not None and gen.bound:
             try:
                 dist.barrier()  # nobody tears the groups down under a peer still finishing
-            except RuntimeError:
+            except (RuntimeError, CkptlessError):
                 log.info("final barrier failed; leaving anyway", exc_info=True)
-        destroy_groups()
+        if self.peer_store is not None:
+            self.peer_store.close(unlink=True)
         if self.control is not None:
             self.control.close()
+            self.control = None
         self.heartbeat.close()
 
     def __enter__(self) -> Job:
@@ -347,13 +351,15 @@ def _enable_crash_stacks() -> None:
 def init(env: dict[str, str] | None = None) -> Job:
     """Join the job from inside a ``ckptless-run`` (or torchrun) worker.
 
-    Forms the training group (the default ``torch.distributed`` group) and the
-    mirroring group from the agent-hosted store. A spare blocks here until the
-    coordinator assigns it a rank.
+    Creates the default ``torch.distributed`` group (do not call
+    ``init_process_group`` yourself). A member of the first generation is
+    connected to its peers on return; a replacement or spare returns with its
+    groups unbound (collectives answer locally) and joins its peers in
+    ``run()``, after your script built its objects. A spare blocks here until
+    the coordinator assigns it a rank.
     """
     t0 = time.monotonic()
     _enable_crash_stacks()
     job = Job(WorkerContext.from_env(env))
     log.info("rank %d joined generation %d in %.3fs", job.rank, job.generation, time.monotonic() - t0)
     return job
-

@@ -8,9 +8,15 @@ imports training code.
 
 Lifecycle: connect to etcd (embedded when no endpoint) -> lease session ->
 host a TCPStore -> rendezvous (node rank) -> initial membership -> leader
-campaign -> spawn workers (+ spares) -> record exits, follow memberships
-(respawn / kill / adopt a spare) -> wait until every rank of the newest
-generation finished (or the job failed) -> revoke the lease -> stop etcd.
+campaign -> spawn workers (+ spares) -> record exits (with the worker's own
+classification: a user error ends the job, a fault is recovered), follow
+memberships (respawn / kill / adopt a spare) -> exit when this node's ranks
+finished, or the job's ``status`` says it failed (printing the root cause).
+
+What the agent tolerates: an etcd outage (workers keep training; exit records
+are queued until etcd is back; a job that finishes meanwhile exits 0) and a
+pause longer than its lease (it re-registers under a new lease and follows
+whatever the coordinator decided meanwhile).
 """
 
 from __future__ import annotations
@@ -21,38 +27,37 @@ import os
 import shutil
 import signal
 import socket
+import sys
 import tempfile
 import threading
 import time
 import uuid
 from contextlib import ExitStack
-from dataclasses import dataclass
 from types import FrameType
 
-from ckptless.coordinator.client import EtcdClient, WatchEvent
+from ckptless.coordinator.client import Compare, EtcdClient, Put, WatchEvent
 from ckptless.coordinator.config import EtcdConfig
 from ckptless.coordinator.embedded import EmbeddedEtcd
 from ckptless.coordinator.keyspace import Keyspace
 from ckptless.coordinator.rendezvous import NodeInfo, Rendezvous, RendezvousResult
 from ckptless.coordinator.session import Session
-from ckptless.errors import CkptlessError, CoordinatorError, RendezvousTimeout
+from ckptless.errors import CkptlessError, ConfigError, CoordinatorError, RendezvousError, RendezvousTimeout
 from ckptless.launcher.args import LaunchConfig, Std
 from ckptless.launcher.slots import Slot, SlotTable
+from ckptless.launcher.summary import render_failure
 from ckptless.launcher.worker_env import WorkerLayout, build_command, worker_env
 from ckptless.launcher.workers import WorkerExit, WorkerGroup
 from ckptless.recovery.facts import Worker
 from ckptless.recovery.leader import RecoveryLeader, write_initial_membership
 from ckptless.recovery.leader_machine import LeaderConfig
 from ckptless.recovery.plan import Assignment
+from ckptless.recovery.view import ExitRecord, JobStatus
 from ckptless.recovery.wire import Membership, membership_from_json, spare_to_json
+from ckptless.worker import exit_file
 
 log = logging.getLogger("ckptless.agent")
 
-
-@dataclass(frozen=True)
-class AgentOutcome:
-    exit_code: int
-    failed_ranks: tuple[int, ...]
+EXIT_RECORD_RETRY_S = 300.0  # an exit record waits this long for etcd to come back
 
 
 class NodeAgent:
@@ -64,15 +69,22 @@ class NodeAgent:
         self.node_id = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.recovery = cfg.replicas > 0
         self._wake = threading.Event()
-        self._failed = threading.Event()
+        self._stopping = threading.Event()  # a signal asked us to stop: every wait obeys it
         self._stop_signal: int | None = None
+        self._status: JobStatus | None = None
         self._client: EtcdClient | None = None
+        self._session: Session | None = None
+        self._leader: RecoveryLeader | None = None
         self._result: RendezvousResult | None = None
         self._group: WorkerGroup | None = None
+        self._me: NodeInfo | None = None
         self.slots = SlotTable()
         self._membership: Membership | None = None
         self._membership_lock = threading.Lock()
         self._hb_dir = tempfile.mkdtemp(prefix="ckptless-hb-")
+        self._local_failures: list[ExitRecord] = []
+        self._store_port = 0
+        self._host = ""
 
     # --- signals ---------------------------------------------------------------------
     def _install_signal_handlers(self) -> None:
@@ -80,7 +92,7 @@ class NodeAgent:
             self._stop_signal = signum
             if self._group is not None:
                 self._group.signal_all(signum)
-            self._failed.set()
+            self._stopping.set()
             self._wake.set()
 
         if threading.current_thread() is threading.main_thread():
@@ -90,46 +102,72 @@ class NodeAgent:
                     signal.signal(sig, handler)
 
     # --- exit records ---------------------------------------------------------------------
+    def _exit_path(self, local_rank: int) -> str:
+        return os.path.join(self._hb_dir, f"exit{local_rank}.json")
+
     def _record_exit(self, ex: WorkerExit) -> None:
         """Called by the reaper the moment a worker is reaped: into etcd first, then decide."""
-        assert self._client is not None
         slot = self.slots.get(ex.local_rank)
-        doc = {
-            "rank": slot.rank if slot.rank is not None else -1,
-            "local_rank": ex.local_rank,
-            "worker_id": slot.worker_id,
-            "node_id": self.node_id,
-            "pid": ex.pid,
-            "exitcode": ex.exitcode,
-            "signal": ex.signal,
-            "time": ex.wall,
-            "requested": ex.requested,
-        }
-        if slot.rank is not None:
-            try:
-                self._client.put(self.keyspace.worker_exit(slot.rank), json.dumps(doc))
-            except CoordinatorError:
-                log.exception("could not record the exit of rank %s", slot.rank)
+        kind, error = exit_file.read(self._exit_path(ex.local_rank), pid=ex.pid)
+        rec = ExitRecord(rank=-1 if slot.rank is None else slot.rank, worker_id=slot.worker_id, node_id=self.node_id,
+                         pid=ex.pid, exitcode=ex.exitcode, signal=ex.signal, time=ex.wall,
+                         requested=ex.requested, kind=kind, error=error)
         self.slots.exited(ex.local_rank, ex.succeeded)
+        if slot.rank is not None:
+            self._send(self.keyspace.worker_exit(slot.rank), rec.to_json(), f"the exit of rank {slot.rank}")
+        else:  # a spare that died is never assigned: it leaves the pool at once
+            self._send_delete(self._spare_key(slot.worker_id), f"spare {slot.worker_id}")
         if not ex.succeeded and not ex.requested:
-            log.error("worker %s (rank %s, pid %d) failed: exitcode=%s signal=%s",
-                      slot.worker_id, slot.rank, ex.pid, ex.exitcode, ex.signal)
-            if not self.recovery:
-                self._failed.set()
+            log.error("%s", rec.describe())
+            if slot.rank is not None:
+                self._local_failures.append(rec)
+            if not self.recovery and slot.rank is not None and rec.outcome != "other":
+                # No recovery: like torchrun, the first failure ends the job (first writer wins).
+                self._send_status(JobStatus("failed", rec.describe(), rec))
         self._wake.set()
+
+    def _send(self, key: str, value: bytes, what: str) -> None:
+        """Put with retries while etcd is away (bounded); never blocks the reaper."""
+        def run() -> None:
+            deadline = time.monotonic() + EXIT_RECORD_RETRY_S
+            while True:
+                try:
+                    assert self._client is not None
+                    self._client.put(key, value)
+                    return
+                except CoordinatorError as exc:
+                    if time.monotonic() >= deadline or self._stopping.is_set():
+                        log.error("could not record %s in etcd: %s", what, exc)
+                        return
+                    self._stopping.wait(1.0)
+        threading.Thread(target=run, name="ckptless-outbox", daemon=True).start()
+
+    def _send_delete(self, key: str, what: str) -> None:
+        try:
+            assert self._client is not None
+            self._client.delete(key)
+        except CoordinatorError as exc:
+            log.warning("could not remove %s from etcd: %s", what, exc)
+
+    def _send_status(self, status: JobStatus) -> None:
+        try:
+            assert self._client is not None
+            self._client.txn([Compare(self.keyspace.status, "create", "==", 0)],
+                             [Put(self.keyspace.status, status.to_json())])
+        except CoordinatorError as exc:
+            log.error("could not record the job's end in etcd: %s", exc)
+        if self._status is None:
+            self._status = status
 
     def _on_events(self, events: list[WatchEvent]) -> None:
         for ev in events:
             if ev.key == self.keyspace.membership and ev.kind == "put":
                 self._apply_membership(membership_from_json(ev.value))
             elif ev.key == self.keyspace.status and ev.kind == "put":
-                if json.loads(ev.value).get("state") == "failed":
-                    self._failed.set()
-            elif not self.recovery and ev.key.startswith(self.keyspace.exits_prefix) and ev.kind == "put":
-                doc = json.loads(ev.value)
-                if doc.get("node_id") != self.node_id and (doc.get("exitcode") not in (0, None) or doc.get("signal")):
-                    log.error("rank %s on another node failed; stopping this node's workers", doc.get("rank"))
-                    self._failed.set()
+                try:
+                    self._status = JobStatus.from_json(ev.value)
+                except CkptlessError:
+                    self._status = JobStatus("failed", "the job's status record is malformed")
         self._wake.set()
 
     # --- memberships ---------------------------------------------------------------------------
@@ -162,10 +200,11 @@ class NodeAgent:
             return
         log.warning("respawning rank %d as %s (generation %d)", a.rank, a.worker_id, generation)
         self.slots.reset(slot.local_rank, a.worker_id, a.rank)
-        try:  # the new incarnation must not be judged by its predecessor's heartbeat
-            os.unlink(slot.heartbeat_file)
-        except FileNotFoundError:
-            pass
+        for stale in (slot.heartbeat_file, self._exit_path(slot.local_rank)):
+            try:  # the new incarnation must not be judged by its predecessor's files
+                os.unlink(stale)
+            except FileNotFoundError:
+                pass
         try:
             group.respawn(slot.local_rank, {
                 "CKPTLESS_WORKER_ID": a.worker_id, "CKPTLESS_ROLE": "replacement",
@@ -179,7 +218,7 @@ class NodeAgent:
         timeout = self.cfg.hang_timeout
         if not timeout:
             return
-        while not self._failed.wait(min(timeout / 4, 0.25)):
+        while not self._stopping.wait(min(timeout / 4, 0.25)):
             group = self._group
             if group is None:
                 continue
@@ -196,20 +235,74 @@ class NodeAgent:
                     group.send_signal(slot.local_rank, signal.SIGKILL)
                     os.utime(slot.heartbeat_file)
 
+    # --- leases: survive a pause or an etcd outage longer than the TTL -------------------------------
+    def _renew_session(self) -> None:
+        """Our lease is gone (we were paused, or etcd was away): register again under a new one."""
+        assert self._client is not None and self._me is not None
+        old, self._session = self._session, None
+        try:
+            session = Session(self._client, ttl_s=self.cfg.lease_ttl, name=self.node_id)
+        except CoordinatorError as exc:
+            self._session = old  # still done: try again on the next turn
+            log.debug("renewing the lease failed: %s", exc)
+            return
+        self._session = session
+        Rendezvous(self._client, self.keyspace, session).register(self._me)
+        for slot in self.slots.all():
+            if slot.spare and slot.alive:
+                self._client.put(self._spare_key(slot.worker_id), spare_to_json(Worker(slot.worker_id, self.node_id)),
+                                 lease=session.lease_id)
+        if self._leader is not None:
+            self._leader.stop()
+            self._leader = self._start_leader(session)
+        log.warning("lease renewed after it was lost; this node is registered again")
+
+    def _start_leader(self, session: Session) -> RecoveryLeader:
+        cfg = self.cfg
+        leader = RecoveryLeader(self._client, self.keyspace, session, self._host, self._store_port,  # type: ignore[arg-type]
+                                LeaderConfig(cfg.run_id, cfg.replicas, cfg.placement, node_grace_s=cfg.node_grace),
+                                snapshot_step=self._snapshot_step)
+        leader.start()
+        return leader
+
     # --- completion ---------------------------------------------------------------------------------
-    def _job_complete(self) -> bool:
-        """Every rank of the newest generation exited 0 (read from the exit records)."""
-        assert self._client is not None
+    def _done(self) -> int | None:
+        """The exit code once this agent is done, else None."""
+        if self._stop_signal is not None:
+            return 128 + self._stop_signal
+        st = self._status
+        if st is not None and st.state == "failed":
+            return 1
+        if self.slots.ever_ranked() and self.slots.all_assigned_succeeded() and (
+                not self._hosts_store() or self._all_ranks_finished()):
+            return 0  # our ranks passed the final commit: the job's training is complete
+        if st is not None and st.state == "succeeded":
+            return 0
+        if not self.slots.ever_ranked() and self._all_ranks_finished():
+            return 0  # a spare-only node outlives nobody
+        return None
+
+    def _hosts_store(self) -> bool:
+        """This agent hosts the current generation's store (others may still need it to finish)."""
         m = self._membership
-        if m is None:
+        return m is not None and m.store_port == self._store_port and m.store_host == self._host
+
+    def _all_ranks_finished(self) -> bool:
+        m = self._membership
+        if m is None or self._client is None:
             return False
-        exits, _ = self._client.get_prefix(self.keyspace.exits_prefix)
+        try:
+            exits, _ = self._client.get_prefix(self.keyspace.exits_prefix)
+        except CoordinatorError:
+            return False
         ok = set()
         for kv in exits:
-            doc = json.loads(kv.value)
-            rank = int(doc.get("rank", -1))
-            if 0 <= rank < m.world_size and doc.get("exitcode") == 0 and doc.get("worker_id") == m.worker_of(rank).worker_id:
-                ok.add(rank)
+            try:
+                rec = ExitRecord.from_json(kv.value)
+            except CkptlessError:
+                continue
+            if 0 <= rec.rank < m.world_size and rec.exitcode == 0 and rec.worker_id == m.worker_of(rec.rank).worker_id:
+                ok.add(rec.rank)
         return len(ok) == m.world_size
 
     # --- main ------------------------------------------------------------------------------------------
@@ -219,68 +312,93 @@ class NodeAgent:
         cfg = self.cfg
         self._install_signal_handlers()
         with ExitStack() as stack:
-            stack.callback(shutil.rmtree, self._hb_dir, True)  # heartbeat files die with the agent
+            stack.callback(shutil.rmtree, self._hb_dir, True)  # heartbeat/exit files die with the agent
             etcd_config = self._connect_config(stack)
             client = EtcdClient(etcd_config)
             stack.callback(client.close)
             self._client = client
-            session = Session(client, ttl_s=cfg.lease_ttl, name=self.node_id)
-            stack.callback(session.close)
+            self._session = Session(client, ttl_s=cfg.lease_ttl, name=self.node_id)
+            stack.callback(lambda: self._session.close() if self._session is not None else None)
 
-            host = cfg.local_addr or (cfg.master_addr if cfg.rdzv_endpoint is None else socket.getfqdn())
-            store = dist.TCPStore(host, cfg.master_port or 0, is_master=True, wait_for_workers=False, use_libuv=True)
-            me = NodeInfo(self.node_id, host, cfg.nproc_per_node, int(store.port))
+            self._host = cfg.local_addr or (cfg.master_addr if cfg.rdzv_endpoint is None else socket.getfqdn())
+            store = dist.TCPStore(self._host, cfg.master_port or 0, is_master=True, wait_for_workers=False,
+                                  use_libuv=True)
+            self._store_port = int(store.port)
+            me = self._me = NodeInfo(self.node_id, self._host, cfg.nproc_per_node, self._store_port)
             if self.recovery:
                 # Campaign before the rendezvous: the first agent up leads, and a leader
                 # exists by the time anything can fail.
-                leader = RecoveryLeader(client, self.keyspace, session, host, int(store.port),
-                                        LeaderConfig(cfg.run_id, cfg.replicas, cfg.placement),
-                                        snapshot_step=self._snapshot_step)
-                leader.start()
-                stack.callback(leader.stop)
-            if cfg.nproc_per_node == 0:
-                # A spare-only node: not a rendezvous participant; it waits for the job to exist.
-                Rendezvous(client, self.keyspace, session).register(me)
-                self._membership = self._await_membership(client)
-                m = self._membership
-                result = RendezvousResult(0, 0, 1, (), 0, m.world_size, NodeInfo("", m.store_host, 1, m.store_port))
-                log.info("spare node %s joined job %s (world %d)", self.node_id, cfg.run_id, m.world_size)
-            else:
-                result = Rendezvous(client, self.keyspace, session).join(
-                    me, cfg.min_nodes, cfg.max_nodes, timeout_s=self.rendezvous_timeout_s)
-                log.info("node %s joined round %d as node rank %d of %d (ranks %d..%d of %d)",
-                         self.node_id, result.round, result.node_rank, result.nnodes, result.rank_offset,
-                         result.rank_offset + cfg.nproc_per_node - 1, result.world_size)
-                initial = Membership(0, result.world_size, result.master.host, result.master.store_port, tuple(
-                    Assignment(p_off + lr, f"{p.node_id}/w{lr}", p.node_id, "survivor")
-                    for p, p_off in _offsets(result.participants) for lr in range(p.nproc)
-                ))
-                self._membership = write_initial_membership(client, self.keyspace, initial) if self.recovery else initial
+                self._leader = self._start_leader(self._session)
+                stack.callback(lambda: self._leader.stop() if self._leader is not None else None)
+            result = self._join(client, me)
             self._result = result
+            if result.world_size < 2 or cfg.replicas == 0:
+                self._without_recovery(result.world_size)
+            elif cfg.replicas >= result.world_size:
+                raise ConfigError("replicas", cfg.replicas,
+                                  f"must be < the world size ({result.world_size}): a rank's K mirrors live on other ranks")
             watch = client.watch_prefix(self.keyspace.prefix, self._on_events)
             stack.callback(watch.cancel)
+            self._status = self._read_status()
 
-            group = self._spawn(etcd_config, result, session)
+            group = self._spawn(etcd_config, result)
             stack.callback(lambda: group.stop(timeout=cfg.shutdown_timeout))
-            hang_thread = threading.Thread(target=self._watch_hangs, name="ckptless-hang", daemon=True)
-            hang_thread.start()
+            threading.Thread(target=self._watch_hangs, name="ckptless-hang", daemon=True).start()
 
-            while not self._failed.is_set():
-                self._wake.clear()
-                session.check()
-                if self.slots.all_assigned_succeeded() and (self._job_complete() or not self.recovery):
-                    break
+            code = None
+            while code is None:
                 self._wake.wait(0.5)
-            code = 0
-            if self._stop_signal is not None:
-                code = 128 + self._stop_signal
-            elif self._failed.is_set():
-                code = 1
+                self._wake.clear()
+                if self._session is not None and self._session.done.is_set():
+                    self._renew_session()
+                code = self._done()
+            self._stopping.set()  # stops the hang watcher and the outbox retries
             group.stop(timeout=cfg.shutdown_timeout)
-            self._failed.set()  # stops the hang watcher
-            failed = tuple(self.slots.failed_ranks())
-            return AgentOutcome(code, failed)
+            if code == 1 and self._status is not None:
+                self._print_failure(self._status)
+            return AgentOutcome(code, tuple(self.slots.failed_ranks()))
         raise AssertionError("unreachable")
+
+    def _join(self, client: EtcdClient, me: NodeInfo) -> RendezvousResult:
+        cfg = self.cfg
+        assert self._session is not None
+        if cfg.nproc_per_node == 0:
+            # A spare-only node: not a rendezvous participant; it waits for the job to exist.
+            Rendezvous(client, self.keyspace, self._session).register(me)
+            self._membership = m = self._await_membership(client)
+            log.info("spare node %s joined job %s (world %d)", self.node_id, cfg.run_id, m.world_size)
+            return RendezvousResult(0, 0, 1, (), 0, m.world_size, NodeInfo("", m.store_host, 1, m.store_port))
+        result = Rendezvous(client, self.keyspace, self._session).join(
+            me, cfg.min_nodes, cfg.max_nodes, timeout_s=self.rendezvous_timeout_s, stop=self._stopping)
+        log.info("node %s joined round %d as node rank %d of %d (ranks %d..%d of %d)",
+                 self.node_id, result.round, result.node_rank, result.nnodes, result.rank_offset,
+                 result.rank_offset + cfg.nproc_per_node - 1, result.world_size)
+        initial = Membership(0, result.world_size, result.master.host, result.master.store_port, tuple(
+            Assignment(p_off + lr, f"{p.node_id}/w{lr}", p.node_id, "survivor")
+            for p, p_off in _offsets(result.participants) for lr in range(p.nproc)
+        ))
+        self._membership = write_initial_membership(client, self.keyspace, initial) if self.recovery else initial
+        return result
+
+    def _without_recovery(self, world_size: int) -> None:
+        """World size 1 (nothing to mirror to) or --replicas 0: a failure ends the job, like torchrun."""
+        if self.recovery:
+            log.warning("world size %d: there is no peer to mirror to; recovery is off (a failure ends the job, "
+                        "like torchrun --max-restarts 0)", world_size)
+        self.recovery = False
+        if self._leader is not None:
+            self._leader.stop()
+            self._leader = None
+
+    def _read_status(self) -> JobStatus | None:
+        assert self._client is not None
+        kv = self._client.get(self.keyspace.status)
+        return None if kv is None else JobStatus.from_json(kv.value)
+
+    def _print_failure(self, status: JobStatus) -> None:
+        lr = {s.rank: s.local_rank for s in self.slots.all() if s.rank is not None}
+        text = render_failure(self.cfg.training_script, status, self._local_failures, lr)
+        print(text, file=sys.stderr, flush=True)
 
     def _await_membership(self, client: EtcdClient) -> Membership:
         changed = threading.Event()
@@ -288,23 +406,28 @@ class NodeAgent:
         try:
             deadline = time.monotonic() + self.rendezvous_timeout_s
             while True:
+                if self._stopping.is_set():
+                    raise RendezvousError(f"spare node: waiting for job {self.cfg.run_id!r} interrupted")
                 kv = client.get(self.keyspace.membership)
                 if kv is not None:
                     return membership_from_json(kv.value)
                 if time.monotonic() >= deadline:
                     raise RendezvousTimeout(f"spare node: job {self.cfg.run_id!r} did not start within "
                                             f"{self.rendezvous_timeout_s}s")
-                changed.wait(min(0.5, deadline - time.monotonic()))
+                changed.wait(min(0.25, deadline - time.monotonic()))
                 changed.clear()
         finally:
             watch.cancel()
 
-    def _snapshot_step(self, world_size: int) -> int | None:
+    def _snapshot_step(self, world_size: int, exclude: frozenset[int] = frozenset()) -> int | None:
+        """The newest snapshot whose content verifies (corrupt or excluded ones are skipped, and said so)."""
         if not (self.cfg.snapshot_every and self.cfg.snapshot_dir):
             return None
-        from ckptless.snapshot import latest_complete
+        from ckptless.snapshot import choose_snapshot
 
-        info = latest_complete(self.cfg.snapshot_dir, self.cfg.run_id, world_size)
+        info, rejected = choose_snapshot(self.cfg.snapshot_dir, self.cfg.run_id, world_size, exclude=exclude)
+        for step, why in rejected:
+            log.warning("not restoring snapshot step %d: %s", step, why)
         return None if info is None else info.step
 
     def _connect_config(self, stack: ExitStack) -> EtcdConfig:
@@ -317,13 +440,14 @@ class NodeAgent:
             stack.callback(server.close)
             log.info("started embedded etcd at %s", server.endpoint)
             return EtcdConfig((server.endpoint,))
-        auth = {field: os.environ.get(var) or None for var, field in _AUTH_ENV.items()}
-        return EtcdConfig((str(cfg.rdzv_endpoint),), user=auth["user"], password=auth["password"],
-                          ca_cert=auth["ca_cert"], cert_key=auth["cert_key"], cert_cert=auth["cert_cert"])
+        return EtcdConfig.from_env((str(cfg.rdzv_endpoint),))
 
-    def _spawn(self, etcd_config: EtcdConfig, result: RendezvousResult, session: Session) -> WorkerGroup:
+    def _spare_key(self, worker_id: str) -> str:
+        return f"{self.keyspace.spares_prefix}{worker_id.replace('/', ':')}"
+
+    def _spawn(self, etcd_config: EtcdConfig, result: RendezvousResult) -> WorkerGroup:
         cfg = self.cfg
-        assert self._client is not None
+        assert self._client is not None and self._session is not None
         layout = WorkerLayout(
             node_rank=result.node_rank, nnodes=result.nnodes, nproc_per_node=max(cfg.nproc_per_node, 1),
             rank_offset=result.rank_offset, world_size=result.world_size,
@@ -335,7 +459,7 @@ class NodeAgent:
             "CKPTLESS_JOB_ID": cfg.run_id,
             "CKPTLESS_NODE_ID": self.node_id,
             "CKPTLESS_GENERATION": "0",
-            "CKPTLESS_REPLICAS": str(cfg.replicas),
+            "CKPTLESS_REPLICAS": str(cfg.replicas if self.recovery else 0),
             "CKPTLESS_MIRROR_EVERY": str(cfg.mirror_every),
             "CKPTLESS_PLACEMENT": cfg.placement,
         }
@@ -350,7 +474,7 @@ class NodeAgent:
             worker_id = f"{self.node_id}/spare{lr - cfg.nproc_per_node}" if spare else f"{self.node_id}/w{lr}"
             hb = os.path.join(self._hb_dir, f"hb{lr}")
             extra = dict(common, CKPTLESS_WORKER_ID=worker_id, CKPTLESS_HEARTBEAT_FILE=hb,
-                         CKPTLESS_ROLE="spare" if spare else "member")
+                         CKPTLESS_EXIT_FILE=self._exit_path(lr), CKPTLESS_ROLE="spare" if spare else "member")
             env = worker_env(layout, min(lr, max(cfg.nproc_per_node, 1) - 1), os.environ, extra)
             if spare:
                 env.pop("RANK", None)
@@ -366,18 +490,15 @@ class NodeAgent:
         group.start()
         for slot in self.slots.all():
             if slot.rank is None:  # a warm spare: in the pool, on our lease (gone with this node)
-                self._client.put(f"{self.keyspace.spares_prefix}{slot.worker_id.replace('/', ':')}",
-                                 spare_to_json(Worker(slot.worker_id, self.node_id)), lease=session.lease_id)
+                self._client.put(self._spare_key(slot.worker_id), spare_to_json(Worker(slot.worker_id, self.node_id)),
+                                 lease=self._session.lease_id)
         return group
 
 
-_AUTH_ENV = {
-    "CKPTLESS_ETCD_USER": "user",
-    "CKPTLESS_ETCD_PASSWORD": "password",
-    "CKPTLESS_ETCD_CA_CERT": "ca_cert",
-    "CKPTLESS_ETCD_CERT_KEY": "cert_key",
-    "CKPTLESS_ETCD_CERT": "cert_cert",
-}
+class AgentOutcome:
+    def __init__(self, exit_code: int, failed_ranks: tuple[int, ...]) -> None:
+        self.exit_code = exit_code
+        self.failed_ranks = failed_ranks
 
 
 def _offsets(participants: tuple[NodeInfo, ...]) -> list[tuple[NodeInfo, int]]:

@@ -104,6 +104,8 @@ class LaunchConfig:
     goodput_dir: str | None = None
     hang_timeout: float | None = None
     lease_ttl: float = 2.0
+    node_grace: float = 10.0
+    metrics_port: int | None = None
     nproc_per_node_spec: str = field(default="1", compare=False)
 
     @property
@@ -248,6 +250,10 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
     add("--hang-timeout", action=env, type=float, default=None,
         help="SIGKILL a worker whose progress stalls this many seconds.")
     add("--lease-ttl", action=env, type=float, default=2.0, help="etcd lease TTL in seconds (liveness).")
+    add("--node-grace", action=env, type=float, default=10.0,
+        help="Seconds a node may lose its lease (a paused or partitioned agent) before its ranks are re-planned.")
+    add("--metrics-port", action=env, type=int, default=None,
+        help="Serve Prometheus metrics on this port (0: any free port; default: off).")
     # positional
     add("training_script", type=str, help="Training script (or module with -m), then its arguments.")
     add("training_script_args", nargs=argparse.REMAINDER)
@@ -419,6 +425,17 @@ def config_from_namespace(ns: argparse.Namespace, environ: Mapping[str, str] | N
            "--snapshot-every needs --snapshot-dir")
     _check(ns.hang_timeout is None or ns.hang_timeout > 0, "hang_timeout", ns.hang_timeout, "must be > 0")
     _check(ns.lease_ttl > 0, "lease_ttl", ns.lease_ttl, "must be > 0")
+    _check(ns.node_grace > 0, "node_grace", ns.node_grace, "must be > 0")
+    _check(ns.metrics_port is None or 0 <= ns.metrics_port < 65536, "metrics_port", ns.metrics_port,
+           "must be a port number (0: any free port)")
+    embedded = endpoint is None
+    _check(not (nproc == 0 and (embedded or ns.standalone)), "nproc_per_node", ns.nproc_per_node,
+           "a spare-only node (--nproc-per-node 0) joins an existing job: give that job's --rdzv-endpoint and "
+           "--rdzv-id (with --standalone it would start a private etcd that no job can reach)")
+    if min_nodes == max_nodes and nproc >= 1:
+        world = min_nodes * nproc
+        _check(world < 2 or ns.replicas < world, "replicas", ns.replicas,
+               f"must be < the world size ({world}): each rank's K mirrors live on other ranks")
     values: dict[str, Any] = {f.name: getattr(ns, f.name) for f in fields(LaunchConfig) if hasattr(ns, f.name)}
     values.update(
         min_nodes=min_nodes, max_nodes=max_nodes, nproc_per_node=nproc, nproc_per_node_spec=ns.nproc_per_node,

@@ -21,6 +21,8 @@ class Slot:
     alive: bool = True
     succeeded: bool = False
     failed: bool = False
+    spare: bool = False  # started without a rank, waiting to be assigned one
+    ever_ranked: bool = False
 
 
 class SlotTable:
@@ -30,6 +32,8 @@ class SlotTable:
 
     def add(self, slot: Slot) -> None:
         with self._lock:
+            slot.spare = slot.rank is None
+            slot.ever_ranked = slot.rank is not None
             self._slots[slot.local_rank] = slot
 
     def get(self, local_rank: int) -> Slot:
@@ -48,13 +52,17 @@ class SlotTable:
 
     def assign(self, local_rank: int, rank: int | None) -> None:
         with self._lock:
-            self._slots[local_rank].rank = rank
+            s = self._slots[local_rank]
+            s.rank = rank
+            if rank is not None:
+                s.spare, s.ever_ranked = False, True
 
     def reset(self, local_rank: int, worker_id: str, rank: int) -> None:
         """A new incarnation in this slot (a respawn)."""
         with self._lock:
             s = self._slots[local_rank]
             s.worker_id, s.rank, s.alive, s.succeeded, s.failed = worker_id, rank, True, False, False
+            s.spare, s.ever_ranked = False, True
 
     def for_rank_slot(self, rank: int, rank_offset: int) -> Slot | None:
         """The slot that ran ``rank`` here: its current holder, else the slot of its local index."""
@@ -64,6 +72,11 @@ class SlotTable:
                     return Slot(**vars(s))
             s2 = self._slots.get(rank - rank_offset)
             return None if s2 is None else Slot(**vars(s2))
+
+    def ever_ranked(self) -> bool:
+        """Some slot of this node held a rank at some point (a spare-only node: never)."""
+        with self._lock:
+            return any(s.ever_ranked for s in self._slots.values())
 
     def all_assigned_succeeded(self) -> bool:
         """No slot runs a rank any more, and every slot that had one ended well."""

@@ -164,8 +164,13 @@ class Rendezvous:
         )
         return self._client.txn([guard], [Put(self._ks.rdzv_state, new.to_bytes())]).succeeded
 
-    def join(self, me: NodeInfo, min_nodes: int, max_nodes: int, timeout_s: float, last_call_s: float = 1.0) -> RendezvousResult:
-        """Join (or rejoin) the current round and block until it closes or ``timeout_s`` passes."""
+    def join(self, me: NodeInfo, min_nodes: int, max_nodes: int, timeout_s: float, last_call_s: float = 1.0,
+             stop: threading.Event | None = None) -> RendezvousResult:
+        """Join (or rejoin) the current round and block until it closes or ``timeout_s`` passes.
+
+        ``stop`` (set by the agent's SIGINT/SIGTERM handler) ends the wait at once with
+        :class:`RendezvousError`: a launcher waiting for nodes must obey Ctrl-C.
+        """
         if not 1 <= min_nodes <= max_nodes:
             raise ConfigError("nnodes", f"{min_nodes}:{max_nodes}", "need 1 <= MIN <= MAX")
         self.register(me)
@@ -177,6 +182,8 @@ class Rendezvous:
             last_change = time.monotonic()
             while True:
                 self._session.check()
+                if stop is not None and stop.is_set():
+                    raise RendezvousError(f"rendezvous for job {self._ks.job_id!r} interrupted")
                 changed.clear()
                 state, rev = self._read()
                 live = self.live_node_ids()
@@ -200,6 +207,6 @@ class Rendezvous:
                         f"{len(state.participants)} of {min_nodes}..{max_nodes} node(s)"
                     )
                 # Wake on any change under the job prefix, or to re-check the last call.
-                changed.wait(min(remaining, max(0.05, last_call_s - (time.monotonic() - last_change))))
+                changed.wait(min(remaining, 0.25, max(0.05, last_call_s - (time.monotonic() - last_change))))
         finally:
             watch.cancel()

@@ -1,70 +1,94 @@
-"""Worker-side execution of a recovery decision: transfer, roll back, or load from disk.
+"""Worker-side execution of a recovery decision: transfer, roll back, load from disk, or start fresh.
 
-Why it is separate from the job loop: the loop only notices a failure and
-asks for the next generation; what to do with the decision (rebuild a lost
-image from stripes, restore our own image of the resume version, or load the
-newest complete disk snapshot) is derived from the plan alone.
+Why it takes explicit inputs and returns an outcome: what a rank must do to
+reach the decision's resume point is derived from the plan alone (plus what
+the rank holds), so it is testable without a job loop, and the job loop does
+not have to expose its internals. Errors keep their type: a transport
+failure is a fault (the generation failed again: report and wait), a disk
+snapshot that does not load is named so the coordinator never picks it again.
 """
 
 from __future__ import annotations
 
 import logging
-import re
-from typing import TYPE_CHECKING
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
 
-import torch.distributed as dist
-
-from ckptless.errors import CkptlessError, MirrorError, RecoveryError, TransportError
-from ckptless.goodput.ledger import EventKind
+from ckptless.errors import RecoveryError, SnapshotError, UnrecoverableError
 from ckptless.mirror.store import PeerStore, StoredImage
 from ckptless.recovery.facts import ReplicaFact, WorkerReport
 from ckptless.recovery.plan import Decision, DiskFallback, RecoveryPlan
 from ckptless.recovery.transfer import execute_transfers
 from ckptless.recovery.wire import Membership
 from ckptless.state.capture import StateImage, restore
-
-if TYPE_CHECKING:
-    from ckptless.job import Job
+from ckptless.state.registry import StateRegistry
 
 log = logging.getLogger(__name__)
 
 
-class PeerFailure(CkptlessError):
-    """Another rank of this generation failed (seen via the coordinator, not a collective)."""
+class SnapshotLoadFailed(RecoveryError):
+    """This rank could not load the disk snapshot the plan named; the coordinator excludes that step."""
+
+    def __init__(self, step: int, reason: str) -> None:
+        self.step = step
+        super().__init__(f"disk snapshot step {step} could not be loaded: {reason}")
 
 
-# What a broken collective looks like from Python: Gloo raises plain RuntimeError
-# (or torch's DistError family); our own layers raise the typed errors.
-RECOVERABLE: tuple[type[BaseException], ...] = (RuntimeError, MirrorError, TransportError, PeerFailure, dist.DistError)
-_GLOO_FAILURE = re.compile(
-    r"(Connection (closed|reset|refused)|Broken pipe|Socket|Timed out|timed out|gloo|Gloo|NCCL|"
-    r"process group|ProcessGroup|Connection timed out|peer)",
-)
+@dataclass(frozen=True)
+class RestoreInputs:
+    """What one rank brings to a recovery decision."""
+
+    membership: Membership
+    worker_id: str
+    registry: StateRegistry
+    own_images: list[StoredImage]
+    peer_store: PeerStore | None
+    timeout_s: float
+    job_id: str
+    snapshot_dir: str | None = None
+    in_place: Callable[[StateRegistry, StateImage], None] | None = None  # faster restore into live tensors
+
+    @property
+    def rank(self) -> int:
+        r = self.membership.rank_of(self.worker_id)
+        if r is None:
+            raise RecoveryError(f"worker {self.worker_id} has no rank in generation {self.membership.generation}")
+        return r
 
 
-def is_recoverable(exc: BaseException) -> bool:
-    """True for failures caused by a peer or the transport, not by a bug in the step."""
-    if isinstance(exc, (MirrorError, TransportError, PeerFailure, dist.DistError)):
-        return True
-    return isinstance(exc, RuntimeError) and bool(_GLOO_FAILURE.search(str(exc)))
+@dataclass(frozen=True)
+class RestoreOutcome:
+    resume_step: int
+    source: str  # "local" (own image), "peers" (striped transfer), "disk", "initial" (fresh state)
+    bytes_received: int = 0
+    steps_lost: int = 0
 
 
 def build_report(worker_id: str, own: list[StoredImage], store: PeerStore | None, committed: int | None) -> WorkerReport:
-    """The facts this worker contributes to planning: what it holds, nothing more."""
+    """The facts this worker contributes to planning: what it holds, each (owner, version) once."""
     local = {img.manifest.version for img in own}
-    replicas: list[ReplicaFact] = []
+    if committed is not None and committed not in local:
+        committed = None  # we no longer hold it: do not claim it
+    if committed is not None:
+        local = {v for v in local if v >= committed}
+    replicas: dict[tuple[int, int], ReplicaFact] = {}
     if store is not None:
-        for owner in store.owners():
-            for version in store.versions(owner):
-                img = store.get(owner, version)
-                if img is not None:
-                    replicas.append(ReplicaFact(owner, version, len(img.manifest.chunk_checksums)))
+        # Re-verified now (a corrupt replica at rest is dropped, never offered to the planner):
+        # a full check of 256 MiB of replicas costs ~26 ms here, once per incident.
+        at_rest = store.check_at_rest(max_age_s=0)
+        for owner, version, bad in at_rest.corrupt:
+            log.warning("replica of rank %d v%d is corrupt at rest (chunks %s): dropped", owner, version, bad[:8])
+            store.drop(owner, version)
+        for owner, version, n_chunks in at_rest.verified:
+            replicas.setdefault((owner, version), ReplicaFact(owner, version, n_chunks))
     return WorkerReport(
         worker_id=worker_id,
         newest_captured=max(local) if local else None,
         committed=committed,
         local_versions=frozenset(local),
-        replicas=tuple(replicas),
+        replicas=tuple(replicas[k] for k in sorted(replicas)),
     )
 
 
@@ -76,29 +100,62 @@ def _own_image(own: list[StoredImage], version: int) -> StoredImage:
     return max(hits, key=lambda img: img.manifest.generation)
 
 
-def apply_decision(job: Job, membership: Membership, decision: Decision) -> int:
-    """Bring this rank's protected state to the decision's resume point; returns the step to run next."""
-    if isinstance(decision, RecoveryPlan):
-        received = execute_transfers(decision, membership, job.worker_id, job.peer_store, job.ctx.collective_timeout_s)
-        job.ledger.emit(EventKind.TRANSFER_DONE, generation=job.generation,
-                        bytes=0 if received is None else received.manifest.total_bytes)
-        resume = decision.resume_version
-        if received is not None:
-            restore(job.registry, StateImage(received.manifest, received.buffer))
-        else:
-            img = _own_image(job._own_images, resume)
-            restore(job.registry, StateImage(img.manifest, img.buffer))
-        if job.peer_store is not None:
-            job.peer_store.discard_newer(resume)
-        job.ledger.emit(EventKind.ROLLBACK_DONE, step=resume, generation=job.generation)
-        return resume
-    if isinstance(decision, DiskFallback):
-        from ckptless.recovery.disk import restore_from_disk
+def _restore(inputs: RestoreInputs, image: StateImage) -> None:
+    if inputs.in_place is not None:
+        inputs.in_place(inputs.registry, image)
+    else:
+        restore(inputs.registry, image)
 
-        step = restore_from_disk(job, decision)
-        job.ledger.emit(EventKind.DISK_RESTORE, step=step, generation=job.generation,
-                        steps_lost=decision.steps_lost, reason=decision.reason[:200])
-        if job.peer_store is not None:
-            job.peer_store.discard_newer(step)
-        return step
+
+def apply_decision(decision: Decision, inputs: RestoreInputs) -> RestoreOutcome:
+    """Bring this rank's protected state to the decision's resume point (collective for transfers)."""
+    if isinstance(decision, RecoveryPlan):
+        return _from_memory(decision, inputs)
+    if isinstance(decision, DiskFallback):
+        return _from_disk(decision, inputs)
     raise RecoveryError(f"cannot execute a {type(decision).__name__} decision")
+
+
+def _from_memory(plan: RecoveryPlan, inputs: RestoreInputs) -> RestoreOutcome:
+    received = execute_transfers(plan, inputs.membership, inputs.worker_id, inputs.peer_store, inputs.timeout_s)
+    version = plan.resume_version
+    rank = inputs.rank
+    if received is not None:
+        _restore(inputs, StateImage(received.manifest, received.buffer))
+        source, nbytes = "peers", received.manifest.total_bytes
+    elif rank in plan.initial_ranks:
+        source, nbytes = "initial", 0  # R0: the state this process built is the initial state
+    else:
+        img = _own_image(inputs.own_images, version)
+        _restore(inputs, StateImage(img.manifest, img.buffer))
+        source, nbytes = "local", 0
+    if inputs.peer_store is not None:
+        inputs.peer_store.discard_newer(version)
+    return RestoreOutcome(version, source, nbytes, plan.steps_lost)
+
+
+def _from_disk(decision: DiskFallback, inputs: RestoreInputs) -> RestoreOutcome:
+    from ckptless.snapshot import load_snapshot, step_dir, verify_snapshot
+    from ckptless.snapshot.reader import scan_steps
+
+    directory = inputs.snapshot_dir
+    step = decision.snapshot_step
+    if not directory:
+        raise UnrecoverableError("the plan needs a disk snapshot but this worker has no --snapshot-dir")
+    world = inputs.membership.world_size
+    try:
+        info = verify_snapshot(step_dir(directory, inputs.job_id, step), inputs.job_id, world)
+        loaded = load_snapshot(info, inputs.registry, inputs.rank)
+    except SnapshotError as exc:
+        raise SnapshotLoadFailed(step, str(exc)) from exc
+    if inputs.rank == 0:
+        # Snapshots newer than the one we resume from belong to a timeline being replayed; their
+        # step directories will be written again. Rank 0 removes them before training resumes.
+        for newer, path in scan_steps(directory, inputs.job_id):
+            if newer > loaded:
+                shutil.rmtree(Path(path), ignore_errors=True)
+    if inputs.peer_store is not None:
+        inputs.peer_store.discard_newer(loaded)
+    log.warning("rank %d: restored disk snapshot of step %d (%d steps lost: %s)",
+                inputs.rank, loaded, decision.steps_lost, decision.reason)
+    return RestoreOutcome(loaded, "disk", 0, decision.steps_lost)

@@ -74,7 +74,7 @@ class RecoveryLeader:
         store_host: str,
         store_port: int,
         config: LeaderConfig,
-        snapshot_step: Callable[[int], int | None] | None = None,
+        snapshot_step: Callable[[int, frozenset[int]], int | None] | None = None,
         on_event: Callable[[str, dict[str, object]], None] | None = None,
     ) -> None:
         self.config = config
@@ -82,7 +82,8 @@ class RecoveryLeader:
         self._ks = keyspace
         self._session = session
         self.store_host, self.store_port = store_host, store_port
-        self._snapshot_step = snapshot_step or (lambda _world: None)
+        self._snapshot_step = snapshot_step or (lambda _world, _exclude: None)
+        self._bad_snapshots: set[int] = set()  # steps a worker failed to load: never chosen again
         self._on_event = on_event or (lambda _kind, _attrs: None)
         self._election = Election(client, session, keyspace.election_prefix)
         self._stop = threading.Event()
@@ -153,6 +154,7 @@ class RecoveryLeader:
                     log.warning("etcd reachable again after %.1fs", time.monotonic() - down_since)
                     down_since = None
                 self._view = view
+                self._bad_snapshots |= view.bad_snapshots
                 self._feed(Observed(view, self._now()))
                 if isinstance(self.state, (Ended, Deposed)):
                     return
@@ -220,7 +222,7 @@ class RecoveryLeader:
         view = self._view
         assert view is not None and view.membership is not None
         try:
-            snap = self._snapshot_step(view.membership.world_size)
+            snap = self._snapshot_step(view.membership.world_size, frozenset(self._bad_snapshots))
             decision, notes = plan_from_view(view, self._ks.job_id, action.lost, self.config.replicas,
                                              self.config.placement, snap)
         except CkptlessError as exc:

@@ -23,6 +23,12 @@ R6  Every rank whose worker lacks R locally receives R, striped in balanced
 R7  No common version: DiskFallback to the newest snapshot, else
     Unrecoverable. Unrecoverable wins over WaitForReplacement; otherwise a
     missing replacement yields WaitForReplacement at the *same* generation.
+R0  Before the first commit (no live worker reports a committed version and
+    no replica exists anywhere) a loss costs nothing that a restart would not
+    redo: the job resumes at the oldest version every survivor holds locally
+    (its initial capture), and ranks without it start from the state their
+    fresh process builds (``initial_ranks``), exactly as a full restart would.
+    Preferred over a disk snapshot, which cannot exist before a commit.
 """
 
 from __future__ import annotations
@@ -106,6 +112,7 @@ class RecoveryPlan:
     replace_mirrors: bool
     owners_below_k: tuple[int, ...]
     steps_lost: int
+    initial_ranks: tuple[int, ...] = ()  # R0: these ranks start from their freshly built state
 
     @property
     def resume_step(self) -> int:
@@ -307,6 +314,19 @@ def plan_recovery(facts: PlanningFacts) -> Decision:
     version = resume_version(facts)
     newest_seen = max((r.newest_captured for r in facts.reports if r.newest_captured is not None),
                       default=None)
+    if version is None and facts.snapshot_step is None:
+        initial = _initial_restart(facts)
+        if initial is not None:
+            assignments, unassigned = assign_replacements(facts, new_gen)
+            if unassigned:
+                return WaitForReplacement(facts.job_id, facts.generation, tuple(sorted(unassigned)), "memory",
+                                          f"no live spare and no live node to respawn ranks {sorted(unassigned)} on")
+            v0, fresh = initial
+            return RecoveryPlan(
+                job_id=facts.job_id, generation=new_gen, assignments=tuple(assignments), lost_ranks=lost,
+                resume_version=v0, rollbacks=_rollbacks_to(facts, v0), transfers=(), replace_mirrors=True,
+                owners_below_k=_owners_below_k(facts),
+                steps_lost=max(0, (newest_seen if newest_seen is not None else v0) - v0), initial_ranks=fresh)
     if version is None:
         missing = _ranks_without_replica(facts)
         if facts.snapshot_step is None:
@@ -360,6 +380,31 @@ def _memory_plan(facts: PlanningFacts, new_gen: int, assignments: list[Assignmen
         lost_ranks=lost, resume_version=version, rollbacks=tuple(rollbacks),
         transfers=tuple(transfers), replace_mirrors=bool(lost or below_k or transfers),
         owners_below_k=below_k, steps_lost=steps_lost)
+
+
+def _initial_restart(facts: PlanningFacts) -> tuple[int, tuple[int, ...]] | None:
+    """R0: ``(v0, ranks starting fresh)`` when nothing was ever committed or mirrored, else None."""
+    if any(r.committed is not None or r.replicas for r in facts.reports):
+        return None
+    locals_ = [r.local_versions for r in facts.reports if r.local_versions]
+    if not locals_:
+        return 0, tuple(range(facts.world_size))
+    v0 = min(min(v) for v in locals_)
+    holders = {r.worker_id for r in facts.reports if v0 in r.local_versions}
+    if any(r.local_versions and v0 not in r.local_versions for r in facts.reports):
+        return None  # a survivor no longer holds the initial capture: nothing consistent to restart from
+    fresh = tuple(s.rank for s in facts.members if not (s.alive and s.worker.worker_id in holders))
+    return v0, fresh
+
+
+def _rollbacks_to(facts: PlanningFacts, version: int) -> tuple[Rollback, ...]:
+    out = []
+    for slot in facts.members:
+        rep = facts.report_of(slot.worker.worker_id) if slot.alive else None
+        if rep is not None and version in rep.local_versions and rep.newest_captured is not None \
+                and rep.newest_captured > version:
+            out.append(Rollback(slot.rank, rep.worker_id, rep.newest_captured, version))
+    return tuple(out)
 
 
 def _owners_below_k(facts: PlanningFacts) -> tuple[int, ...]:

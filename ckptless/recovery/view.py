@@ -156,26 +156,32 @@ class JobStatus:
 
 @dataclass(frozen=True)
 class ReportRecord:
-    """A worker's report for the generation it left, with why it left (for humans and the ledger)."""
+    """A worker's report for the generation it left: what it holds, why it left, and (after a
+    failed disk restore) which snapshot step could not be loaded, so it is never chosen again."""
 
     report: WorkerReport
     reason: str = ""
+    bad_snapshot: int | None = None
 
 
-def report_record_to_json(report: WorkerReport, reason: str) -> bytes:
+def report_record_to_json(report: WorkerReport, reason: str, bad_snapshot: int | None = None) -> bytes:
     from ckptless.recovery.wire import report_to_json
 
     doc = json.loads(report_to_json(report))
     doc["reason"] = reason[:500]
+    doc["bad_snapshot"] = bad_snapshot
     return json.dumps(doc).encode()
 
 
 def report_record_from_json(raw: bytes) -> ReportRecord:
     try:
-        reason = str(json.loads(raw).get("reason", ""))
-    except (ValueError, AttributeError) as exc:
+        doc = json.loads(raw)
+        reason = str(doc.get("reason", ""))
+        bad = doc.get("bad_snapshot")
+        bad_snapshot = None if bad is None else int(bad)
+    except (ValueError, AttributeError, TypeError) as exc:
         raise RecoveryError(f"worker report is malformed: {raw[:200]!r}") from exc
-    return ReportRecord(report_from_json(raw), reason)
+    return ReportRecord(report_from_json(raw), reason, bad_snapshot)
 
 
 @dataclass(frozen=True)
@@ -202,6 +208,11 @@ class JobView:
     @property
     def generation(self) -> int:
         return -1 if self.membership is None else self.membership.generation
+
+    @property
+    def bad_snapshots(self) -> frozenset[int]:
+        """Snapshot steps a worker of this generation failed to load."""
+        return frozenset(r.bad_snapshot for r in self.reports.values() if r.bad_snapshot is not None)
 
     def current_exit(self, rank: int) -> ExitRecord | None:
         """The exit record of the worker that holds ``rank`` now (older incarnations ignored)."""

@@ -117,6 +117,7 @@ def decision_to_doc(d: Decision) -> dict[str, Any]:
                 for t in d.transfers
             ],
             "replace_mirrors": d.replace_mirrors, "owners_below_k": list(d.owners_below_k), "steps_lost": d.steps_lost,
+            "initial_ranks": list(d.initial_ranks),
         }
     if isinstance(d, DiskFallback):
         return {
@@ -152,6 +153,7 @@ def decision_from_doc(doc: dict[str, Any]) -> Decision:
                 replace_mirrors=bool(doc["replace_mirrors"]),
                 owners_below_k=tuple(int(r) for r in doc["owners_below_k"]),
                 steps_lost=int(doc["steps_lost"]),
+                initial_ranks=tuple(int(r) for r in doc.get("initial_ranks", ())),
             )
         if kind == "disk":
             return DiskFallback(

@@ -1,10 +1,16 @@
-"""A worker's control-plane handle: report facts, learn the next generation.
+"""A worker's control-plane handle: report facts, learn the next generation, see the job end.
 
 Why workers talk to etcd at all: only at the edges of a recovery (never per
-step). A survivor reports what it holds (a typed WorkerReport) and waits for
-the membership of the next generation; a replacement or spare reads which
-rank it takes. A background watch raises a flag when the leader marks an
-incident, so a worker that is not blocked in a collective still notices.
+step). One watch on the job's prefix keeps three local facts fresh -- which
+generations have an open incident, the newest membership's generation, and
+whether the job ended -- so the training loop checks a flag per step, not
+etcd. Credentials come from the same ``CKPTLESS_ETCD_*`` variables the agent
+uses (workers inherit them), so a job on an authenticated etcd works.
+
+etcd outages: a healthy worker never needs etcd to train. When it must write
+(a report, a ready mark), it retries until ``outage_timeout_s`` and only then
+raises :class:`CoordinatorUnavailable`: recovery needs the coordinator, and
+waiting a bounded time for it to return beats giving up at once.
 """
 
 from __future__ import annotations
@@ -12,66 +18,144 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections.abc import Callable
+from typing import TypeVar
 
 from ckptless.coordinator.client import EtcdClient, WatchEvent
 from ckptless.coordinator.config import EtcdConfig
 from ckptless.coordinator.keyspace import Keyspace
-from ckptless.errors import RecoveryError, UnrecoverableError
+from ckptless.errors import CkptlessError, CoordinatorError, CoordinatorUnavailable, RecoveryError
 from ckptless.recovery.facts import WorkerReport
-from ckptless.recovery.wire import Membership, membership_from_json, report_to_json
+from ckptless.recovery.view import JobStatus, report_record_to_json
+from ckptless.recovery.wire import Membership, membership_from_json
+
+T = TypeVar("T")
+
+
+class JobEndedError(RecoveryError):
+    """The coordinator ended the job (a user error elsewhere, or an unrecoverable loss)."""
+
+    def __init__(self, status: JobStatus) -> None:
+        self.status = status
+        super().__init__(f"the job was ended by its coordinator: {status.reason}")
 
 
 class WorkerControl:
-    def __init__(self, endpoint: str, job_id: str, worker_id: str) -> None:
+    def __init__(self, endpoint: str, job_id: str, worker_id: str, outage_timeout_s: float = 300.0) -> None:
         self.keyspace = Keyspace(job_id)
         self.worker_id = worker_id
-        self.client = EtcdClient(EtcdConfig(tuple(endpoint.split(","))))
+        self.outage_timeout_s = outage_timeout_s
+        self.client = EtcdClient(EtcdConfig.from_env(endpoint))
         self._incidents: set[int] = set()
+        self._newest_generation = -1
+        self._status: JobStatus | None = None
         self._changed = threading.Event()
         self._watch = self.client.watch_prefix(self.keyspace.prefix, self._on_events)
+        self._read_initial()
+
+    def _read_initial(self) -> None:
+        """The watch only reports changes: what was already there is read once."""
+        self._status = self._read_status()
+        kv = self.client.get(self.keyspace.generation)
+        if kv is not None:
+            self._newest_generation = int(json.loads(kv.value)["generation"])
+
+    def _read_status(self) -> JobStatus | None:
+        kv = self.client.get(self.keyspace.status)
+        if kv is None:
+            return None
+        try:
+            return JobStatus.from_json(kv.value)
+        except CkptlessError:
+            return JobStatus("failed", "the job's status record is malformed")
 
     def _on_events(self, events: list[WatchEvent]) -> None:
+        ks = self.keyspace
         for e in events:
-            if e.key.startswith(self.keyspace.prefix + "incident/g") and e.kind == "put":
+            if e.kind != "put":
+                continue
+            if e.key.startswith(ks.prefix + "incident/g"):
                 try:
                     self._incidents.add(int(e.key.rsplit("/g", 1)[1]))
                 except ValueError:
                     pass
+            elif e.key == ks.generation:
+                try:
+                    self._newest_generation = max(self._newest_generation, int(json.loads(e.value)["generation"]))
+                except (ValueError, KeyError, TypeError):
+                    pass
+            elif e.key == ks.status:
+                try:
+                    self._status = JobStatus.from_json(e.value)
+                except CkptlessError:
+                    self._status = JobStatus("failed", "the job's status record is malformed")
         self._changed.set()
 
+    # --- local facts (no etcd round trip) -------------------------------------------------------
     def incident(self, generation: int) -> bool:
-        """True once the leader declared generation ``generation`` failed."""
+        """True once the leader declared ``generation`` failed."""
         return generation in self._incidents
 
+    def superseded(self, generation: int) -> bool:
+        """A newer generation than ``generation`` was published."""
+        return self._newest_generation > generation
+
+    @property
+    def ended(self) -> JobStatus | None:
+        return self._status
+
+    def check_ended(self) -> None:
+        st = self._status
+        if st is not None and st.state == "failed":
+            raise JobEndedError(st)
+
+    # --- writes, tolerant of a bounded etcd outage ---------------------------------------------------
+    def _persist(self, what: str, fn: Callable[[], T]) -> T:
+        deadline = time.monotonic() + self.outage_timeout_s
+        while True:
+            try:
+                return fn()
+            except CoordinatorUnavailable as exc:
+                if time.monotonic() >= deadline:
+                    raise CoordinatorUnavailable(f"{what}: etcd unreachable for {self.outage_timeout_s:.0f}s") from exc
+                self._changed.wait(1.0)
+
+    def report(self, generation: int, rank: int, report: WorkerReport, reason: str,
+               bad_snapshot: int | None = None) -> None:
+        payload = report_record_to_json(report, reason, bad_snapshot)
+        self._persist(f"report for generation {generation}",
+                      lambda: self.client.put(self.keyspace.facts(generation, rank), payload))
+
+    def mark_ready(self, generation: int, rank: int) -> None:
+        payload = json.dumps({"worker_id": self.worker_id, "t": time.time()})
+        self._persist(f"ready mark of generation {generation}",
+                      lambda: self.client.put(self.keyspace.ready(generation, rank), payload))
+
+    # --- memberships -----------------------------------------------------------------------------------
     def membership(self) -> Membership | None:
-        kv = self.client.get(self.keyspace.membership)
+        kv = self._persist("membership read", lambda: self.client.get(self.keyspace.membership))
         return None if kv is None else membership_from_json(kv.value)
 
-    def report(self, generation: int, rank: int, report: WorkerReport) -> None:
-        self.client.put(self.keyspace.facts(generation, rank), report_to_json(report))
+    def wait_membership(self, after: int, deadline: float) -> Membership | None:
+        """The newest membership newer than ``after`` that includes us, or the one that excludes us.
 
-    def _check_status(self) -> None:
-        kv = self.client.get(self.keyspace.status)
-        if kv is not None:
-            doc = json.loads(kv.value)
-            if doc.get("state") == "failed":
-                raise UnrecoverableError(f"the job was ended by its coordinator: {doc.get('reason')}")
-
-    def wait_membership(self, timeout_s: float, after: int = -1, need_worker: bool = True) -> Membership:
-        """Block until a membership newer than ``after`` (that includes us) exists."""
-        deadline = time.monotonic() + timeout_s
+        Returns None at the deadline; raises :class:`JobEndedError` if the job
+        ended. While joining (``after == -1``) a membership without us is
+        skipped: a spare waits until the coordinator assigns it a rank.
+        """
         while True:
             self._changed.clear()
-            m = self.membership()
+            self.check_ended()
+            try:
+                m = self.membership()
+            except CoordinatorError:
+                m = None
             if m is not None and m.generation > after:
-                if not need_worker or m.rank_of(self.worker_id) is not None:
+                if m.rank_of(self.worker_id) is not None or after >= 0:
                     return m
-                if after >= 0:  # a newer generation without us: we were declared lost
-                    raise RecoveryError(f"worker {self.worker_id} is not part of generation {m.generation}")
-            self._check_status()
             left = deadline - time.monotonic()
             if left <= 0:
-                raise RecoveryError(f"no membership after generation {after} within {timeout_s}s")
+                return None
             self._changed.wait(min(left, 0.5))
 
     def close(self) -> None:

@@ -35,6 +35,18 @@ def watch(alive: Callable[[], bool], join: Callable[[float], None]) -> None:
     _joins.append(join)
 
 
+def install() -> None:
+    """Guard the exit even before any thread is watched (the first engine thread comes later)."""
+    _install()
+
+
+def set_exit_code(code: int) -> None:
+    """The code the process is about to exit with (a ``SystemExit`` raised, not called, bypasses the hook)."""
+    global _exit_code
+    _install()
+    _exit_code = code
+
+
 def _install() -> None:
     global _installed
     if _installed:

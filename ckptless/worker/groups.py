@@ -1,43 +1,70 @@
-"""Process groups of one generation, formed from the store the agent hosts.
+"""This process's groups: created once, bound to one generation's communicators at a time.
 
 Why per generation: after a failure the survivors re-form their groups in the
-same process. Every generation's keys live under their own ``PrefixStore`` so
-no rank ever reads a previous round's rendezvous keys (torchrun's shared store
-broke exactly that way here), and the store lives in the long-lived agent,
-never in a worker. Two groups: the training group (the default group, what
-user code and DDP use) and a separate mirroring group driven by a background
-thread, so mirroring never interleaves with training collectives.
+same process. Every generation's keys live under their own prefix
+(``ckptless/gen<G>/``), so no rank ever reads a previous round's rendezvous
+keys (torchrun's shared store broke exactly that way here), and the store
+lives in the long-lived agent, never in a worker. The user's group objects
+(see :mod:`ckptless.worker.rebindable`) never change; binding replaces only
+their communicators. The mirroring group is separate, unregistered and per
+generation: a background thread drives it, so mirroring never interleaves
+with training collectives.
+
+Binding is abortable: every rank first checks in at a store counter (polling
+it and an abort condition, e.g. "the coordinator declared this generation
+failed"), then builds its Gloo communicators in a helper thread while the
+caller keeps polling. A peer that dies during formation therefore costs the
+others an abort, not a 30-minute Gloo timeout; a helper thread left inside a
+native connect is harmless (it only ever installs into the generation it was
+started for) and is covered by the exit guard.
 """
 
 from __future__ import annotations
 
+import gc
 import logging
+import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import cast
 from datetime import timedelta
+from typing import Any, cast
 
 import torch.distributed as dist
 
-from ckptless.errors import TransportError
+from ckptless.errors import ConfigError, TransportError
+from ckptless.worker import exit_guard
+from ckptless.worker.rebindable import PLUGIN, RebindableGroup
 
 log = logging.getLogger(__name__)
 
+Abort = Callable[[], "str | None"]  # returns why to give up, or None to keep waiting
 
-@dataclass
-class Groups:
-    generation: int
-    rank: int
-    world_size: int
-    mirror: dist.ProcessGroup
+_registry: dict[str, RebindableGroup] = {}  # group name -> group, in creation order (same on every rank)
+_live: dict[str, Any] = {"store": None, "generation": None}
+_lock = threading.Lock()
 
 
-def backend_for_device() -> str:
-    """Gloo for CPU state; NCCL is used for training only when CUDA is present (not run here)."""
-    import torch
+class FormationAborted(TransportError):
+    """Forming a generation's groups was abandoned (the generation failed or was superseded)."""
 
-    return "nccl" if torch.cuda.is_available() else "gloo"
+
+def _creator(opts: Any, _backend_opts: Any) -> RebindableGroup:
+    ranks = list(opts.global_ranks_in_group) or list(range(opts.group_size))
+    g = RebindableGroup(opts.group_rank, opts.group_size, ranks, opts.timeout)
+    g._set_group_name(str(opts.group_id))
+    with _lock:
+        _registry[str(opts.group_id)] = g
+        store, generation = _live["store"], _live["generation"]
+    if store is not None and generation is not None:
+        # A live rank creating a subgroup (every member calls new_group): connect it now.
+        inner, backends = g.build(store, generation)
+        g.install(generation, inner, backends)
+    return g
+
+
+def _register_plugin() -> None:
+    if PLUGIN.upper() not in dist.Backend._plugins:
+        dist.Backend.register_backend(PLUGIN, _creator, extended_api=True, devices=["cpu", "cuda"])
 
 
 def connect_store(host: str, port: int, timeout_s: float) -> dist.Store:
@@ -47,69 +74,127 @@ def connect_store(host: str, port: int, timeout_s: float) -> dist.Store:
         raise TransportError(f"cannot reach the agent's store at {host}:{port}: {exc}") from exc
 
 
-def arrive(store: dist.Store, generation: int, world_size: int, timeout_s: float,
-           abort: Callable[[], bool] | None = None) -> None:
-    """Wait until every rank of ``generation`` arrived at the store, or ``abort()`` says to give up.
+def ensure_default_group(store: dist.Store, rank: int, world_size: int, timeout_s: float) -> None:
+    """Create the (unbound) default group once per process; no I/O, no peer needed."""
+    if dist.is_initialized():
+        default = dist.distributed_c10d._get_default_group()
+        if not isinstance(default, RebindableGroup):
+            raise ConfigError(
+                "init_process_group", dist.get_backend(),
+                "the default process group was created before ckptless.init(): remove the script's own "
+                "init_process_group call (ckptless.init() creates the default group, with the same rank and world "
+                "size, and keeps it valid across recoveries)")
+        if (default.rank(), default.size()) != (rank, world_size):
+            raise ConfigError("rank", rank, f"this process's default group is rank {default.rank()} of "
+                                            f"{default.size()}, the job says {rank} of {world_size}")
+        return
+    _register_plugin()
+    with _lock:
+        _live.update(store=None, generation=None)
+    dist.init_process_group(PLUGIN, store=dist.PrefixStore("ckptless/init/", store), rank=rank,
+                            world_size=world_size, timeout=timedelta(seconds=timeout_s))
 
-    Why not let ``init_process_group`` wait: it blocks in C++ until its timeout
-    when a peer never comes (it died during the recovery), and nothing can
-    interrupt it. This barrier polls the store and the coordinator's incident
-    flag, so a second failure during recovery is noticed at once.
-    """
+
+def groups() -> list[RebindableGroup]:
+    with _lock:
+        return list(_registry.values())
+
+
+def arrive(store: dist.Store, generation: int, world_size: int, deadline: float, abort: Abort | None = None) -> None:
+    """Wait until every rank of ``generation`` checked in at the store, or ``abort()`` gives a reason."""
     key = f"ckptless/gen{generation}/arrived"
-    deadline = time.monotonic() + timeout_s
     try:
         store.add(key, 1)
         while store.add(key, 0) < world_size:
-            if abort is not None and abort():
-                raise TransportError(f"generation {generation} was declared failed while forming its groups")
+            why = abort() if abort is not None else None
+            if why is not None:
+                raise FormationAborted(f"forming generation {generation} abandoned: {why}")
             if time.monotonic() > deadline:
-                raise TransportError(f"not all {world_size} ranks of generation {generation} arrived within {timeout_s}s")
-            time.sleep(0.005)  # store polling interval; bounded by the deadline above
+                raise FormationAborted(f"not all {world_size} ranks of generation {generation} arrived in time")
+            time.sleep(0.005)  # the store's polling interval; bounded by the deadline above
     except (RuntimeError, OSError) as exc:
         raise TransportError(f"store unreachable while forming generation {generation}: {exc}") from exc
 
 
-def form_groups(store: dist.Store, generation: int, rank: int, world_size: int, timeout_s: float,
-                abort: Callable[[], bool] | None = None, arrive_timeout_s: float | None = None) -> Groups:
-    """Initialise the default (training) group and the mirror group for ``generation``.
+def bind_all(store: dist.Store, generation: int, rank: int, world_size: int, timeout_s: float, deadline: float,
+             abort: Abort | None = None) -> dist.ProcessGroup:
+    """Bind every group of this process to ``generation`` and build its mirror group (collective).
 
-    ``arrive_timeout_s`` bounds the wait for every rank to show up; it is the
-    recovery deadline, longer than a collective's, because a cold replacement
-    may need many seconds just to import torch on a loaded node.
+    Returns the generation's mirror group (see :func:`mirror_group`).
     """
-    arrive(store, generation, world_size, arrive_timeout_s or timeout_s, abort)
-    prefixed = dist.PrefixStore(f"ckptless/gen{generation}/", store)
-    try:
-        dist.init_process_group(
-            backend=backend_for_device(),
-            store=prefixed,
-            rank=rank,
-            world_size=world_size,
-            timeout=timedelta(seconds=timeout_s),
-        )
-        # Mirroring moves CPU tensors: always Gloo, on its own communicator, and NOT
-        # registered with c10d: destroy_process_group() then leaves it alone, so a
-        # mirror thread still inside a Gloo call on it is never freed under its
-        # feet (that aborted a survivor here). It dies with its engine instead.
-        mirror = dist.ProcessGroupGloo(
-            dist.PrefixStore(f"ckptless/gen{generation}/mirror/", store), rank, world_size,
-            timedelta(seconds=timeout_s),
-        )
-    except (RuntimeError, ValueError) as exc:
-        raise TransportError(f"forming generation {generation} groups failed on rank {rank}: {exc}") from exc
-    # Duck-typed: a Gloo backend offers rank/size/send/recv/allreduce like a ProcessGroup.
-    return Groups(generation, rank, world_size, cast(dist.ProcessGroup, mirror))
+    arrive(store, generation, world_size, deadline, abort)
+    todo = groups()
+    built: list[tuple[RebindableGroup, Any, list[Any]]] = []
+    mirror: list[dist.ProcessGroup] = []
+    error: list[BaseException] = []
 
-
-def destroy_groups() -> None:
-    """Drop every group at once (frees sockets so blocked peers raise promptly).
-
-    Must be called *outside* an ``except`` block: a live traceback keeps the
-    failed collective's frames, hence the group's sockets, alive.
-    """
-    if dist.is_initialized():
+    def build() -> None:
         try:
-            dist.destroy_process_group()
-        except (RuntimeError, ValueError):
-            log.debug("destroy_process_group raised", exc_info=True)
+            for g in todo:  # creation order: the same on every rank
+                inner, backends = g.build(store, generation)
+                built.append((g, inner, backends))
+            mirror.append(mirror_group(store, generation, rank, world_size, timeout_s))
+        except BaseException as exc:  # reported to the caller below
+            error.append(exc)
+
+    worker = threading.Thread(target=build, name=f"ckptless-bind-g{generation}", daemon=True)
+    worker.start()
+    exit_guard.watch(worker.is_alive, worker.join)
+    while worker.is_alive():
+        worker.join(0.01)
+        why = abort() if abort is not None else None
+        if why is not None and worker.is_alive():
+            raise FormationAborted(f"forming generation {generation} abandoned: {why}")
+        if time.monotonic() > deadline and worker.is_alive():
+            raise FormationAborted(f"generation {generation}'s communicators did not connect in time")
+    if error:
+        raise TransportError(f"forming generation {generation} failed: {error[0]}") from error[0]
+    for g, inner, backends in built:
+        g.install(generation, inner, backends)
+    with _lock:
+        _live.update(store=store, generation=generation)
+    return mirror[0]
+
+
+def release_all() -> None:
+    """Drop every group's communicator at once (peers blocked on us fail promptly).
+
+    Must run *outside* an ``except`` block: a live traceback keeps the failed
+    call's frames, hence its Work and the communicator's sockets, alive.
+    """
+    with _lock:
+        _live.update(store=None, generation=None)
+    for g in groups():
+        g.release()
+    gc.collect()  # Work objects in reference cycles keep a Gloo context (its sockets) alive
+
+
+def collective_failed(generation: int, settle_s: float = 0.5) -> bool:
+    """Did a collective of ``generation`` fail? (Waits briefly for callbacks of completed futures.)"""
+    end = time.monotonic() + settle_s
+    while True:
+        gs = groups()
+        if any(g.broken_generation == generation for g in gs):
+            return True
+        pending_done = False
+        for g in gs:
+            with g.lock:
+                pending_done = pending_done or any(f.done() for f in g.pending.values())
+        if not pending_done or time.monotonic() > end:
+            return False
+        time.sleep(0.005)
+
+
+def mirror_group(store: dist.Store, generation: int, rank: int, world_size: int, timeout_s: float) -> dist.ProcessGroup:
+    """The generation's mirroring communicator: Gloo, separate, and NOT registered with c10d.
+
+    Unregistered so that nothing frees it under the background mirror thread
+    still inside a Gloo call on it (that aborted a survivor here); it dies with
+    its engine instead.
+    """
+    try:
+        pg = dist.ProcessGroupGloo(dist.PrefixStore(f"ckptless/gen{generation}/mirror/", store), rank, world_size,
+                                   timedelta(seconds=timeout_s))
+    except (RuntimeError, ValueError) as exc:
+        raise TransportError(f"forming generation {generation}'s mirror group failed on rank {rank}: {exc}") from exc
+    return cast(dist.ProcessGroup, pg)

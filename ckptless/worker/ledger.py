@@ -2,7 +2,10 @@
 
 Why one file per rank and flush per event: a rank may be SIGKILLed at any
 moment; what it had recorded must already be on disk, and ranks never share a
-file handle. ``ckptless report <dir>`` merges the files.
+file handle. ``ckptless report <dir>`` merges the files. Every event carries
+both clocks: monotonic (phase durations on one host, never negative) and wall
+(merging hosts, showing times of day). The coordinator leader writes its
+job-level events (``incident_opened``, ``plan_published``) to ``leader.jsonl``.
 """
 
 from __future__ import annotations
@@ -15,12 +18,27 @@ from ckptless.goodput.ledger import AttrValue, Event, EventKind
 
 
 class WorkerLedger:
-    def __init__(self, directory: str | None, rank: int) -> None:
+    def __init__(self, directory: str | None, rank: int | None, name: str | None = None) -> None:
+        self.directory = directory
         self.rank = rank
+        self._name = name
         self._file: IO[str] | None = None
-        if directory:
-            os.makedirs(directory, exist_ok=True)
-            self._file = open(os.path.join(directory, f"rank{rank}.jsonl"), "a", buffering=1)
+        self._open()
+
+    def _open(self) -> None:
+        if not self.directory or (self.rank is None and self._name is None):
+            return
+        os.makedirs(self.directory, exist_ok=True)
+        name = self._name or f"rank{self.rank}"
+        self._file = open(os.path.join(self.directory, f"{name}.jsonl"), "a", buffering=1)
+
+    def set_rank(self, rank: int) -> None:
+        """A spare learns its rank when it is assigned one: from then on it writes that rank's file."""
+        if rank == self.rank and self._file is not None:
+            return
+        self.close()
+        self.rank = rank
+        self._open()
 
     def emit(
         self,
@@ -31,9 +49,17 @@ class WorkerLedger:
         job_level: bool = False,
         **attrs: AttrValue,
     ) -> Event:
-        event = Event(kind, time.monotonic() if t is None else t, None if job_level else self.rank, generation, step, attrs)
+        mono, wall = time.monotonic(), time.time()
+        if t is not None:  # a given monotonic time: the wall time of that moment
+            wall -= mono - t
+            mono = t
+        event = Event(kind, mono, None if job_level or self.rank is None else self.rank, generation, step, attrs,
+                      t_wall=wall)
         if self._file is not None:
-            self._file.write(event.to_json() + "\n")
+            try:
+                self._file.write(event.to_json() + "\n")
+            except (OSError, ValueError):
+                pass  # a full disk must not stop training; the report says what is missing
         return event
 
     def close(self) -> None:

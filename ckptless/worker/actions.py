@@ -1,0 +1,333 @@
+"""Executors of the worker machine's actions: the I/O of a worker's life.
+
+Why a module of its own: :mod:`ckptless.worker.machine` decides, this module
+does (etcd, groups, transfers, the training loop), and turns each outcome
+into exactly one event. Every executor catches what its layer raises and
+types it: a failure of the transport is a ``Fault`` (recover), an error in
+the user's step is a ``UserError`` (fail fast), a deterministic local problem
+is ``Internal``. Failures are turned into events *outside* ``except`` blocks:
+a live traceback pins the broken communicator's sockets and keeps peers
+blocked.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from ckptless.errors import (
+    CoordinatorUnavailable,
+    IntegrityError,
+    MirrorError,
+    RecoveryError,
+    SnapshotError,
+    StateError,
+    TransportError,
+    UnrecoverableError,
+)
+from ckptless.goodput.ledger import EventKind
+from ckptless.recovery.executor import RestoreInputs, SnapshotLoadFailed, apply_decision, build_report
+from ckptless.worker import groups
+from ckptless.worker.control import JobEndedError
+from ckptless.worker.faults import is_fault
+from ckptless.worker.generation import Generation
+from ckptless.worker.machine import (
+    Action,
+    AwaitMembership,
+    Committed,
+    CoordinatorLost,
+    Event,
+    Exit,
+    Fault,
+    FormFailed,
+    Formed,
+    FormGroups,
+    Internal,
+    JobEnded,
+    LeaveGroups,
+    Left,
+    MarkReady,
+    MembershipSeen,
+    Report,
+    Reported,
+    Reprotected,
+    RestoreFailed,
+    RestoreState,
+    Restored,
+    Stepped,
+    TimedOut,
+    Train,
+    UserError,
+    WaitFinalCommit,
+)
+
+if TYPE_CHECKING:
+    from ckptless.job import Job, RunResult
+
+log = logging.getLogger(__name__)
+
+
+def execute(job: Job, action: Action) -> Event | None:
+    if isinstance(action, AwaitMembership):
+        return _await(job, action)
+    if isinstance(action, FormGroups):
+        return _form(job, action)
+    if isinstance(action, RestoreState):
+        return _restore(job, action)
+    if isinstance(action, MarkReady):
+        return _mark_ready(job, action)
+    if isinstance(action, Train):
+        return train(job, action.generation, action.from_step, action.until_reprotected)
+    if isinstance(action, WaitFinalCommit):
+        return _final_commit(job)
+    if isinstance(action, LeaveGroups):
+        return _leave(job, action)
+    if isinstance(action, Report):
+        return _report(job, action)
+    if isinstance(action, Exit):
+        return None  # the machine is terminal; Job._drive leaves the way the state says
+    raise TypeError(f"unknown action {action!r}")
+
+
+# --- membership -----------------------------------------------------------------------------------
+def _await(job: Job, a: AwaitMembership) -> Event:
+    assert job.control is not None
+    try:
+        m = job.control.wait_membership(a.after, a.deadline)
+    except JobEndedError as exc:
+        return JobEnded(exc.status.reason)
+    except CoordinatorUnavailable as exc:
+        return CoordinatorLost(str(exc))
+    now = time.monotonic()
+    if m is None:
+        return TimedOut(now)
+    includes = m.rank_of(job.worker_id) is not None
+    if includes:
+        job.adopt(m)
+    return MembershipSeen(m.generation, includes, m.decision is not None, now)
+
+
+def _abort_reason(job: Job, generation: int) -> str | None:
+    c = job.control
+    if c is None:
+        return None
+    if c.ended is not None:
+        return "the job ended"
+    if c.incident(generation):
+        return f"generation {generation} was declared failed"
+    if c.superseded(generation):
+        return "a newer generation was published"
+    return None
+
+
+def _form(job: Job, a: FormGroups) -> Event:
+    m = job.seen
+    assert m is not None and m.generation == a.generation
+    gen = Generation(m, job.worker_id, job.store_for(m))
+    job.gen = gen
+    reason = ""
+    try:
+        gen.mirror_group = groups.bind_all(gen.store, m.generation, gen.rank, gen.world_size,  # type: ignore[arg-type]
+                                           job.ctx.collective_timeout_s, a.deadline,
+                                           lambda: _abort_reason(job, m.generation))
+    except TransportError as exc:
+        reason = str(exc)
+    if reason:
+        return FormFailed(reason)
+    gen.bound = True
+    if m.decision is not None:
+        job.ledger.emit(EventKind.GROUPS_REFORMED, generation=m.generation)
+    return Formed(m.generation, -1)
+
+
+def _mark_ready(job: Job, a: MarkReady) -> Event | None:
+    if job.control is None:
+        return None
+    try:
+        job.control.mark_ready(a.generation, job.rank)
+    except CoordinatorUnavailable as exc:
+        return CoordinatorLost(str(exc))
+    return None
+
+
+# --- recovery ----------------------------------------------------------------------------------------
+def _restore(job: Job, a: RestoreState) -> Event:
+    gen = job.gen
+    assert gen is not None and gen.decision is not None
+    inputs = RestoreInputs(gen.membership, job.worker_id, job.registry, job.own_images, job.peer_store,
+                           job.ctx.collective_timeout_s, job.ctx.job_id, job.ctx.snapshot_dir)
+    reason, internal = "", ""
+    try:
+        out = apply_decision(gen.decision, inputs)
+    except SnapshotLoadFailed as exc:
+        job.bad_snapshot = exc.step
+        reason = str(exc)
+    except (TransportError, IntegrityError, SnapshotError) as exc:
+        reason = f"{type(exc).__name__}: {exc}"
+    except (StateError, UnrecoverableError, RecoveryError) as exc:
+        internal = f"cannot restore generation {a.generation}'s state: {type(exc).__name__}: {exc}"
+    if internal:
+        return Internal(internal)
+    if reason:
+        return RestoreFailed(reason)
+    g = a.generation
+    if out.source == "disk":
+        job.ledger.emit(EventKind.DISK_RESTORE, step=out.resume_step, generation=g, steps_lost=out.steps_lost)
+    else:
+        job.ledger.emit(EventKind.TRANSFER_DONE, generation=g, bytes=out.bytes_received)
+        job.ledger.emit(EventKind.ROLLBACK_DONE, step=out.resume_step, generation=g, source=out.source)
+    job.recoveries += 1
+    job.own_images = []
+    job.bad_snapshot = None
+    job.resume_version = out.resume_step
+    job.first_after_recovery = True
+    # Re-protect the resume version under the new membership, in the background: until it
+    # commits, a further failure is planned from the replicas the previous generation left.
+    failed = _protect(job, out.resume_step)
+    if failed is not None:
+        return failed
+    log.warning("rank %d: resumed at step %d in generation %d (%s)", job.rank, out.resume_step, g, out.source)
+    return Restored(out.resume_step)
+
+
+def _leave(job: Job, a: LeaveGroups) -> Event:
+    job.ledger.emit(EventKind.FAILURE_DETECTED, generation=a.generation, reason=a.reason[:200])
+    log.warning("rank %d: leaving generation %d: %s", job.rank, a.generation, a.reason)
+    job.heartbeat.recovering()
+    gen = job.gen
+    if gen is not None:
+        if gen.engine is not None:
+            job.committed = gen.engine.committed_version
+        own = gen.leave()
+        if own:
+            job.own_images = own
+    else:
+        groups.release_all()
+    return Left(time.monotonic())
+
+
+def _report(job: Job, a: Report) -> Event:
+    assert job.control is not None and job.seen is not None
+    rep = build_report(job.worker_id, job.own_images, job.peer_store, job.committed)
+    try:
+        job.control.report(a.generation, job.rank, rep, a.reason, job.bad_snapshot)
+    except CoordinatorUnavailable as exc:
+        return CoordinatorLost(str(exc))
+    return Reported(time.monotonic())
+
+
+# --- training ------------------------------------------------------------------------------------------
+def _protect(job: Job, version: int) -> Event | None:
+    """Capture ``version`` and hand it to the mirror engine; a broken engine is a fault."""
+    reason = ""
+    try:
+        job.capture_and_mirror(version)
+    except (MirrorError, TransportError) as exc:
+        reason = f"{type(exc).__name__}: {exc}"
+    except StateError as exc:  # the script's state cannot be captured: the user's to fix
+        job.exit_error = exc
+        return UserError(f"{type(exc).__name__}: {exc}")
+    return Fault(reason) if reason else None
+
+
+def _call_step(job: Job, step: int) -> Event | None:
+    assert job.spec is not None
+    generation = job.generation
+    reason = ""
+    try:
+        job.spec.train_step(step)
+        return None
+    except (KeyboardInterrupt, GeneratorExit):
+        raise
+    except SystemExit as exc:
+        if exc.code in (None, 0):
+            raise
+        job.exit_error = exc
+        return UserError(f"SystemExit: {exc.code}")
+    except BaseException as exc:
+        c = job.control
+        if job.recovery and is_fault(exc, generation, c.incident if c is not None else None):
+            reason = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
+        else:
+            job.exit_error = exc
+            return UserError(f"{type(exc).__name__}: {exc}")
+    return Fault(reason)  # outside the except block: the traceback no longer pins the communicator
+
+
+def train(job: Job, generation: int, from_step: int, until_reprotected: bool) -> Event:
+    """Run steps until the end, a failure, or (after a recovery) the re-protection committed."""
+    spec = job.spec
+    assert spec is not None
+    every = job.mirror_config.mirror_every
+    step = spec.start_step if from_step < 0 else from_step
+    if from_step < 0 and job.replicas > 0:
+        failed = _protect(job, step)  # the initial state: a failure before step 1 restarts from it
+        if failed is not None:
+            return failed
+    c = job.control
+    while step < spec.steps:
+        if c is not None:
+            if c.ended is not None and c.ended.state == "failed":
+                return JobEnded(c.ended.reason)
+            if c.incident(generation):
+                return Fault(f"the coordinator declared generation {generation} failed")
+        failed = _call_step(job, step)
+        if failed is not None:
+            return failed
+        done = step + 1
+        job.heartbeat.beat(done)
+        if job.replicas > 0 and (done % every == 0 or done == spec.steps):
+            failed = _protect(job, done)
+            if failed is not None:
+                return failed
+        if job.snapshots is not None and job.snapshots.maybe_snapshot(done, generation):
+            job.ledger.emit(EventKind.SNAPSHOT_SAVED, step=done, generation=generation,
+                            block_s=job.snapshots.last_block_s)
+        kind = EventKind.FIRST_STEP_AFTER_RECOVERY if job.first_after_recovery else EventKind.STEP_DONE
+        job.ledger.emit(kind, step=done, generation=generation)
+        job.first_after_recovery = False
+        step = done
+        if until_reprotected and _reprotected(job):
+            return Reprotected(step)
+    return Stepped(step, done=True)
+
+
+def _reprotected(job: Job) -> bool:
+    target = job.resume_version
+    committed = job.committed_version
+    if target is None or committed is None or committed < target:
+        return False
+    job.ledger.emit(EventKind.REPROTECT_DONE, generation=job.generation, version=committed)
+    return True
+
+
+def _final_commit(job: Job) -> Event:
+    engine = job.gen.engine if job.gen is not None else None
+    assert job.spec is not None
+    if engine is None:
+        return Committed()
+    reason = ""
+    try:
+        if not engine.wait_committed(job.spec.steps, timeout=job.mirror_config.timeout_s):
+            reason = f"the final version {job.spec.steps} was not committed within {job.mirror_config.timeout_s}s"
+    except MirrorError as exc:
+        reason = f"{type(exc).__name__}: {exc}"
+    return Fault(reason) if reason else Committed()
+
+
+def run_without_recovery(job: Job) -> RunResult:
+    """No coordinator or nothing to mirror to: train; any failure propagates (and ends the job)."""
+    from ckptless.job import RunResult
+
+    spec = job.spec
+    assert spec is not None
+    job.first_after_recovery = False
+    for s in range(spec.start_step, spec.steps):
+        spec.train_step(s)
+        job.heartbeat.beat(s + 1)
+        if job.snapshots is not None and job.snapshots.maybe_snapshot(s + 1, job.generation):
+            job.ledger.emit(EventKind.SNAPSHOT_SAVED, step=s + 1, generation=job.generation,
+                            block_s=job.snapshots.last_block_s)
+        job.ledger.emit(EventKind.STEP_DONE, step=s + 1, generation=job.generation)
+    return RunResult(spec.steps - spec.start_step, spec.steps, None, job.generation, 0)

@@ -1,0 +1,85 @@
+"""Everything one generation gives a worker, in one object with one ``leave()``.
+
+Why: rank, world size and generation used to be copied into several fields
+and kept in sync by hand across a recovery. Here they are derived from the
+generation's membership; the store connection, the mirror group and the
+mirror engine belong to the generation that made them and are dropped
+together when it fails. The peer store and the worker's own images outlive
+generations (they are what the next one is planned from), so they live in
+the job, not here.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch.distributed as dist
+
+from ckptless.errors import RecoveryError
+from ckptless.mirror.mirror import MirrorEngine
+from ckptless.mirror.store import StoredImage
+from ckptless.recovery.plan import Decision
+from ckptless.recovery.wire import Membership
+from ckptless.worker import exit_guard, groups
+
+log = logging.getLogger(__name__)
+
+# Engines of failed generations are never freed: their unregistered mirror groups may still
+# have Gloo operations in flight on native threads, and freeing a group or a buffer under such
+# an operation aborts the process. Each holds a few sockets and threads.
+_RETIRED_ENGINES: list[MirrorEngine] = []
+
+
+@dataclass
+class Generation:
+    membership: Membership
+    worker_id: str
+    store: dist.Store | None = None
+    mirror_group: dist.ProcessGroup | None = None
+    engine: MirrorEngine | None = None
+    bound: bool = False
+    extra: dict[str, object] = field(default_factory=dict)
+
+    @property
+    def number(self) -> int:
+        return self.membership.generation
+
+    @property
+    def rank(self) -> int:
+        r = self.membership.rank_of(self.worker_id)
+        if r is None:
+            raise RecoveryError(f"worker {self.worker_id} has no rank in generation {self.number}")
+        return r
+
+    @property
+    def world_size(self) -> int:
+        return self.membership.world_size
+
+    @property
+    def decision(self) -> Decision | None:
+        return self.membership.decision
+
+    @property
+    def node_of(self) -> list[str]:
+        return [self.membership.worker_of(r).node_id for r in range(self.world_size)]
+
+    def leave(self) -> list[StoredImage]:
+        """Drop this generation's communicators at once; return the own images its engine still held.
+
+        Peers blocked on us are released (our sockets close); the engine is
+        retired, not freed. Must be called outside an ``except`` block.
+        """
+        own: list[StoredImage] = []
+        engine, self.engine = self.engine, None
+        if engine is not None:
+            engine.retire()
+            _RETIRED_ENGINES.append(engine)
+            exit_guard.watch(engine.thread_alive, engine.join)
+            own = engine.own_images()
+        groups.release_all()
+        self.mirror_group = None
+        self.bound = False
+        if engine is not None:
+            engine.join(0.2)  # usually done at once: its peers are gone
+        return own

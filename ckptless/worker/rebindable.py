@@ -1,0 +1,291 @@
+# mypy: disable-error-code="override, assignment, call-arg, attr-defined"
+# (this module overrides pybind methods of torch's ProcessGroup with the signatures C++ calls; torch's
+# stubs name some of them differently and lack the private helpers used here)
+"""Process groups that survive a recovery: the object never changes, its communicator does.
+
+Why: user code holds groups (``dist.group.WORLD``, subgroups from
+``dist.new_group``, the group inside a ``DistributedDataParallel`` module or an
+FSDP2 ``DeviceMesh``). After a failure those objects must work again, with the
+same rank numbers, without the user re-wrapping anything. Measured on torch
+2.13: ``ProcessGroup._register_backend`` on a group that already has a Gloo
+backend keeps the old one, and the C++ ``Backend`` cannot be subclassed from
+Python; a Python subclass of ``dist.ProcessGroup`` can, and C++ callers (the
+DDP reducer, FSDP2's collectives, ``DeviceMesh``) reach its overrides through
+the pybind trampoline. So every group of a ckptless job is a
+:class:`RebindableGroup`, made by a registered c10d backend plugin
+(``init_process_group("ckptless")`` and every ``new_group`` after it), and each
+generation *binds* it to a fresh inner ``ProcessGroup`` + Gloo backend built on
+``PrefixStore(f"ckptless/gen{g}/pg/{name}/")``: survivors and replacements
+build a generation's communicators with the same code, from keys no earlier
+generation used (torchrun's shared-store breakage cannot happen).
+
+An *unbound* group answers collectives locally ("echo": all_reduce leaves the
+input, all_gather replicates it). A replacement runs the user's setup code
+(``new_group``, the DDP constructor's parameter broadcast, ``fully_shard``) on
+unbound groups: no collective the survivors are not in ever leaves the
+process. Its protected state is then restored from its peers, so what echo
+computed is overwritten.
+
+Failures are typed where they arise: a Work whose ``wait`` fails raises
+:class:`ckptless.errors.CollectiveError`, and every failure (also those the
+DDP reducer sees through futures in C++) marks the group broken for that
+generation, which :func:`collective_failed` reports.
+
+Not run on a GPU: with CUDA, ``bind`` also builds a ProcessGroupNCCL for
+cuda tensors (written device-agnostically, untested here).
+"""
+
+from __future__ import annotations
+
+import threading
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import _create_work_from_future
+
+from ckptless.errors import CollectiveError
+
+GLOO = dist.ProcessGroup.BackendType.GLOO
+PLUGIN = "ckptless"
+
+
+def _done_work(result: Any) -> dist.Work:
+    fut: torch.futures.Future[Any] = torch.futures.Future()
+    fut.set_result(result)
+    return _create_work_from_future(fut)
+
+
+class _TypedWork(dist.Work):
+    """``wait`` raises CollectiveError; ``get_future`` (the DDP reducer's path, in C++) passes the
+    inner future through and records a failure on the group from a done-callback."""
+
+    def __init__(self, group: RebindableGroup, work: dist.Work, gen: int) -> None:
+        super().__init__()
+        self._g, self._w, self._gen = group, work, gen
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        try:
+            return bool(self._w.wait() if timeout is None else self._w.wait(timeout))
+        except Exception as exc:
+            self._g.mark_broken(self._gen)
+            raise CollectiveError(f"collective on group {self._g.group_name!r} (generation {self._gen}) failed: "
+                                  f"{str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__}") from exc
+
+    def get_future(self) -> torch.futures.Future[Any]:
+        fut = self._w.get_future()
+        g, gen, key = self._g, self._gen, object()
+        with g.lock:
+            g.pending[key] = fut
+
+        def on_done(f: torch.futures.Future[Any]) -> None:
+            try:
+                f.wait()
+            except Exception:
+                g.mark_broken(gen)
+            with g.lock:
+                g.pending.pop(key, None)
+
+        fut.add_done_callback(on_done)
+        return fut
+
+    def is_completed(self) -> bool:
+        return bool(self._w.is_completed())
+
+    def is_success(self) -> bool:
+        return bool(self._w.is_success())
+
+    def exception(self) -> Any:
+        return self._w.exception()
+
+
+class RebindableGroup(dist.ProcessGroup):
+    """A registered c10d group whose communicator is replaced per generation (see module doc)."""
+
+    def __init__(self, rank: int, size: int, global_ranks: list[int], timeout: timedelta) -> None:
+        super().__init__(rank, size)
+        self.global_ranks = list(global_ranks)
+        self.timeout = timeout
+        self.lock = threading.Lock()
+        self.pending: dict[object, torch.futures.Future[Any]] = {}
+        self.generation: int | None = None
+        self.broken_generation: int | None = None
+        self._name = ""
+        self._desc = "undefined"
+        self._inner: dist.ProcessGroup | None = None
+        self._backends: list[Any] = []
+
+    # --- identity (a backend-less Python group keeps its own name) ----------------------------
+    def getBackendName(self) -> str:
+        return PLUGIN
+
+    def _set_group_name(self, name: str) -> None:
+        self._name = name
+
+    def getGroupName(self) -> str:
+        return self._name
+
+    @property
+    def group_name(self) -> str:
+        return self._name
+
+    def _set_group_desc(self, desc: str) -> None:
+        self._desc = desc
+
+    def getGroupDesc(self) -> str:
+        return self._desc
+
+    @property
+    def group_desc(self) -> str:
+        return self._desc
+
+    # --- binding --------------------------------------------------------------------------------
+    @property
+    def bound(self) -> bool:
+        return self._inner is not None
+
+    def mark_broken(self, generation: int) -> None:
+        if self.broken_generation is None or generation > self.broken_generation:
+            self.broken_generation = generation
+
+    def build(self, store: dist.Store, generation: int) -> tuple[dist.ProcessGroup, list[Any]]:
+        """The generation's communicator (blocks until every member of the group built it)."""
+        prefix = dist.PrefixStore(f"ckptless/gen{generation}/pg/{self._name}/", store)
+        inner = dist.ProcessGroup(prefix, self.rank(), self.size())
+        gloo = dist.ProcessGroupGloo(prefix, self.rank(), self.size(), self.timeout)
+        gloo._set_sequence_number_for_group()
+        gloo.options.group_name = self._name
+        gloo.options.global_ranks_in_group = self.global_ranks
+        inner._set_default_backend(GLOO)
+        inner._register_backend(torch.device("cpu"), GLOO, gloo)
+        backends: list[Any] = [gloo]
+        if torch.cuda.is_available():  # written device-agnostically; not run here (no GPU)
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = self.timeout
+            nccl = dist.ProcessGroupNCCL(dist.PrefixStore("nccl/", prefix), self.rank(), self.size(), opts)
+            inner._register_backend(torch.device("cuda"), dist.ProcessGroup.BackendType.NCCL, nccl)
+            backends.append(nccl)
+        return inner, backends
+
+    def install(self, generation: int, inner: dist.ProcessGroup, backends: list[Any]) -> None:
+        with self.lock:
+            old = (self._inner, self._backends)
+            self._inner, self._backends, self.generation = inner, backends, generation
+            self.broken_generation = None
+        del old  # outside the lock (see release)
+
+    def release(self) -> None:
+        """Drop this generation's communicator. Measured: Gloo's abort()/shutdown() do not close its
+        sockets; dropping the last reference does, so peers blocked on it fail at once.
+
+        The references are dropped *outside* the lock: the backend's destructor joins its worker
+        threads, and one of them may be running a done-callback that takes this lock (a deadlock
+        seen here in 3 of 5 runs before this was so)."""
+        with self.lock:
+            old = (self._inner, self._backends, list(self.pending.values()))
+            self._inner, self._backends, self.generation = None, [], None
+            self.pending.clear()
+        del old
+
+    def _wrap(self, work: dist.Work) -> dist.Work:
+        assert self.generation is not None
+        return _TypedWork(self, work, self.generation)
+
+    def _need(self) -> dist.ProcessGroup:
+        inner = self._inner
+        if inner is None:
+            raise CollectiveError(f"group {self._name!r} is not bound to a generation (this operation has no "
+                                  "local answer; it can only run once the rank joined its peers)")
+        return inner
+
+    # --- collectives: unbound -> a local answer (used while a replacement runs setup code) -------
+    def allreduce(self, tensors: Any, opts: Any = None) -> dist.Work:
+        if self._inner is None:
+            return _done_work(tensors)
+        return self._wrap(self._inner.allreduce(tensors) if opts is None else self._inner.allreduce(tensors, opts))
+
+    def allreduce_coalesced(self, tensors: Any, opts: Any = None) -> dist.Work:
+        if self._inner is None:
+            return _done_work(tensors)
+        return self._wrap(self._inner.allreduce_coalesced(tensors, opts))
+
+    def broadcast(self, tensors: Any, opts: Any = None) -> dist.Work:
+        if self._inner is None:
+            return _done_work(tensors)
+        return self._wrap(self._inner.broadcast(tensors, opts))
+
+    def barrier(self, opts: Any = None) -> dist.Work:
+        if self._inner is None:
+            return _done_work([])
+        return self._wrap(self._inner.barrier() if opts is None else self._inner.barrier(opts))
+
+    def allgather(self, outs: Any, ins: Any, opts: Any = None) -> dist.Work:
+        if self._inner is None:
+            for o_list, i in zip(outs, ins):
+                for o in o_list:
+                    o.copy_(i)
+            return _done_work(outs)
+        return self._wrap(self._inner.allgather(outs, ins, opts))
+
+    def _allgather_base(self, out: Any, inp: Any, opts: Any = None) -> dist.Work:
+        if self._inner is None:
+            out.view(self.size(), -1).copy_(inp.reshape(1, -1).expand(self.size(), -1))
+            return _done_work([out])
+        return self._wrap(self._inner._allgather_base(out, inp, opts))
+
+    all_gather_single = _allgather_base
+
+    def allgather_into_tensor_coalesced(self, outs: Any, ins: Any, opts: Any = None) -> dist.Work:
+        if self._inner is None:
+            for o, i in zip(outs, ins):
+                o.view(self.size(), -1).copy_(i.reshape(1, -1).expand(self.size(), -1))
+            return _done_work(outs)
+        return self._wrap(self._inner.allgather_into_tensor_coalesced(outs, ins, opts))
+
+    all_gather_single_coalesced = allgather_into_tensor_coalesced
+
+    def reduce_scatter(self, outs: Any, ins: Any, opts: Any = None) -> dist.Work:
+        if self._inner is None:
+            return _done_work(outs)
+        return self._wrap(self._inner.reduce_scatter(outs, ins, opts))
+
+    def _reduce_scatter_base(self, out: Any, inp: Any, opts: Any = None) -> dist.Work:
+        if self._inner is None:
+            return _done_work([out])
+        return self._wrap(self._inner._reduce_scatter_base(out, inp, opts))
+
+    reduce_scatter_single = _reduce_scatter_base
+
+    def reduce_scatter_tensor_coalesced(self, outs: Any, ins: Any, opts: Any = None) -> dist.Work:
+        if self._inner is None:
+            return _done_work(outs)
+        return self._wrap(self._inner.reduce_scatter_tensor_coalesced(outs, ins, opts))
+
+    reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
+
+    def alltoall_base(self, out: Any, inp: Any, osplit: Any, isplit: Any, opts: Any = None) -> dist.Work:
+        return self._wrap(self._need().alltoall_base(out, inp, osplit, isplit, opts))
+
+    all_to_all_single = alltoall_base
+
+    def alltoall(self, outs: Any, ins: Any, opts: Any = None) -> dist.Work:
+        return self._wrap(self._need().alltoall(outs, ins, opts))
+
+    def gather(self, outs: Any, ins: Any, opts: Any = None) -> dist.Work:
+        return self._wrap(self._need().gather(outs, ins, opts))
+
+    def scatter(self, outs: Any, ins: Any, opts: Any = None) -> dist.Work:
+        return self._wrap(self._need().scatter(outs, ins, opts))
+
+    def reduce(self, tensors: Any, opts: Any = None) -> dist.Work:
+        return self._wrap(self._need().reduce(tensors, opts))
+
+    def send(self, tensors: Any, dst: int, tag: int = 0) -> dist.Work:
+        return self._wrap(self._need().send(tensors, dst, tag))
+
+    def recv(self, tensors: Any, src: int, tag: int = 0) -> dist.Work:
+        return self._wrap(self._need().recv(tensors, src, tag))
+
+    def recv_anysource(self, tensors: Any, tag: int = 0) -> dist.Work:
+        return self._wrap(self._need().recv_anysource(tensors, tag))
