@@ -105,6 +105,7 @@ class Job:
         if self.recovery:
             assert ctx.etcd_endpoint is not None
             self.control = WorkerControl(ctx.etcd_endpoint, ctx.job_id, ctx.worker_id)
+            self.control.mark_ported()
         self.gen: Generation | None = None
         self.seen: Membership | None = None  # the newest membership that includes us
         self.peer_store: PeerStore | None = None

@@ -62,12 +62,13 @@ class World:
     published: list[RecoveryPlan | DiskFallback] = field(default_factory=list)
     lose_next_reply: bool = False
     fence_next: bool | None = None  # True: deposed; False: generation moved
+    ported: bool = True
 
     # --- facts ------------------------------------------------------------------------------
     def view(self) -> JobView:
         return JobView(self.membership, dict(self.exits), frozenset(self.nodes), dict(self.reports),
                        frozenset(self.ready), tuple(self.spares), self.status,
-                       self.membership.generation in self.incidents)
+                       self.membership.generation in self.incidents, ported=self.ported)
 
     def worker(self, rank: int) -> str:
         return self.membership.worker_of(rank).worker_id

@@ -490,3 +490,30 @@ def test_results_of_actions_in_the_wrong_state_are_ignored() -> None:
     assert isinstance(step(Collecting(0, frozenset(), 0, 1), Published(1, 0.0), CFG)[0], Collecting)
     assert isinstance(step(Publishing(0, d, 0.0), Observed(World().view(), 0.0), CFG)[0], Publishing)
     assert any(isinstance(a, Publish) for a in step(Planning(0, frozenset({1}), 0.0), Planned(d, (), 0.0), CFG)[1])
+
+
+def test_unported_script_ends_the_job_at_the_report_deadline() -> None:
+    """A killed worker of a script that never called ckptless.init(): nothing can be recovered."""
+    ld = fresh_leader(ported=False)
+    ld.world.kill(1)
+    ld.observe()
+    ld.observe(CFG.report_timeout_s - 1)
+    assert isinstance(ld.state, Collecting), "a slow boot still gets the whole report window"
+    state = ld.observe(2)
+    assert isinstance(state, Ended) and state.state == "failed"
+    assert "ckptless.init()" in state.reason and "rank 1" in state.reason
+    assert not ld.world.published
+
+
+def test_early_kill_of_a_ported_job_restarts_from_the_initial_state() -> None:
+    """R0: a kill before the first commit loses nothing a restart would not redo."""
+    ld = fresh_leader()
+    ld.world.kill(1)
+    ld.observe()
+    for r in (0, 2, 3):  # the survivors captured v0 locally, nothing was committed or mirrored
+        ld.world.reports[r] = ReportRecord(WorkerReport(ld.world.worker(r), 0, None, frozenset({0})), "x")
+    ld.observe(0.1)
+    assert isinstance(ld.state, AwaitingFormation)
+    (plan,) = ld.world.published
+    assert isinstance(plan, RecoveryPlan) and plan.resume_version == 0 and plan.initial_ranks == (1,)
+    assert not plan.transfers

@@ -87,6 +87,11 @@ class Keyspace:
     def facts(self, generation: int, rank: int) -> str:
         return f"{self.facts_prefix(generation)}{rank}"
 
+    @property
+    def ported(self) -> str:
+        """Put by every worker in ``ckptless.init()``: the script uses ckptless (so it can be recovered)."""
+        return f"{self.prefix}ported"
+
     def ready_prefix(self, generation: int) -> str:
         """``ready/g<G>/<rank>`` -> {worker_id}: the rank restored and resumed training in generation G."""
         return f"{self.prefix}ready/g{generation}/"

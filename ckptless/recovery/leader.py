@@ -190,7 +190,8 @@ class RecoveryLeader:
             incident = c.get(ks.incident(m.generation)) is not None
         view = parse_records(
             m, [(e.key, e.value) for e in exits], [n.key.rsplit("/", 1)[1] for n in nodes], reports, ready,
-            [(s.key, s.value) for s in spares], None if status is None else status.value, incident)
+            [(s.key, s.value) for s in spares], None if status is None else status.value, incident,
+            c.get(ks.ported) is not None)
         for key in view.malformed:
             log.warning("ignoring malformed record %s", key)
         return view

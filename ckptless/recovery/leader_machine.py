@@ -347,6 +347,13 @@ def _collect(state: Collecting, view: JobView, now: float, cfg: LeaderConfig) ->
         if now - others_in >= cfg.gone_node_report_grace_s:
             lost, missing = lost | missing, set()
     logs: list[Action] = []
+    if missing and now >= state.deadline and not view.ported:
+        # Nobody ever called ckptless.init(): the script is not ported, and nothing can be recovered.
+        faults = [rec for rec in (view.current_exit(r) for r in sorted(view.faulted)) if rec is not None]
+        what = faults[0].describe() if faults else f"generation {state.generation} failed"
+        return _end("failed", f"{what}; no rank of this job ever called ckptless.init(), so it cannot be recovered "
+                              "(port the script: docs/porting.md, or run it under torchrun)",
+                    faults[0] if faults else None)
     if missing and now >= state.deadline:
         logs.append(Log("warning", f"generation {state.generation}: ranks {sorted(missing)} did not report within "
                                    f"{cfg.report_timeout_s:.0f}s; treating them as lost"))

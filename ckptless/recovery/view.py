@@ -204,6 +204,7 @@ class JobView:
     incident_open: bool = False
     malformed: tuple[str, ...] = ()
     malformed_reports: frozenset[int] = frozenset()
+    ported: bool = True  # some worker of this job called ckptless.init()
 
     @property
     def generation(self) -> int:
@@ -290,6 +291,7 @@ def parse_records(
     spares: list[tuple[str, bytes]],
     status: bytes | None,
     incident_open: bool,
+    ported: bool = True,
 ) -> JobView:
     """Build a :class:`JobView` from raw ``(key, value)`` records; drop and name what does not parse."""
     bad: list[str] = []
@@ -336,4 +338,4 @@ def parse_records(
             bad.append("status")
     return JobView(membership, by_rank, frozenset(nodes), reps, frozenset(ready_ranks),
                    tuple(sorted(spare_workers, key=lambda w: w.worker_id)), st, incident_open, tuple(bad),
-                   frozenset(bad_reports))
+                   frozenset(bad_reports), ported)

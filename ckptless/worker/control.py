@@ -126,6 +126,10 @@ class WorkerControl:
         self._persist(f"report for generation {generation}",
                       lambda: self.client.put(self.keyspace.facts(generation, rank), payload))
 
+    def mark_ported(self) -> None:
+        """This job's script uses ckptless: a failure is recoverable (one put per worker, at init)."""
+        self._persist("ported mark", lambda: self.client.put(self.keyspace.ported, self.worker_id))
+
     def mark_ready(self, generation: int, rank: int) -> None:
         payload = json.dumps({"worker_id": self.worker_id, "t": time.time()})
         self._persist(f"ready mark of generation {generation}",
