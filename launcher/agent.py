@@ -39,10 +39,11 @@ from ckptless.coordinator.client import Compare, EtcdClient, Put, WatchEvent
 from ckptless.coordinator.config import EtcdConfig
 from ckptless.coordinator.embedded import EmbeddedEtcd
 from ckptless.coordinator.keyspace import Keyspace
-from ckptless.coordinator.rendezvous import NodeInfo, Rendezvous, RendezvousResult
+from ckptless.coordinator.rendezvous import NodeInfo, RoundState, Rendezvous, RendezvousResult
 from ckptless.coordinator.session import Session
 from ckptless.errors import CkptlessError, ConfigError, CoordinatorError, RendezvousError, RendezvousTimeout
 from ckptless.launcher.args import LaunchConfig, Std
+from ckptless.metrics import MetricsExporter
 from ckptless.launcher.slots import Slot, SlotTable
 from ckptless.launcher.summary import render_failure
 from ckptless.launcher.worker_env import WorkerLayout, build_command, worker_env
@@ -54,6 +55,7 @@ from ckptless.recovery.plan import Assignment
 from ckptless.recovery.view import ExitRecord, JobStatus
 from ckptless.recovery.wire import Membership, membership_from_json, spare_to_json
 from ckptless.worker import exit_file
+from ckptless.worker.heartbeat import read_progress
 
 log = logging.getLogger("ckptless.agent")
 
@@ -85,6 +87,9 @@ class NodeAgent:
         self._local_failures: list[ExitRecord] = []
         self._store_port = 0
         self._host = ""
+        self._metrics: MetricsExporter | None = None
+        self._incident_t: dict[int, float] = {}  # generation -> when its incident opened (for metrics)
+        self._published_t: dict[int, float] = {}
 
     # --- signals ---------------------------------------------------------------------
     def _install_signal_handlers(self) -> None:
@@ -168,6 +173,15 @@ class NodeAgent:
                     self._status = JobStatus.from_json(ev.value)
                 except CkptlessError:
                     self._status = JobStatus("failed", "the job's status record is malformed")
+            elif ev.kind == "put" and ev.key.startswith(self.keyspace.prefix + "incident/g"):
+                try:
+                    g = int(ev.key.rsplit("/g", 1)[1])
+                except ValueError:
+                    continue
+                if g not in self._incident_t:
+                    self._incident_t[g] = time.monotonic()
+                    if self._metrics is not None:
+                        self._metrics.record_incident()
         self._wake.set()
 
     # --- memberships ---------------------------------------------------------------------------
@@ -177,6 +191,9 @@ class NodeAgent:
             if self._membership is not None and m.generation <= self._membership.generation:
                 return
             self._membership = m
+            self._published_t.setdefault(m.generation, time.monotonic())
+            if self._metrics is not None:
+                self._metrics.set_generation(m.generation)
             group = self._group
             if group is None:
                 return
@@ -330,6 +347,8 @@ class NodeAgent:
                 # exists by the time anything can fail.
                 self._leader = self._start_leader(self._session)
                 stack.callback(lambda: self._leader.stop() if self._leader is not None else None)
+            self._start_metrics(stack)
+            self._prepare_shm(stack)
             result = self._join(client, me)
             self._result = result
             if result.world_size < 2 or cfg.replicas == 0:
@@ -351,6 +370,7 @@ class NodeAgent:
                 self._wake.clear()
                 if self._session is not None and self._session.done.is_set():
                     self._renew_session()
+                self._update_metrics()
                 code = self._done()
             self._stopping.set()  # stops the hang watcher and the outbox retries
             group.stop(timeout=cfg.shutdown_timeout)
@@ -366,10 +386,13 @@ class NodeAgent:
             # A spare-only node: not a rendezvous participant; it waits for the job to exist.
             Rendezvous(client, self.keyspace, self._session).register(me)
             self._membership = m = self._await_membership(client)
+            self._check_fingerprint(client)
             log.info("spare node %s joined job %s (world %d)", self.node_id, cfg.run_id, m.world_size)
             return RendezvousResult(0, 0, 1, (), 0, m.world_size, NodeInfo("", m.store_host, 1, m.store_port))
         result = Rendezvous(client, self.keyspace, self._session).join(
             me, cfg.min_nodes, cfg.max_nodes, timeout_s=self.rendezvous_timeout_s, stop=self._stopping)
+        client.txn([Compare(self.keyspace.fingerprint(result.round), "create", "==", 0)],
+                   [Put(self.keyspace.fingerprint(result.round), script_fingerprint(cfg))])
         log.info("node %s joined round %d as node rank %d of %d (ranks %d..%d of %d)",
                  self.node_id, result.round, result.node_rank, result.nnodes, result.rank_offset,
                  result.rank_offset + cfg.nproc_per_node - 1, result.world_size)
@@ -379,6 +402,68 @@ class NodeAgent:
         ))
         self._membership = write_initial_membership(client, self.keyspace, initial) if self.recovery else initial
         return result
+
+    def _check_fingerprint(self, client: EtcdClient) -> None:
+        """A spare must run the job's script: one started with another script is refused at join."""
+        kv = client.get(self.keyspace.rdzv_state)
+        if kv is None:
+            return
+        round_ = RoundState.from_bytes(kv.value).round
+        fp = client.get(self.keyspace.fingerprint(round_))
+        mine = script_fingerprint(self.cfg)
+        if fp is not None and fp.value.decode() != mine:
+            raise ConfigError("training_script", self.cfg.training_script,
+                              f"job {self.cfg.run_id!r} runs a different script or arguments (fingerprint "
+                              f"{fp.value.decode()[:12]}, this node {mine[:12]}): a spare must run the job's script")
+
+    def _start_metrics(self, stack: ExitStack) -> None:
+        if self.cfg.metrics_port is None:
+            return
+        self._metrics = MetricsExporter(job_id=self.cfg.run_id, node_id=self.node_id)
+        port = self._metrics.start(port=self.cfg.metrics_port, host="0.0.0.0")
+        stack.callback(self._metrics.stop)
+        print(f"ckptless-run: metrics at http://{self._host}:{port}/metrics", file=sys.stderr, flush=True)
+
+    def _update_metrics(self) -> None:
+        """Gauges from this node's workers (their heartbeat progress) and the coordinator's timeline."""
+        mx = self._metrics
+        if mx is None:
+            return
+        committed, newest, held = None, None, 0
+        for slot in self.slots.all():
+            doc = read_progress(slot.heartbeat_file) if slot.alive and slot.rank is not None else None
+            if doc is None:
+                continue
+            c, s = doc.get("committed"), doc.get("step")
+            if isinstance(c, int):
+                committed = c if committed is None else min(committed, c)
+            if isinstance(s, int):
+                newest = s if newest is None else max(newest, s)
+            b = doc.get("replica_bytes")
+            held += b if isinstance(b, int) else 0
+        if committed is not None:
+            mx.set_committed_version(committed)
+            if newest is not None:
+                mx.set_mirror_lag(max(0, newest - committed))
+        mx.set_replica_bytes(held)
+        mx.set_spares_free(sum(1 for s in self.slots.all() if s.spare and s.alive))
+        m = self._membership
+        if m is not None and m.decision is not None and m.generation - 1 in self._incident_t:
+            t0 = self._incident_t[m.generation - 1]
+            t1 = self._published_t.get(m.generation, t0)
+            mx.set_last_recovery({"decision": t1 - t0})
+
+    def _prepare_shm(self, stack: ExitStack) -> None:
+        """Node-local replicas: clear files of dead jobs, own this job's, remove them at the end."""
+        d = self.cfg.shm_dir
+        if not d:
+            return
+        from ckptless.mirror.shm import cleanup_job, cleanup_stale, register_owner
+
+        os.makedirs(d, exist_ok=True)
+        cleanup_stale(d)
+        register_owner(d, self.cfg.run_id, node=self.node_id)
+        stack.callback(lambda: cleanup_job(d, self.cfg.run_id, only_node=self.node_id))
 
     def _without_recovery(self, world_size: int) -> None:
         """World size 1 (nothing to mirror to) or --replicas 0: a failure ends the job, like torchrun."""
@@ -465,6 +550,8 @@ class NodeAgent:
         }
         if cfg.goodput_dir:
             common["CKPTLESS_GOODPUT_DIR"] = os.path.abspath(cfg.goodput_dir)
+        if cfg.shm_dir:
+            common["CKPTLESS_SHM_DIR"] = os.path.abspath(cfg.shm_dir)
         if cfg.snapshot_every and cfg.snapshot_dir:
             common["CKPTLESS_SNAPSHOT_DIR"] = os.path.abspath(cfg.snapshot_dir)
             common["CKPTLESS_SNAPSHOT_EVERY"] = str(cfg.snapshot_every)
@@ -484,8 +571,10 @@ class NodeAgent:
         n = len(envs)
         redirects = tuple(cfg.redirects) + (Std.NONE,) * (n - len(cfg.redirects))
         tee = tuple(cfg.tee) + (Std.NONE,) * (n - len(cfg.tee))
+        # Warm respawns (a fork server with torch imported) only where a respawn can happen.
         group = WorkerGroup([build_command(cfg)] * n, envs, on_exit=self._record_exit,
-                            log_dir=cfg.log_dir, redirects=redirects, tee=tee)
+                            log_dir=cfg.log_dir, redirects=redirects, tee=tee,
+                            warm=cfg.warm_respawn and self.recovery and cfg.nproc_per_node > 0)
         self._group = group
         group.start()
         for slot in self.slots.all():
@@ -499,6 +588,19 @@ class AgentOutcome:
     def __init__(self, exit_code: int, failed_ranks: tuple[int, ...]) -> None:
         self.exit_code = exit_code
         self.failed_ranks = failed_ranks
+
+
+def script_fingerprint(cfg: LaunchConfig) -> str:
+    """What identifies the job's program: the script's bytes (or module name) and its arguments."""
+    import hashlib
+
+    h = hashlib.sha256()
+    h.update(f"module={cfg.module} no_python={cfg.no_python}\0{cfg.training_script}\0".encode())
+    if not cfg.module and os.path.isfile(cfg.training_script):
+        with open(cfg.training_script, "rb") as f:
+            h.update(f.read())
+    h.update("\0".join(cfg.training_script_args).encode())
+    return h.hexdigest()
 
 
 def _offsets(participants: tuple[NodeInfo, ...]) -> list[tuple[NodeInfo, int]]:

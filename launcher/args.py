@@ -106,6 +106,8 @@ class LaunchConfig:
     lease_ttl: float = 2.0
     node_grace: float = 10.0
     metrics_port: int | None = None
+    shm_dir: str | None = None
+    warm_respawn: bool = True
     nproc_per_node_spec: str = field(default="1", compare=False)
 
     @property
@@ -254,6 +256,10 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
         help="Seconds a node may lose its lease (a paused or partitioned agent) before its ranks are re-planned.")
     add("--metrics-port", action=env, type=int, default=None,
         help="Serve Prometheus metrics on this port (0: any free port; default: off).")
+    add("--shm-dir", action=env, type=str, default=None,
+        help="Keep peer replicas in files here (e.g. /dev/shm): they survive a worker's death on this node.")
+    add("--no-warm-respawn", dest="warm_respawn", action="store_false",
+        help="Respawn failed workers cold (a fresh python) instead of from this agent's warm fork server.")
     # positional
     add("training_script", type=str, help="Training script (or module with -m), then its arguments.")
     add("training_script_args", nargs=argparse.REMAINDER)

@@ -87,6 +87,10 @@ class Keyspace:
     def facts(self, generation: int, rank: int) -> str:
         return f"{self.facts_prefix(generation)}{rank}"
 
+    def fingerprint(self, round_: int) -> str:
+        """``fingerprint/r<N>`` -> the script fingerprint of rendezvous round N (a spare node must match it)."""
+        return f"{self.prefix}fingerprint/r{round_}"
+
     @property
     def ported(self) -> str:
         """Put by every worker in ``ckptless.init()``: the script uses ckptless (so it can be recovered)."""

@@ -276,7 +276,8 @@ def train(job: Job, generation: int, from_step: int, until_reprotected: bool) ->
         if failed is not None:
             return failed
         done = step + 1
-        job.heartbeat.beat(done)
+        job.heartbeat.beat(done, generation=generation, committed=job.committed_version,
+                           replica_bytes=job.peer_store.bytes_held if job.peer_store is not None else 0)
         if job.replicas > 0 and (done % every == 0 or done == spec.steps):
             failed = _protect(job, done)
             if failed is not None:

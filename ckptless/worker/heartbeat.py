@@ -7,11 +7,14 @@ a hung peer must keep beating (they are fine), while a frozen process (SIGSTOP,
 a stuck driver call holding the GIL) stops beating altogether. The agent
 SIGKILLs a rank whose file is older than ``--hang-timeout``, which turns the
 hang into the crash case that Gloo's survivors detect in milliseconds. The file
-also carries the last completed step (or ``recovering``) for humans.
+also carries a one-line JSON progress record (step, committed version,
+generation, replica bytes held, state) that the agent exports as metrics:
+node-local, so progress costs no etcd write.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import threading
@@ -21,7 +24,8 @@ class Heartbeat:
     def __init__(self, path: str | None, interval_s: float = 0.25) -> None:
         self._path = path
         self._fd: int | None = None
-        self._text = f"{'starting':>20}\n".encode()
+        self._doc: dict[str, object] = {"state": "starting"}
+        self._text = self._encode()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         if path:
@@ -34,11 +38,16 @@ class Heartbeat:
             self._thread = threading.Thread(target=self._run, args=(interval_s,), name="ckptless-heartbeat", daemon=True)
             self._thread.start()
 
+    def _encode(self) -> bytes:
+        return (json.dumps(self._doc, separators=(",", ":")) + "\n").encode()
+
     def _write(self) -> None:
         fd = self._fd
         if fd is not None:
+            text = self._text
             try:
-                os.pwrite(fd, self._text, 0)  # updates the mtime; no allocation, no flush needed
+                os.pwrite(fd, text, 0)  # updates the mtime; no allocation, no flush needed
+                os.ftruncate(fd, len(text))
             except OSError:
                 pass
 
@@ -46,12 +55,15 @@ class Heartbeat:
         while not self._stop.wait(interval_s):
             self._write()
 
-    def beat(self, step: int = 0) -> None:
+    def beat(self, step: int = 0, **progress: object) -> None:
         """Record progress (the thread keeps the file fresh in between)."""
-        self._text = f"{step:>20}\n".encode()
+        self._doc = {**self._doc, **progress, "state": "training", "step": step}
+        self._text = self._encode()
 
     def recovering(self) -> None:
-        self._text = f"{'recovering':>20}\n".encode()
+        self._doc = {**self._doc, "state": "recovering"}
+        self._text = self._encode()
+
 
     def close(self) -> None:
         self._stop.set()
@@ -64,3 +76,13 @@ class Heartbeat:
                 os.unlink(self._path or "")
             except OSError:
                 pass
+
+
+def read_progress(path: str) -> dict[str, object] | None:
+    """The progress record a worker's heartbeat file holds (None if absent or mid-write)."""
+    try:
+        with open(path) as f:
+            doc = json.loads(f.readline())
+    except (OSError, ValueError):
+        return None
+    return doc if isinstance(doc, dict) else None
