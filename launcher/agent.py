@@ -88,10 +88,15 @@ class NodeAgent:
         self._store_port = 0
         self._host = ""
         self._metrics: MetricsExporter | None = None
+        self._warm_started = False
         self._incident_t: dict[int, float] = {}  # generation -> when its incident opened (for metrics)
         self._published_t: dict[int, float] = {}
 
     # --- signals ---------------------------------------------------------------------
+    @property
+    def stop_signal(self) -> int | None:
+        return self._stop_signal
+
     def _install_signal_handlers(self) -> None:
         def handler(signum: int, _frame: FrameType | None) -> None:
             self._stop_signal = signum
@@ -371,6 +376,7 @@ class NodeAgent:
                 if self._session is not None and self._session.done.is_set():
                     self._renew_session()
                 self._update_metrics()
+                self._maybe_warm(group)
                 code = self._done()
             self._stopping.set()  # stops the hang watcher and the outbox retries
             group.stop(timeout=cfg.shutdown_timeout)
@@ -402,6 +408,16 @@ class NodeAgent:
         ))
         self._membership = write_initial_membership(client, self.keyspace, initial) if self.recovery else initial
         return result
+
+    def _maybe_warm(self, group: WorkerGroup) -> None:
+        """Start the fork server once every local rank trains: its import then costs no start-up time."""
+        if self._warm_started or not group.warm_enabled:
+            return
+        ranked = [s for s in self.slots.all() if s.rank is not None and s.alive]
+        progress = [read_progress(s.heartbeat_file) for s in ranked]
+        if ranked and all(p is not None and p.get("state") == "training" for p in progress):
+            self._warm_started = True
+            threading.Thread(target=group.start_server, name="ckptless-warm", daemon=True).start()
 
     def _check_fingerprint(self, client: EtcdClient) -> None:
         """A spare must run the job's script: one started with another script is refused at join."""
@@ -562,6 +578,7 @@ class NodeAgent:
             hb = os.path.join(self._hb_dir, f"hb{lr}")
             extra = dict(common, CKPTLESS_WORKER_ID=worker_id, CKPTLESS_HEARTBEAT_FILE=hb,
                          CKPTLESS_EXIT_FILE=self._exit_path(lr), CKPTLESS_ROLE="spare" if spare else "member")
+            extra.setdefault("CKPTLESS_PRELOAD", os.environ.get("CKPTLESS_PRELOAD", "ckptless.job"))
             env = worker_env(layout, min(lr, max(cfg.nproc_per_node, 1) - 1), os.environ, extra)
             if spare:
                 env.pop("RANK", None)
@@ -576,7 +593,7 @@ class NodeAgent:
                             log_dir=cfg.log_dir, redirects=redirects, tee=tee,
                             warm=cfg.warm_respawn and self.recovery and cfg.nproc_per_node > 0)
         self._group = group
-        group.start()
+        group.start(start_server=False)  # the fork server starts once our workers train (see _maybe_warm)
         for slot in self.slots.all():
             if slot.rank is None:  # a warm spare: in the pool, on our lease (gone with this node)
                 self._client.put(self._spare_key(slot.worker_id), spare_to_json(Worker(slot.worker_id, self.node_id)),

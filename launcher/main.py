@@ -25,18 +25,40 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=os.environ.get("CKPTLESS_LOG_LEVEL", "WARNING").upper(),
         format="[ckptless-run %(asctime)s %(levelname)s] %(message)s",
     )
+    agent = None
     try:
         cfg = parse_args(list(sys.argv[1:] if argv is None else argv))
         check_implemented(cfg)
         from ckptless.launcher.agent import NodeAgent
 
-        return NodeAgent(cfg).run().exit_code
+        agent = NodeAgent(cfg)
+        return agent.run().exit_code
     except CkptlessError as exc:
+        stopped = agent.stop_signal if agent is not None else None
+        if stopped is not None:  # a wait interrupted by SIGINT/SIGTERM: the shell's convention
+            return 128 + stopped
         print(f"ckptless-run: error: {exc}", file=sys.stderr)
         return 2 if isinstance(exc, ValueError) else 1
     except KeyboardInterrupt:
         return 130
 
 
+def entry() -> None:
+    """The console script: ``main()``, then leave at once.
+
+    Everything the agent owns is released by then (workers stopped, lease
+    revoked, etcd stopped); interpreter finalization would only add seconds of
+    torch/gRPC/TCPStore teardown between a Ctrl-C and the shell prompt.
+    """
+    code = main()
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

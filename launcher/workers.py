@@ -233,17 +233,34 @@ class WorkerGroup:
     def size(self) -> int:
         return len(self._slots)
 
-    def start(self, timeout: float = 30.0) -> dict[int, int]:
-        """Spawn every worker; returns {local_rank: pid}.  On failure nothing is left running."""
+    def start(self, timeout: float = 30.0, start_server: bool = True) -> dict[int, int]:
+        """Spawn every worker; returns {local_rank: pid}.  On failure nothing is left running.
+
+        ``start_server=False`` defers the fork server (see :meth:`start_server`): its
+        ``import torch`` then does not compete with the workers' own start on a busy node.
+        """
         try:
             for rank in range(self.size):
                 self._spawn(rank, timeout)
-            if self._server is not None:
-                _spawn_thread().submit(self._server.start, self._preexec).result(timeout=timeout)
+            if start_server:
+                self.start_server(timeout)
         except BaseException:
             self.stop(timeout=min(timeout, 5.0))
             raise
         return self.pids()
+
+    @property
+    def warm_enabled(self) -> bool:
+        """This group respawns from a fork server (when it is up)."""
+        return self._server is not None
+
+    def start_server(self, timeout: float = 30.0) -> None:
+        """Start the fork server (warm groups only; idempotent). Until it is ready, respawns are cold."""
+        server = self._server
+        if server is None or getattr(self, "_server_started", False):
+            return
+        self._server_started = True
+        _spawn_thread().submit(server.start, self._preexec).result(timeout=timeout)
 
     def respawn(self, local_rank: int, env_updates: Mapping[str, str] | None = None,
                 timeout: float = 30.0) -> int:

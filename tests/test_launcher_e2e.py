@@ -213,6 +213,11 @@ def test_agent_survives_etcd_restart(etcd: EmbeddedEtcd, tmp_path: Path) -> None
         (["--nnodes", "3:1", "x.py"], "nnodes"),
         (["--nnodes", "two", "x.py"], "nnodes"),
         (["--nproc-per-node", "1", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", "x", "x.py"], "unreachable"),
+        # combinations that can never work are refused at start, not after a 15-minute wait
+        (["--standalone", "--nproc-per-node", "0", "--spares", "1", "x.py"], "spare-only node"),
+        (["--nproc-per-node", "0", "--spares", "1", "x.py"], "spare-only node"),
+        (["--nproc-per-node", "2", "--replicas", "2", "x.py"], "replicas"),
+        (["--nproc-per-node", "4", "--replicas", "4", "--standalone", "x.py"], "world size (4)"),
     ],
 )
 def test_bad_input_is_one_clear_line(args: list[str], needle: str) -> None:
@@ -222,3 +227,26 @@ def test_bad_input_is_one_clear_line(args: list[str], needle: str) -> None:
     lines = [ln for ln in res.stderr.strip().splitlines() if ln.strip()]
     assert "Traceback" not in res.stderr
     assert needle in lines[-1], res.stderr
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_waiting_agent_obeys_signals_within_two_seconds(etcd: EmbeddedEtcd, tmp_path: Path, sig: int) -> None:
+    """An agent waiting for a node that never comes (rendezvous) or for its job to start (a spare-only
+    node) stops within 2 s of SIGINT/SIGTERM, with the shell's exit code and no traceback."""
+    waiting = [
+        _agent("--nnodes", "2", "--nproc-per-node", "1", "--rdzv-id", f"alone-{sig}", "--rdzv-endpoint",
+               etcd.endpoint, str(SCRIPTS / "hold_worker.py"), str(tmp_path)),
+        _agent("--nproc-per-node", "0", "--spares", "1", "--rdzv-id", f"nojob-{sig}", "--rdzv-endpoint",
+               etcd.endpoint, str(SCRIPTS / "hold_worker.py"), str(tmp_path)),
+    ]
+    with EtcdClient(EtcdConfig((etcd.endpoint,))) as c:
+        for job in (f"alone-{sig}", f"nojob-{sig}"):  # both registered: they are waiting now
+            wait_until(lambda job=job: bool(c.get_prefix(Keyspace(job).nodes_prefix)[0]), 60, f"{job} waiting")
+    for a in waiting:
+        t0 = time.monotonic()
+        a.send_signal(sig)
+        code, err = _finish(a, 10)
+        took = time.monotonic() - t0
+        assert took < 2.0, f"took {took:.2f}s to obey {signal.Signals(sig).name}"
+        assert code == 128 + sig, (code, err)
+        assert "Traceback" not in err, err

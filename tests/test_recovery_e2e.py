@@ -177,3 +177,35 @@ def test_more_than_k_failures_in_one_group_fall_back_to_disk(module_etcd: Embedd
     m = c.membership()
     assert m is not None and type(m.decision).__name__ == "DiskFallback"
     assert "restored disk snapshot" in c.tail(100000) or "disk snapshot step" in c.tail(100000)
+
+
+def test_leader_killed_mid_publish(module_etcd: EmbeddedEtcd, tmp_path: Path, baseline: dict) -> None:
+    """The leader holds exactly before its publishing transaction and is SIGKILLed there: another
+    agent leads, plans the same incident from the facts in etcd, and the job ends bitwise equal."""
+    from ckptless.coordinator.keyspace import Keyspace
+
+    from .waiting import wait_json
+
+    c = _cluster(module_etcd, tmp_path, "midpub", REF_PAUSE_RANK="1", REF_PAUSE_STEP="5")
+    chaos = tmp_path / "chaos"
+    base = dict(c.env)
+    try:
+        c.env = {**base, "CKPTLESS_CHAOS_DIR": str(chaos), "CKPTLESS_CHAOS_POINTS": "pub=leader:before_publish"}
+        leader = c.start_agent("--spares", "1", nproc=0)  # first up: it leads
+        with c.client() as cl:
+            wait_until(lambda: bool(cl.get_prefix(Keyspace(c.job_id).election_prefix)[0]), 120, "a leader")
+        c.env = base
+        c.start_agent()
+        c.start_agent()
+        assert c.leader_agent() is leader
+        os.kill(c.paused_pid(1), signal.SIGKILL)
+        paused = wait_json(chaos / "paused_pub.json", 120)
+        assert paused["point"] == "leader:before_publish"
+        os.kill(leader.pid, signal.SIGKILL)  # mid-publish: nothing was written yet
+        c.wait(expect_fail=[leader])
+    finally:
+        c.kill_all()
+    assert_bitwise_equal(c.finals(), baseline)
+    _survivors_kept_pids(c, {1})
+    m = c.membership()
+    assert m is not None and m.generation == 1, "published once, by the new leader"

@@ -29,6 +29,7 @@ import time
 import uuid
 from collections.abc import Callable
 
+from ckptless import chaos_hooks
 from ckptless.coordinator.client import Compare, Delete, EtcdClient, Put, WatchEvent
 from ckptless.coordinator.election import Election
 from ckptless.coordinator.keyspace import Keyspace
@@ -249,6 +250,7 @@ class RecoveryLeader:
         kvs, _ = self._client.get_prefix(self._ks.spares_prefix)
         ops += [Delete(kv.key) for kv in kvs if spare_from_json(kv.value).worker_id in spare_ids]
         guard = Compare(self._ks.generation, "mod", "==", 0 if gen_kv is None else gen_kv.mod_revision)
+        chaos_hooks.pause_point("leader:before_publish", generation=new.generation)
         try:
             if self._client.txn([guard, self._election.fence], ops).succeeded:
                 return self._published(decision)

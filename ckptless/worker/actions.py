@@ -16,6 +16,7 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
+from ckptless import chaos_hooks
 from ckptless.errors import (
     CoordinatorUnavailable,
     IntegrityError,
@@ -235,6 +236,7 @@ def _call_step(job: Job, step: int) -> Event | None:
     assert job.spec is not None
     generation = job.generation
     reason = ""
+    chaos_hooks.pause_point(f"step:r{job.rank}:{step}", rank=job.rank, step=step)
     try:
         job.spec.train_step(step)
         return None

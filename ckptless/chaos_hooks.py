@@ -1,0 +1,64 @@
+"""Exact-point fault injection inside the library, active only under a chaos runner.
+
+Why in the library: a fault "around step 5" or "while the leader publishes"
+is a flaky test; the chaos runner needs the process itself to stop at an exact
+point, say so, and wait (bounded) for the signal it is about to receive. With
+``CKPTLESS_CHAOS_DIR`` unset (every normal run), :func:`pause_point` costs one
+dictionary lookup and does nothing.
+
+Protocol: ``CKPTLESS_CHAOS_POINTS`` lists ``tag=point`` items (comma
+separated). When the process reaches ``point`` (e.g. ``step:r1:5`` -- rank 1
+about to run step 5 -- or ``leader:before_publish``), it writes
+``$CKPTLESS_CHAOS_DIR/paused_<tag>.json`` with its pid and the point, then
+holds until ``release_<tag>`` exists (at most ``HOLD_S``). A tag fires once per
+job (the marker is the latch, so a replacement does not pause again).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+HOLD_S = 120.0
+_points: dict[str, str] | None = None
+
+
+def _load() -> dict[str, str]:
+    global _points
+    if _points is None:
+        spec = os.environ.get("CKPTLESS_CHAOS_POINTS", "") if os.environ.get("CKPTLESS_CHAOS_DIR") else ""
+        found: dict[str, str] = {}
+        for item in filter(None, (x.strip() for x in spec.split(","))):
+            tag, _, point = item.partition("=")
+            if tag and point:
+                found[point] = tag
+        _points = found
+    return _points
+
+
+def active() -> bool:
+    return bool(_load())
+
+
+def pause_point(point: str, **info: object) -> None:
+    """Hold here if the chaos runner asked for ``point`` (no-op otherwise)."""
+    points = _load()
+    if not points:
+        return
+    tag = points.get(point)
+    if tag is None:
+        return
+    d = os.environ["CKPTLESS_CHAOS_DIR"]
+    os.makedirs(d, exist_ok=True)
+    marker = os.path.join(d, f"paused_{tag}.json")
+    if os.path.exists(marker):
+        return  # fired already (maybe in the process we replace)
+    tmp = marker + f".{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump({"pid": os.getpid(), "point": point, "t_wall": time.time(), **info}, f)
+    os.replace(tmp, marker)
+    release = os.path.join(d, f"release_{tag}")
+    deadline = time.monotonic() + HOLD_S
+    while not os.path.exists(release) and time.monotonic() < deadline:
+        time.sleep(0.005)  # held until the runner's signal (or its release file) arrives
