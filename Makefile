@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install browser demo test test-all bench clean
+.PHONY: install browser demo test test-loaded test-all bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -38,6 +38,11 @@ demo: $(STAMP)
 test: $(STAMP) browser
 	$(PY) -m mypy ckptless launcher chaos
 	$(PY) -m pytest -q -m "not slow" tests
+
+# The recovery e2e subset again, beside one busy CPU process (CI runs it after `make test`):
+# recovery must hold on a slower, busier machine, not only on an idle one.
+test-loaded: $(STAMP)
+	$(PY) tools/with_busy_cpu.py -- $(PY) -m pytest -q -m "not slow" tests/test_recovery_e2e.py
 
 # Everything, including the slow chaos/recovery matrix.
 test-all: $(STAMP) browser
