@@ -48,7 +48,9 @@ class RestoreInputs:
     timeout_s: float
     job_id: str
     snapshot_dir: str | None = None
-    in_place: Callable[[StateRegistry, StateImage], None] | None = None  # faster restore into live tensors
+    # How an image is loaded into the objects (the job wraps it so that state replaying a
+    # collective, e.g. a DDP reducer's bucket rebuild, stays local); default: plain restore.
+    restore_fn: Callable[[StateRegistry, StateImage], None] | None = None
 
     @property
     def rank(self) -> int:
@@ -101,8 +103,8 @@ def _own_image(own: list[StoredImage], version: int) -> StoredImage:
 
 
 def _restore(inputs: RestoreInputs, image: StateImage) -> None:
-    if inputs.in_place is not None:
-        inputs.in_place(inputs.registry, image)
+    if inputs.restore_fn is not None:
+        inputs.restore_fn(inputs.registry, image)
     else:
         restore(inputs.registry, image)
 

@@ -29,6 +29,9 @@ from ckptless.errors import (
 )
 from ckptless.goodput.ledger import EventKind
 from ckptless.recovery.executor import RestoreInputs, SnapshotLoadFailed, apply_decision, build_report
+from ckptless.recovery.plan import DiskFallback
+from ckptless.state.capture import StateImage, restore
+from ckptless.state.registry import StateRegistry
 from ckptless.worker import groups
 from ckptless.worker.control import JobEndedError
 from ckptless.worker.faults import is_fault
@@ -157,10 +160,15 @@ def _restore(job: Job, a: RestoreState) -> Event:
     gen = job.gen
     assert gen is not None and gen.decision is not None
     inputs = RestoreInputs(gen.membership, job.worker_id, job.registry, job.own_images, job.peer_store,
-                           job.ctx.collective_timeout_s, job.ctx.job_id, job.ctx.snapshot_dir)
+                           job.ctx.collective_timeout_s, job.ctx.job_id, job.ctx.snapshot_dir,
+                           restore_fn=_restore_locally)
     reason, internal = "", ""
     try:
-        out = apply_decision(gen.decision, inputs)
+        if isinstance(gen.decision, DiskFallback):
+            with groups.local_only():  # a disk load moves no bytes between ranks
+                out = apply_decision(gen.decision, inputs)
+        else:
+            out = apply_decision(gen.decision, inputs)
     except SnapshotLoadFailed as exc:
         job.bad_snapshot = exc.step
         reason = str(exc)
@@ -190,6 +198,13 @@ def _restore(job: Job, a: RestoreState) -> Event:
         return failed
     log.warning("rank %d: resumed at step %d in generation %d (%s)", job.rank, out.resume_step, g, out.source)
     return Restored(out.resume_step)
+
+
+def _restore_locally(registry: StateRegistry, image: StateImage) -> None:
+    """Load an image with every group answering locally: state that replays a collective (a DDP
+    reducer's bucket rebuild) computes the same answer on every rank from the same captured facts."""
+    with groups.local_only():
+        restore(registry, image)
 
 
 def _leave(job: Job, a: LeaveGroups) -> Event:

@@ -25,7 +25,8 @@ import gc
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, cast
 
@@ -93,6 +94,24 @@ def ensure_default_group(store: dist.Store, rank: int, world_size: int, timeout_
         _live.update(store=None, generation=None)
     dist.init_process_group(PLUGIN, store=dist.PrefixStore("ckptless/init/", store), rank=rank,
                             world_size=world_size, timeout=timedelta(seconds=timeout_s))
+
+
+@contextmanager
+def local_only() -> Iterator[None]:
+    """Every group answers collectives locally inside this block (as an unbound one would).
+
+    Why: restoring some protected state replays what a peer collective did
+    (e.g. a DDP reducer rebuilding its buckets broadcasts rank 0's order); every
+    rank replays the same captured facts, so the answer is local by construction.
+    """
+    gs = groups()
+    for g in gs:
+        g.set_local_only(True)
+    try:
+        yield
+    finally:
+        for g in gs:
+            g.set_local_only(False)
 
 
 def groups() -> list[RebindableGroup]:

@@ -115,6 +115,7 @@ class RebindableGroup(dist.ProcessGroup):
         self._desc = "undefined"
         self._inner: dist.ProcessGroup | None = None
         self._backends: list[Any] = []
+        self._local_only = 0  # > 0: answer locally even when bound (see groups.local_only)
 
     # --- identity (a backend-less Python group keeps its own name) ----------------------------
     def getBackendName(self) -> str:
@@ -188,12 +189,20 @@ class RebindableGroup(dist.ProcessGroup):
             self.pending.clear()
         del old
 
+    def set_local_only(self, on: bool) -> None:
+        self._local_only += 1 if on else -1
+
+    @property
+    def _live(self) -> dist.ProcessGroup | None:
+        """The communicator collectives go to (None: answer locally)."""
+        return None if self._local_only else self._inner
+
     def _wrap(self, work: dist.Work) -> dist.Work:
         assert self.generation is not None
         return _TypedWork(self, work, self.generation)
 
     def _need(self) -> dist.ProcessGroup:
-        inner = self._inner
+        inner = self._live
         if inner is None:
             raise CollectiveError(f"group {self._name!r} is not bound to a generation (this operation has no "
                                   "local answer; it can only run once the rank joined its peers)")
@@ -201,66 +210,66 @@ class RebindableGroup(dist.ProcessGroup):
 
     # --- collectives: unbound -> a local answer (used while a replacement runs setup code) -------
     def allreduce(self, tensors: Any, opts: Any = None) -> dist.Work:
-        if self._inner is None:
+        if self._live is None:
             return _done_work(tensors)
-        return self._wrap(self._inner.allreduce(tensors) if opts is None else self._inner.allreduce(tensors, opts))
+        return self._wrap(self._live.allreduce(tensors) if opts is None else self._live.allreduce(tensors, opts))
 
     def allreduce_coalesced(self, tensors: Any, opts: Any = None) -> dist.Work:
-        if self._inner is None:
+        if self._live is None:
             return _done_work(tensors)
-        return self._wrap(self._inner.allreduce_coalesced(tensors, opts))
+        return self._wrap(self._live.allreduce_coalesced(tensors, opts))
 
     def broadcast(self, tensors: Any, opts: Any = None) -> dist.Work:
-        if self._inner is None:
+        if self._live is None:
             return _done_work(tensors)
-        return self._wrap(self._inner.broadcast(tensors, opts))
+        return self._wrap(self._live.broadcast(tensors, opts))
 
     def barrier(self, opts: Any = None) -> dist.Work:
-        if self._inner is None:
+        if self._live is None:
             return _done_work([])
-        return self._wrap(self._inner.barrier() if opts is None else self._inner.barrier(opts))
+        return self._wrap(self._live.barrier() if opts is None else self._live.barrier(opts))
 
     def allgather(self, outs: Any, ins: Any, opts: Any = None) -> dist.Work:
-        if self._inner is None:
+        if self._live is None:
             for o_list, i in zip(outs, ins):
                 for o in o_list:
                     o.copy_(i)
             return _done_work(outs)
-        return self._wrap(self._inner.allgather(outs, ins, opts))
+        return self._wrap(self._live.allgather(outs, ins, opts))
 
     def _allgather_base(self, out: Any, inp: Any, opts: Any = None) -> dist.Work:
-        if self._inner is None:
+        if self._live is None:
             out.view(self.size(), -1).copy_(inp.reshape(1, -1).expand(self.size(), -1))
             return _done_work([out])
-        return self._wrap(self._inner._allgather_base(out, inp, opts))
+        return self._wrap(self._live._allgather_base(out, inp, opts))
 
     all_gather_single = _allgather_base
 
     def allgather_into_tensor_coalesced(self, outs: Any, ins: Any, opts: Any = None) -> dist.Work:
-        if self._inner is None:
+        if self._live is None:
             for o, i in zip(outs, ins):
                 o.view(self.size(), -1).copy_(i.reshape(1, -1).expand(self.size(), -1))
             return _done_work(outs)
-        return self._wrap(self._inner.allgather_into_tensor_coalesced(outs, ins, opts))
+        return self._wrap(self._live.allgather_into_tensor_coalesced(outs, ins, opts))
 
     all_gather_single_coalesced = allgather_into_tensor_coalesced
 
     def reduce_scatter(self, outs: Any, ins: Any, opts: Any = None) -> dist.Work:
-        if self._inner is None:
+        if self._live is None:
             return _done_work(outs)
-        return self._wrap(self._inner.reduce_scatter(outs, ins, opts))
+        return self._wrap(self._live.reduce_scatter(outs, ins, opts))
 
     def _reduce_scatter_base(self, out: Any, inp: Any, opts: Any = None) -> dist.Work:
-        if self._inner is None:
+        if self._live is None:
             return _done_work([out])
-        return self._wrap(self._inner._reduce_scatter_base(out, inp, opts))
+        return self._wrap(self._live._reduce_scatter_base(out, inp, opts))
 
     reduce_scatter_single = _reduce_scatter_base
 
     def reduce_scatter_tensor_coalesced(self, outs: Any, ins: Any, opts: Any = None) -> dist.Work:
-        if self._inner is None:
+        if self._live is None:
             return _done_work(outs)
-        return self._wrap(self._inner.reduce_scatter_tensor_coalesced(outs, ins, opts))
+        return self._wrap(self._live.reduce_scatter_tensor_coalesced(outs, ins, opts))
 
     reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
 
