@@ -47,6 +47,7 @@ from ckptless.worker.heartbeat import Heartbeat
 from ckptless.worker.ledger import WorkerLedger
 from ckptless.worker.machine import (
     Action,
+    AwaitMembership,
     Event,
     Failed,
     FormGroups,
@@ -65,6 +66,7 @@ from ckptless.worker.machine import (
 log = logging.getLogger(__name__)
 
 SPARE_WAIT_S = 7 * 86400.0  # a warm spare waits for a rank as long as the job lives
+EXIT_REEXEC = 75  # a pre-built spare assigned another rank: its agent starts it again as that rank
 
 
 @dataclass(frozen=True)
@@ -124,6 +126,14 @@ class Job:
         self._state: State = Joining(0.0)
         self._pending: deque[Action] = deque()
         self.ledger.emit(EventKind.JOB_START, generation=ctx.generation, role=ctx.role)
+        self.prebuilt = self.recovery and ctx.standby_rank is not None
+        if self.prebuilt:
+            # A warm spare builds the script's objects as its standby rank before it has a rank:
+            # its groups stay unbound (collectives answer locally) until it is assigned one.
+            assert ctx.standby_rank is not None
+            groups.ensure_default_group(groups.connect_store(ctx.master_addr, ctx.master_port,
+                                                             ctx.collective_timeout_s),
+                                        ctx.standby_rank, ctx.world_size, ctx.collective_timeout_s)
         if self.recovery:
             self.feed(Started(time.monotonic(), SPARE_WAIT_S if ctx.role == "spare" else None))
             self._drive(self._needs_user_objects)
@@ -137,6 +147,8 @@ class Job:
             r = self.seen.rank_of(self.worker_id)
             if r is not None:
                 return r
+        if self.ctx.standby_rank is not None:
+            return self.ctx.standby_rank
         return self.ctx.rank
 
     @property
@@ -165,6 +177,8 @@ class Job:
         """Where ``init()`` stops: before anything that needs the script's objects or its run()."""
         if isinstance(action, (RestoreState, Train, WaitFinalCommit)):
             return True
+        if self.prebuilt and isinstance(action, AwaitMembership) and self.seen is None:
+            return True  # a pre-built spare waits for its rank in run(), with its objects built
         # A generation made by a recovery forms only once every rank's script built its
         # objects (a replacement runs its setup on unbound groups, see worker/rebindable.py).
         return isinstance(action, FormGroups) and isinstance(self._state, Forming) and self._state.restore
@@ -210,12 +224,27 @@ class Job:
     def adopt(self, m: Membership) -> None:
         """A membership that includes us: take its rank (a spare learns it now) and make the default group."""
         first = self.seen is None
+        assigned = m.rank_of(self.worker_id)
+        if self.prebuilt and first and assigned != self.ctx.standby_rank:
+            self._reexec(assigned)
         self.seen = m
         rank = self.rank
         if first and self.ctx.role == "spare":
             os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(m.world_size)})
         self.ledger.set_rank(rank)
         groups.ensure_default_group(self.store_for(m), rank, m.world_size, self.ctx.collective_timeout_s)
+
+    def _reexec(self, rank: int | None) -> None:
+        """A pre-built spare assigned a rank other than its standby one: its objects and groups were
+        built for the wrong rank, so it ends now and its agent starts it again (warm) as that rank."""
+        log.warning("spare %s was built as rank %s but assigned rank %s: restarting as rank %s",
+                    self.worker_id, self.ctx.standby_rank, rank, rank)
+        exit_file.write("reexec")
+        self.heartbeat.close()
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(EXIT_REEXEC)  # nothing else runs here: groups unbound, no engine, no snapshot yet
 
     def _start_without_coordinator(self) -> None:
         """No etcd or nothing to mirror to (K = 0, world size 1): one generation, failures end the job."""

@@ -104,8 +104,15 @@ def main() -> None:
     width = int(os.environ.get("DEMO_WIDTH", "32"))
     job = ckptless.init()
     rank, world = dist.get_rank(), dist.get_world_size()
-    with open(os.path.join(out, f"pids_rank{rank}.jsonl"), "a") as f:
-        f.write(json.dumps({"pid": os.getpid(), "role": job.ctx.role, "generation": job.generation}) + "\n")
+    recorded: list[int] = []
+
+    def record_pid() -> None:
+        """Which process ran this rank, written at its first step: a pre-built spare runs this setup
+        as its standby rank before it is assigned one, so setup is not the moment to record it."""
+        if not recorded:
+            recorded.append(os.getpid())
+            with open(os.path.join(out, f"pids_rank{job.rank}.jsonl"), "a") as f:
+                f.write(json.dumps({"pid": os.getpid(), "role": job.ctx.role, "generation": job.generation}) + "\n")
 
     torch.manual_seed(1000 + rank)  # per-rank dropout masks
     random.seed(17 + rank)
@@ -127,6 +134,7 @@ def main() -> None:
     params = list(model.parameters())
 
     def train_step(step: int) -> None:
+        record_pid()
         tag = pauses.get((rank, step))
         if tag is not None:
             _hold(out, tag, rank, step)

@@ -53,7 +53,7 @@ from ckptless.recovery.leader import RecoveryLeader, write_initial_membership
 from ckptless.recovery.leader_machine import LeaderConfig
 from ckptless.recovery.plan import Assignment
 from ckptless.recovery.view import ExitRecord, JobStatus
-from ckptless.recovery.wire import Membership, membership_from_json, spare_to_json
+from ckptless.recovery.wire import Membership, membership_from_json, spare_from_json, spare_to_json
 from ckptless.worker import exit_file
 from ckptless.worker.heartbeat import read_progress
 
@@ -89,6 +89,7 @@ class NodeAgent:
         self._host = ""
         self._metrics: MetricsExporter | None = None
         self._warm_started = False
+        self._reexec_pending: set[int] = set()
         self._incident_t: dict[int, float] = {}  # generation -> when its incident opened (for metrics)
         self._published_t: dict[int, float] = {}
 
@@ -119,6 +120,13 @@ class NodeAgent:
         """Called by the reaper the moment a worker is reaped: into etcd first, then decide."""
         slot = self.slots.get(ex.local_rank)
         kind, error = exit_file.read(self._exit_path(ex.local_rank), pid=ex.pid)
+        if kind == "reexec" and not ex.requested:
+            # A pre-built spare assigned another rank than the one it built for: start it again
+            # (warm) as that rank, under the same worker id. Not a failure: nothing is recorded.
+            with self._membership_lock:
+                self._reexec_pending.add(ex.local_rank)
+            self._reexec_if_assigned(ex.local_rank)
+            return
         rec = ExitRecord(rank=-1 if slot.rank is None else slot.rank, worker_id=slot.worker_id, node_id=self.node_id,
                          pid=ex.pid, exitcode=ex.exitcode, signal=ex.signal, time=ex.wall,
                          requested=ex.requested, kind=kind, error=error)
@@ -215,6 +223,8 @@ class NodeAgent:
             for a in m.ranks:
                 if a.node_id == self.node_id and a.source == "respawn":
                     self._respawn(group, a, m.generation)
+        for lr in list(self._reexec_pending):
+            self._reexec_if_assigned(lr)
 
     def _respawn(self, group: WorkerGroup, a: Assignment, generation: int) -> None:
         slot = self.slots.for_rank_slot(a.rank, self._result.rank_offset if self._result else 0)
@@ -234,6 +244,22 @@ class NodeAgent:
             })
         except CkptlessError:
             log.exception("respawn of rank %d failed", a.rank)
+
+    def _reexec_if_assigned(self, local_rank: int) -> None:
+        group, m = self._group, self._membership
+        slot = self.slots.get(local_rank)
+        with self._membership_lock:
+            if local_rank not in self._reexec_pending or group is None or m is None or slot.rank is None:
+                return  # the membership that assigns it has not reached us yet: _apply_membership calls again
+            self._reexec_pending.discard(local_rank)
+        exit_file.clear(self._exit_path(local_rank))
+        log.warning("spare %s restarts as rank %d (generation %d)", slot.worker_id, slot.rank, m.generation)
+        self.slots.reset(local_rank, slot.worker_id, slot.rank)
+        try:
+            group.respawn(local_rank, {"CKPTLESS_ROLE": "spare", "RANK": str(slot.rank),
+                                       "CKPTLESS_GENERATION": str(m.generation), "CKPTLESS_STANDBY_RANK": ""})
+        except CkptlessError:
+            log.exception("restarting spare %s as rank %d failed", slot.worker_id, slot.rank)
 
     # --- hang detection ----------------------------------------------------------------------------
     def _watch_hangs(self) -> None:
@@ -572,6 +598,7 @@ class NodeAgent:
             common["CKPTLESS_SNAPSHOT_DIR"] = os.path.abspath(cfg.snapshot_dir)
             common["CKPTLESS_SNAPSHOT_EVERY"] = str(cfg.snapshot_every)
         envs = []
+        standby = self._standby_ranks(result.world_size, cfg.spares)
         for lr in range(cfg.nproc_per_node + cfg.spares):
             spare = lr >= cfg.nproc_per_node
             worker_id = f"{self.node_id}/spare{lr - cfg.nproc_per_node}" if spare else f"{self.node_id}/w{lr}"
@@ -583,6 +610,8 @@ class NodeAgent:
             if spare:
                 env.pop("RANK", None)
                 env["LOCAL_RANK"] = str(lr)
+                if standby and cfg.spare_prebuild:
+                    env["CKPTLESS_STANDBY_RANK"] = env["RANK"] = str(standby[lr - cfg.nproc_per_node])
             envs.append(env)
             self.slots.add(Slot(lr, worker_id, None if spare else result.rank_offset + lr, hb))
         n = len(envs)
@@ -591,14 +620,34 @@ class NodeAgent:
         # Warm respawns (a fork server with torch imported) only where a respawn can happen.
         group = WorkerGroup([build_command(cfg)] * n, envs, on_exit=self._record_exit,
                             log_dir=cfg.log_dir, redirects=redirects, tee=tee,
-                            warm=cfg.warm_respawn and self.recovery and cfg.nproc_per_node > 0)
+                            warm=cfg.warm_respawn and self.recovery)
         self._group = group
         group.start(start_server=False)  # the fork server starts once our workers train (see _maybe_warm)
         for slot in self.slots.all():
             if slot.rank is None:  # a warm spare: in the pool, on our lease (gone with this node)
-                self._client.put(self._spare_key(slot.worker_id), spare_to_json(Worker(slot.worker_id, self.node_id)),
-                                 lease=self._session.lease_id)
+                sb = standby[slot.local_rank - cfg.nproc_per_node] if standby and cfg.spare_prebuild else None
+                self._client.put(self._spare_key(slot.worker_id),
+                                 spare_to_json(Worker(slot.worker_id, self.node_id, sb)), lease=self._session.lease_id)
+        if cfg.nproc_per_node == 0 and group.warm_enabled:  # nothing trains here: warm it now
+            self._warm_started = True
+            threading.Thread(target=group.start_server, name="ckptless-warm", daemon=True).start()
         return group
+
+    def _standby_ranks(self, world_size: int, n: int) -> list[int]:
+        """Ranks for this node's spares to pre-build as: those no other spare covers yet, lowest first."""
+        if n == 0 or self._client is None:
+            return []
+        kvs, _ = self._client.get_prefix(self.keyspace.spares_prefix)
+        covered = set()
+        for kv in kvs:
+            try:
+                w = spare_from_json(kv.value)
+            except (ValueError, KeyError, TypeError):
+                continue
+            if w.standby_rank is not None:
+                covered.add(w.standby_rank)
+        free = [r for r in range(world_size) if r not in covered] or list(range(world_size))
+        return [free[i % len(free)] for i in range(n)]
 
 
 class AgentOutcome:

@@ -108,6 +108,7 @@ class LaunchConfig:
     metrics_port: int | None = None
     shm_dir: str | None = None
     warm_respawn: bool = True
+    spare_prebuild: bool = True
     nproc_per_node_spec: str = field(default="1", compare=False)
 
     @property
@@ -260,6 +261,9 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
         help="Keep peer replicas in files here (e.g. /dev/shm): they survive a worker's death on this node.")
     add("--no-warm-respawn", dest="warm_respawn", action="store_false",
         help="Respawn failed workers cold (a fresh python) instead of from this agent's warm fork server.")
+    add("--no-spare-prebuild", dest="spare_prebuild", action="store_false",
+        help="Spares wait in ckptless.init() and build the script's objects only once assigned a rank "
+             "(default: each spare builds them as a standby rank while it waits).")
     # positional
     add("training_script", type=str, help="Training script (or module with -m), then its arguments.")
     add("training_script_args", nargs=argparse.REMAINDER)

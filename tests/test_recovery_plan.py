@@ -267,6 +267,32 @@ def test_example_memory_plan() -> None:
     assert d.steps_lost == 1 and d.replace_mirrors and d.owners_below_k == (0, 1)
 
 
+def test_spare_standing_by_for_the_lost_rank_is_preferred() -> None:
+    """A spare that already built rank 1's objects beats the better-placed one that did not."""
+    spares = (Worker("b/spare", "b", standby_rank=1), Worker("c/spare", "c", standby_rank=0))
+    d = plan_recovery(_example(spares=spares))
+    assert isinstance(d, RecoveryPlan) and d.rank_to_worker[1] == "b/spare"
+    d2 = plan_recovery(_example(spares=(Worker("b/spare", "b", standby_rank=3), Worker("c/spare", "c"))))
+    assert isinstance(d2, RecoveryPlan) and d2.rank_to_worker[1] == "c/spare", "no match: placement decides"
+
+
+def test_initial_restart_before_the_first_commit() -> None:
+    """R0: nothing committed or mirrored: survivors restore their initial capture, the lost rank
+    starts from the state its fresh process builds; nothing is transferred."""
+    node = {0: "a", 1: "a", 2: "b", 3: "b"}
+    members = tuple(RankSlot(r, Worker(f"{node[r]}/w{r}", node[r]), r != 1) for r in range(4))
+    reps = tuple(WorkerReport(f"{node[r]}/w{r}", v, None, frozenset({0, v} - {None}))  # type: ignore[operator]
+                 for r, v in ((0, 1), (2, 0), (3, 0)))
+    d = plan_recovery(PlanningFacts("demo", 0, 4, members, reps, (), ring(4, 1), None))
+    assert isinstance(d, RecoveryPlan) and d.resume_version == 0 and d.initial_ranks == (1,)
+    assert not d.transfers and [(b.rank, b.from_version, b.to_version) for b in d.rollbacks] == [(0, 1, 0)]
+    # a survivor that no longer holds the initial capture: no consistent restart point
+    gone = tuple(replace(r, local_versions=frozenset({1}), newest_captured=1) if r.worker_id == "b/w2" else r
+                 for r in reps)
+    assert isinstance(plan_recovery(PlanningFacts("demo", 0, 4, members, gone, (), ring(4, 1), None)),
+                      Unrecoverable)
+
+
 def test_example_respawn_and_wait() -> None:
     d = plan_recovery(_example(prefer="respawn", spares=(Worker("c/spare", "c"),)))
     assert isinstance(d, RecoveryPlan)

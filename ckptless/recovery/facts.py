@@ -27,10 +27,15 @@ Preference = Literal["spare", "respawn"]
 
 @dataclass(frozen=True)
 class Worker:
-    """A process that can hold a rank: an opaque id (e.g. ``node3/w1``) on a node."""
+    """A process that can hold a rank: an opaque id (e.g. ``node3/w1``) on a node.
+
+    ``standby_rank`` (spares only): the rank this spare already built the
+    script's objects for; it takes that rank without re-running setup.
+    """
 
     worker_id: str
     node_id: str
+    standby_rank: int | None = None
 
     def __post_init__(self) -> None:
         if not self.worker_id:

@@ -10,8 +10,9 @@ The rules (numbered as in docs/recovery.md):
 
 R1  Survivors keep their rank numbers; only lost ranks get new workers.
 R2  A lost rank goes to a warm spare or a respawn on its own (live) node,
-    per ``policy.prefer``; spares are scored to keep a rank off the nodes of
-    its own mirror holders, then off nodes already running ranks.
+    per ``policy.prefer``; a spare standing by for that very rank (its objects
+    already built) comes first, then spares are scored to keep a rank off the
+    nodes of its own mirror holders, then off nodes already running ranks.
 R3  avail(r) = versions r's own live worker holds locally, plus versions any
     *other* live worker holds complete for owner r.
 R4  R = max of the intersection of avail(r) over all ranks (capped at the
@@ -246,7 +247,7 @@ def assign_replacements(facts: PlanningFacts, new_generation: int) -> tuple[list
             if hs.alive:
                 holder_nodes.add(hs.worker.node_id)
         can_respawn = slot.worker.node_id not in facts.dead_nodes
-        spare = _best_spare(spares, holder_nodes, used_nodes)
+        spare = _best_spare(spares, holder_nodes, used_nodes, rank)
         choice: Assignment | None = None
         respawn = Assignment(rank, respawn_worker_id(slot.worker.node_id, new_generation, rank),
                              slot.worker.node_id, "respawn")
@@ -266,12 +267,13 @@ def assign_replacements(facts: PlanningFacts, new_generation: int) -> tuple[list
     return assignments, unassigned
 
 
-def _best_spare(spares: list[Worker], holder_nodes: set[str], used_nodes: set[str]) -> Worker | None:
-    """Prefer a node without the rank's own mirrors (a node loss would take both),
-    then a node running no rank yet (spreads load and failure domains)."""
+def _best_spare(spares: list[Worker], holder_nodes: set[str], used_nodes: set[str], rank: int) -> Worker | None:
+    """Prefer a spare that already built this rank's objects (no setup on the critical path),
+    then a node without the rank's own mirrors (a node loss would take both), then a node
+    running no rank yet (spreads load and failure domains)."""
     if not spares:
         return None
-    return min(spares, key=lambda w: (w.node_id in holder_nodes, w.node_id in used_nodes,
+    return min(spares, key=lambda w: (w.standby_rank != rank, w.node_id in holder_nodes, w.node_id in used_nodes,
                                       w.node_id, w.worker_id))
 
 

@@ -18,7 +18,8 @@ job:
   (``kind`` "fault"/"internal", e.g. ckptless itself could not continue)
   -> ``fault``;
 * non-zero exit the worker marked ``job_ended``/``fenced`` (it only followed
-  the coordinator) -> ``other``: no new fact;
+  the coordinator) or ``reexec`` (a spare restarting as its assigned rank) ->
+  ``other``: no new fact;
 * any other non-zero exit (the user's exception, ``sys.exit(3)``, a script
   that does not exist, an unported script) -> ``user_error``: the job fails
   fast and is never respawned into the same bug.
@@ -35,8 +36,8 @@ from ckptless.errors import CkptlessError, RecoveryError
 from ckptless.recovery.facts import Worker, WorkerReport
 from ckptless.recovery.wire import Membership, report_from_json, spare_from_json
 
-ExitKind = Literal["user_error", "fault", "internal", "job_ended", "fenced"]
-EXIT_KINDS: tuple[str, ...] = ("user_error", "fault", "internal", "job_ended", "fenced")
+ExitKind = Literal["user_error", "fault", "internal", "job_ended", "fenced", "reexec"]
+EXIT_KINDS: tuple[str, ...] = ("user_error", "fault", "internal", "job_ended", "fenced", "reexec")
 Outcome = Literal["finished", "fault", "user_error", "other"]
 MAX_TRACEBACK_CHARS = 4000
 
@@ -122,7 +123,7 @@ def exit_outcome(rec: ExitRecord) -> Outcome:
         return "finished"
     if rec.kind in ("fault", "internal"):
         return "fault"
-    if rec.kind in ("job_ended", "fenced"):
+    if rec.kind in ("job_ended", "fenced", "reexec"):
         return "other"
     return "user_error"
 

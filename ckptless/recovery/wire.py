@@ -203,9 +203,10 @@ def membership_from_json(raw: bytes) -> Membership:
 
 
 def spare_to_json(w: Worker) -> bytes:
-    return json.dumps({"worker_id": w.worker_id, "node_id": w.node_id}).encode()
+    return json.dumps({"worker_id": w.worker_id, "node_id": w.node_id, "standby_rank": w.standby_rank}).encode()
 
 
 def spare_from_json(raw: bytes) -> Worker:
     doc = json.loads(raw)
-    return Worker(str(doc["worker_id"]), str(doc["node_id"]))
+    sr = doc.get("standby_rank")
+    return Worker(str(doc["worker_id"]), str(doc["node_id"]), None if sr is None else int(sr))

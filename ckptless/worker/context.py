@@ -42,6 +42,15 @@ def _float(env: Mapping[str, str], name: str, default: float) -> float:
     return value
 
 
+def _standby(env: Mapping[str, str], role: str, world: int) -> int | None:
+    if role != "spare" or not env.get("CKPTLESS_STANDBY_RANK"):
+        return None
+    r = _int(env, "CKPTLESS_STANDBY_RANK")
+    if r >= world:
+        raise ConfigError("CKPTLESS_STANDBY_RANK", r, f"must be < WORLD_SIZE ({world})")
+    return r
+
+
 @dataclass(frozen=True)
 class WorkerContext:
     rank: int
@@ -65,6 +74,7 @@ class WorkerContext:
     recovery_timeout_s: float
     snapshot_dir: str | None = None
     snapshot_every: int = 0
+    standby_rank: int | None = None  # a spare that builds the script's objects as this rank while it waits
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> WorkerContext:
@@ -100,4 +110,5 @@ class WorkerContext:
             recovery_timeout_s=_float(e, "CKPTLESS_RECOVERY_TIMEOUT", 120.0),
             snapshot_dir=e.get("CKPTLESS_SNAPSHOT_DIR") or None,
             snapshot_every=_int(e, "CKPTLESS_SNAPSHOT_EVERY", 0),
+            standby_rank=_standby(e, role, world),
         )
