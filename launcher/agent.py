@@ -51,7 +51,7 @@ from ckptless.launcher.workers import WorkerExit, WorkerGroup
 from ckptless.recovery.facts import Worker
 from ckptless.recovery.leader import RecoveryLeader, write_initial_membership
 from ckptless.recovery.leader_machine import LeaderConfig
-from ckptless.recovery.plan import Assignment
+from ckptless.recovery.plan import Assignment, DiskFallback
 from ckptless.recovery.view import ExitRecord, JobStatus
 from ckptless.recovery.wire import Membership, membership_from_json, spare_from_json, spare_to_json
 from ckptless.worker import exit_file
@@ -428,12 +428,34 @@ class NodeAgent:
         log.info("node %s joined round %d as node rank %d of %d (ranks %d..%d of %d)",
                  self.node_id, result.round, result.node_rank, result.nnodes, result.rank_offset,
                  result.rank_offset + cfg.nproc_per_node - 1, result.world_size)
-        initial = Membership(0, result.world_size, result.master.host, result.master.store_port, tuple(
-            Assignment(p_off + lr, f"{p.node_id}/w{lr}", p.node_id, "survivor")
-            for p, p_off in _offsets(result.participants) for lr in range(p.nproc)
-        ))
-        self._membership = write_initial_membership(client, self.keyspace, initial) if self.recovery else initial
+        ranks = tuple(Assignment(p_off + lr, f"{p.node_id}/w{lr}", p.node_id, "survivor")
+                      for p, p_off in _offsets(result.participants) for lr in range(p.nproc))
+        resume = self._resume_from_disk(result.world_size, ranks) if result.node_rank == 0 else None
+        initial = Membership(0, result.world_size, result.master.host, result.master.store_port, ranks, resume)
+        if self.recovery and result.world_size > 1:
+            self._membership = write_initial_membership(
+                client, self.keyspace, initial, result.round, writer=result.node_rank == 0,
+                deadline=time.monotonic() + self.rendezvous_timeout_s)
+        else:
+            self._membership = initial
         return result
+
+    def _resume_from_disk(self, world_size: int, ranks: tuple[Assignment, ...]) -> DiskFallback | None:
+        """A whole job started again: generation 0 resumes from the newest verified snapshot, if any."""
+        if not self.cfg.snapshot_dir:
+            return None
+        from ckptless.snapshot import choose_snapshot
+
+        info, rejected = choose_snapshot(self.cfg.snapshot_dir, self.cfg.run_id, world_size)
+        for step, why in rejected:
+            log.warning("not resuming from snapshot step %d: %s", step, why)
+        if info is None:
+            return None
+        print(f"ckptless-run: job {self.cfg.run_id} resumes from its disk snapshot of step {info.step}",
+              file=sys.stderr, flush=True)
+        return DiskFallback(self.cfg.run_id, 0, ranks, (), info.step,
+                            f"whole-job restart: resuming from the newest verified snapshot (step {info.step})",
+                            (), 0)
 
     def _maybe_warm(self, group: WorkerGroup) -> None:
         """Start the fork server once every local rank trains: its import then costs no start-up time."""
@@ -536,7 +558,7 @@ class NodeAgent:
                 if self._stopping.is_set():
                     raise RendezvousError(f"spare node: waiting for job {self.cfg.run_id!r} interrupted")
                 kv = client.get(self.keyspace.membership)
-                if kv is not None:
+                if kv is not None and self._membership_is_current(client):
                     return membership_from_json(kv.value)
                 if time.monotonic() >= deadline:
                     raise RendezvousTimeout(f"spare node: job {self.cfg.run_id!r} did not start within "
@@ -545,6 +567,14 @@ class NodeAgent:
                 changed.clear()
         finally:
             watch.cancel()
+
+    def _membership_is_current(self, client: EtcdClient) -> bool:
+        """The membership belongs to the current rendezvous round (not a previous run of this job id)."""
+        state, rnd = client.get(self.keyspace.rdzv_state), client.get(self.keyspace.round)
+        if state is None or rnd is None:
+            return False
+        st = RoundState.from_bytes(state.value)
+        return st.state == "closed" and int(rnd.value) == st.round
 
     def _snapshot_step(self, world_size: int, exclude: frozenset[int] = frozenset()) -> int | None:
         """The newest snapshot whose content verifies (corrupt or excluded ones are skipped, and said so)."""
@@ -594,7 +624,7 @@ class NodeAgent:
             common["CKPTLESS_GOODPUT_DIR"] = os.path.abspath(cfg.goodput_dir)
         if cfg.shm_dir:
             common["CKPTLESS_SHM_DIR"] = os.path.abspath(cfg.shm_dir)
-        if cfg.snapshot_every and cfg.snapshot_dir:
+        if cfg.snapshot_dir:  # also without --snapshot-every: a restarted job resumes from it
             common["CKPTLESS_SNAPSHOT_DIR"] = os.path.abspath(cfg.snapshot_dir)
             common["CKPTLESS_SNAPSHOT_EVERY"] = str(cfg.snapshot_every)
         envs = []

@@ -270,6 +270,18 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
     return p
 
 
+def _standalone_id(ns: argparse.Namespace) -> str:
+    """A single-node job's id: random, except with --snapshot-dir, where a stable id (from the
+    snapshot dir, the script and its arguments) lets the same command resume from its snapshots."""
+    if not ns.snapshot_dir:
+        return str(uuid.uuid4())
+    import hashlib
+
+    key = "\0".join([os.path.abspath(ns.snapshot_dir), os.path.abspath(ns.training_script),
+                     *ns.training_script_args])
+    return "standalone-" + hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
 # --- resolution -------------------------------------------------------------
 def parse_nnodes(value: str) -> tuple[int, int]:
     """``"N"`` or ``"MIN:MAX"`` -> (min, max) with 0 < min <= max."""
@@ -388,7 +400,7 @@ def config_from_namespace(ns: argparse.Namespace, environ: Mapping[str, str] | N
     endpoint: Endpoint | None = None
     if ns.standalone:
         _check(max_nodes == 1, "nnodes", ns.nnodes, "--standalone runs exactly one node")
-        backend, run_id = "ckptless", str(uuid.uuid4())
+        backend, run_id = "ckptless", _standalone_id(ns)
     elif backend == "static":
         _check(max_nodes == 1, "rdzv_backend", backend_in,
                "static rendezvous is only supported on one node; multi-node needs an etcd --rdzv-endpoint")
@@ -399,7 +411,7 @@ def config_from_namespace(ns: argparse.Namespace, environ: Mapping[str, str] | N
         _check(max_nodes == 1, "rdzv_endpoint", ns.rdzv_endpoint,
                "a multi-node job needs --rdzv-endpoint=HOST[:PORT] of an etcd server")
         if run_id == "none":  # like torchrun's implicit single-node c10d: a fresh id
-            run_id = str(uuid.uuid4())
+            run_id = _standalone_id(ns)
     _check(ns.max_restarts >= 0, "max_restarts", ns.max_restarts, "must be >= 0")
     _check(ns.monitor_interval > 0, "monitor_interval", ns.monitor_interval, "must be > 0")
     _check(ns.node_rank >= 0, "node_rank", ns.node_rank, "must be >= 0")

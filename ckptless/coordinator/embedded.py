@@ -9,14 +9,17 @@ make the single-member server ready in ~60 ms and allow 1 s lease TTLs.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from ckptless.errors import EtcdServerError
@@ -115,7 +118,7 @@ class EmbeddedEtcd:
         try:
             self._proc = subprocess.Popen(
                 self._command(), stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                start_new_session=True,
+                start_new_session=True, preexec_fn=_die_with_parent(),  # noqa: PLW1509 - see _die_with_parent
             )
         except OSError as exc:
             raise EtcdServerError(f"cannot start etcd: {exc}") from exc
@@ -172,3 +175,22 @@ class EmbeddedEtcd:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _die_with_parent() -> Callable[[], None] | None:
+    """PR_SET_PDEATHSIG(SIGKILL) for the server (Linux): an agent SIGKILLed with its embedded etcd
+    must not leave the server running. Tied to the forking thread, so start() it from a long-lived one."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    parent = os.getpid()
+
+    def preexec() -> None:
+        prctl(1, int(signal.SIGKILL), 0, 0, 0)  # 1 = PR_SET_PDEATHSIG
+        if os.getppid() != parent:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return preexec

@@ -92,6 +92,17 @@ class Keyspace:
         return f"{self.prefix}fingerprint/r{round_}"
 
     @property
+    def round(self) -> str:
+        """The rendezvous round the recovery keys below belong to (a restarted job clears the old ones)."""
+        return f"{self.prefix}round"
+
+    def run_state_prefixes(self) -> tuple[str, ...]:
+        """Keys of one run's recovery state, cleared when the job is started again under the same id."""
+        p = self.prefix
+        return (f"{p}exits/", f"{p}facts/", f"{p}ready/", f"{p}incident/", f"{p}status", f"{p}membership",
+                f"{p}generation", f"{p}ported")
+
+    @property
     def ported(self) -> str:
         """Put by every worker in ``ckptless.init()``: the script uses ckptless (so it can be recovered)."""
         return f"{self.prefix}ported"

@@ -284,12 +284,30 @@ class RecoveryLeader:
             log.error("could not record the leader's failure in etcd")
 
 
-def write_initial_membership(client: EtcdClient, ks: Keyspace, m: Membership) -> Membership:
-    """Generation 0's membership, written once (create-if-absent) by whichever agent gets there first."""
-    client.txn(
-        [Compare(ks.membership, "create", "==", 0)],
-        [Put(ks.membership, membership_to_json(m)), Put(ks.generation, json.dumps({"generation": 0, "reason": "start"}))],
-    )
-    kv = client.get(ks.membership)
-    assert kv is not None
-    return membership_from_json(kv.value)
+def write_initial_membership(client: EtcdClient, ks: Keyspace, m: Membership, round_: int = 0,
+                             writer: bool = True, deadline: float | None = None) -> Membership:
+    """Generation 0's membership for rendezvous round ``round_``.
+
+    The ``writer`` (node rank 0) clears what a previous run of the same job id
+    left (its membership, generation, exits, reports, status: a whole-job
+    restart must not inherit them), then writes generation 0 and the round;
+    every other agent waits until the round is this one before reading, so
+    nobody ever reads the previous run's membership.
+    """
+    kv = client.get(ks.round)
+    if writer and (kv is None or int(kv.value) != round_):
+        for prefix in ks.run_state_prefixes():
+            client.delete_prefix(prefix)
+        client.txn([], [Put(ks.membership, membership_to_json(m)),
+                        Put(ks.generation, json.dumps({"generation": 0, "reason": "start"})),
+                        Put(ks.round, str(round_))])
+    end = time.monotonic() + (900.0 if deadline is None else max(0.0, deadline - time.monotonic()))
+    while True:
+        kv = client.get(ks.round)
+        if kv is not None and int(kv.value) == round_:
+            mk = client.get(ks.membership)
+            if mk is not None:
+                return membership_from_json(mk.value)
+        if time.monotonic() >= end:
+            raise CoordinatorError(f"generation 0 of round {round_} was not written in time")
+        time.sleep(0.05)  # written by node rank 0 right after the same rendezvous: bounded above

@@ -210,6 +210,14 @@ class SnapshotWriter:
             if self.busy:
                 log.warning("rank %d: snapshot of step %d skipped: the previous one is still being written",
                             self.rank, step)
+                # Say so where rank 0 looks: it then abandons this step at once instead of
+                # waiting its whole completion timeout for a part that will never come.
+                sdir = step_dir(self.config.directory, self.config.job_id, step)
+                try:
+                    sdir.mkdir(parents=True, exist_ok=True)
+                except OSError:
+                    pass
+                self._mark_failed(sdir, SnapshotError("skipped: its previous snapshot was still being written"))
                 return False
         if self._prefault is not None:  # the buffer is being faulted in: worth waiting for
             self._prefault.join(self.config.busy_wait_s)

@@ -182,7 +182,12 @@ def _restore(job: Job, a: RestoreState) -> Event:
         return RestoreFailed(reason)
     g = a.generation
     if out.source == "disk":
-        job.ledger.emit(EventKind.DISK_RESTORE, step=out.resume_step, generation=g, steps_lost=out.steps_lost)
+        lost = out.steps_lost
+        if g == 0 and job.ledger.last_step_before is not None:  # a whole-job restart: the previous run's work
+            lost = max(0, job.ledger.last_step_before - out.resume_step)
+            log.warning("rank %d: resumed from the disk snapshot of step %d; %d steps of the previous run lost",
+                        job.rank, out.resume_step, lost)
+        job.ledger.emit(EventKind.DISK_RESTORE, step=out.resume_step, generation=g, steps_lost=lost)
     else:
         job.ledger.emit(EventKind.TRANSFER_DONE, generation=g, bytes=out.bytes_received)
         job.ledger.emit(EventKind.ROLLBACK_DONE, step=out.resume_step, generation=g, source=out.source)
@@ -334,6 +339,25 @@ def _final_commit(job: Job) -> Event:
     return Fault(reason) if reason else Committed()
 
 
+def _resume_from_snapshot(job: Job) -> int:
+    """No coordinator: a whole-job restart still resumes from the newest verified snapshot (every rank
+    applies the same choice rule to the same directory, so they agree)."""
+    d = job.ctx.snapshot_dir
+    if not d:
+        return 0
+    from ckptless.snapshot import choose_snapshot, load_snapshot
+
+    info, _ = choose_snapshot(d, job.ctx.job_id, job.world_size)
+    if info is None:
+        return 0
+    step = load_snapshot(info, job.registry, job.rank)
+    lost = max(0, (job.ledger.last_step_before or step) - step)
+    job.ledger.emit(EventKind.DISK_RESTORE, step=step, generation=0, steps_lost=lost)
+    log.warning("rank %d: resumed from the disk snapshot of step %d (%d steps of the previous run lost)",
+                job.rank, step, lost)
+    return step
+
+
 def run_without_recovery(job: Job) -> RunResult:
     """No coordinator or nothing to mirror to: train; any failure propagates (and ends the job)."""
     from ckptless.job import RunResult
@@ -341,7 +365,8 @@ def run_without_recovery(job: Job) -> RunResult:
     spec = job.spec
     assert spec is not None
     job.first_after_recovery = False
-    for s in range(spec.start_step, spec.steps):
+    start = max(spec.start_step, _resume_from_snapshot(job))
+    for s in range(start, spec.steps):
         spec.train_step(s)
         job.heartbeat.beat(s + 1)
         if job.snapshots is not None and job.snapshots.maybe_snapshot(s + 1, job.generation):

@@ -10,6 +10,7 @@ job-level events (``incident_opened``, ``plan_published``) to ``leader.jsonl``.
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from typing import IO
@@ -23,6 +24,7 @@ class WorkerLedger:
         self.rank = rank
         self._name = name
         self._file: IO[str] | None = None
+        self.last_step_before: int | None = None  # the newest step an earlier run of this rank finished
         self._open()
 
     def _open(self) -> None:
@@ -30,7 +32,9 @@ class WorkerLedger:
             return
         os.makedirs(self.directory, exist_ok=True)
         name = self._name or f"rank{self.rank}"
-        self._file = open(os.path.join(self.directory, f"{name}.jsonl"), "a", buffering=1)
+        path = os.path.join(self.directory, f"{name}.jsonl")
+        self.last_step_before = _last_step(path)
+        self._file = open(path, "a", buffering=1)
 
     def set_rank(self, rank: int) -> None:
         """A spare learns its rank when it is assigned one: from then on it writes that rank's file."""
@@ -66,3 +70,21 @@ class WorkerLedger:
         if self._file is not None:
             self._file.close()
             self._file = None
+
+
+def _last_step(path: str) -> int | None:
+    """The newest finished step recorded in an existing ledger (a previous run of a restarted job)."""
+    last = None
+    try:
+        with open(path) as f:
+            for line in f:
+                if '"step_done"' in line or '"first_step_after_recovery"' in line:
+                    try:
+                        step = json.loads(line).get("step")
+                    except ValueError:
+                        continue
+                    if isinstance(step, int):
+                        last = step if last is None else max(last, step)
+    except OSError:
+        return None
+    return last
