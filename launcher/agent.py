@@ -650,7 +650,7 @@ class NodeAgent:
         # Warm respawns (a fork server with torch imported) only where a respawn can happen.
         group = WorkerGroup([build_command(cfg)] * n, envs, on_exit=self._record_exit,
                             log_dir=cfg.log_dir, redirects=redirects, tee=tee,
-                            warm=cfg.warm_respawn and self.recovery)
+                            warm=cfg.warm_respawn and self.recovery, role=cfg.role)
         self._group = group
         group.start(start_server=False)  # the fork server starts once our workers train (see _maybe_warm)
         for slot in self.slots.all():

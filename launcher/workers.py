@@ -194,7 +194,8 @@ class WorkerGroup:
                  logs: Sequence[WorkerLogs] | None = None, log_dir: str | None = None,
                  redirects: Sequence[Std] | None = None, tee: Sequence[Std] | None = None,
                  local_ranks_filter: frozenset[int] | None = None, attempt: int = 0,
-                 cwd: str | None = None, kill_group_on_exit: bool = True, warm: bool = False) -> None:
+                 cwd: str | None = None, kill_group_on_exit: bool = True, warm: bool = False,
+                 role: str = "default") -> None:
         n = len(commands)
         if len(envs) != n or (logs is not None and len(logs) != n) or not n:
             raise WorkerError(f"need one command, env (and logs) per worker: got {n}, {len(envs)}")
@@ -216,6 +217,7 @@ class WorkerGroup:
         self._stopping = False
         self._preexec = _pdeathsig_preexec(os.getpid())
         self._server = self._make_server() if warm else None
+        self._role = role  # tee'd console lines are prefixed "[<role><local_rank>]:", as torchrun does
 
     def _make_server(self) -> ForkServer | None:
         slot, cwd = self._slots[0], self._cwd or os.getcwd()
@@ -327,8 +329,8 @@ class WorkerGroup:
             incarnation = slot.incarnation
         for pipe, fobj, fd in ((pipes[0], out_tee, 1), (pipes[1], err_tee, 2)):
             if pipe is not None and fobj is not None:
-                t = threading.Thread(target=_pump, args=(pipe, fobj, fd), daemon=True,
-                                     name=f"ckptless-tee-{rank}-{fd}")
+                t = threading.Thread(target=_pump, args=(pipe, fobj, fd, f"[{self._role}{rank}]:".encode()),
+                                     daemon=True, name=f"ckptless-tee-{rank}-{fd}")
                 t.start()
                 slot.pumps.append(t)
         try:
@@ -505,13 +507,20 @@ class WorkerGroup:
         self.stop(timeout=5.0)
 
 
-def _pump(pipe: IO[bytes], fobj: IO[bytes], console_fd: int) -> None:
-    """Copy a worker's pipe into its log file and the agent's console (tee)."""
+def _pump(pipe: IO[bytes], fobj: IO[bytes], console_fd: int, header: bytes = b"") -> None:
+    """Copy a worker's pipe into its log file (as is) and the agent's console, each console line
+    prefixed with ``header`` (torchrun's ``[default0]:``), so interleaved ranks stay readable."""
+    partial = b""
     try:
         while chunk := os.read(pipe.fileno(), 65536):
             fobj.write(chunk)
             fobj.flush()
-            os.write(console_fd, chunk)
+            lines = (partial + chunk).split(b"\n")
+            partial = lines.pop()
+            if lines:
+                os.write(console_fd, b"".join(header + ln + b"\n" for ln in lines))
+        if partial:
+            os.write(console_fd, header + partial + b"\n")
     except (OSError, ValueError):
         pass  # file closed at stop, or console gone: nothing left to copy to
     finally:

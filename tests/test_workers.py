@@ -327,6 +327,8 @@ def test_redirect_tee_and_filter(tmp_path: Path, capfd: pytest.CaptureFixture[st
     out, err = capfd.readouterr()
     assert "out-1" in out and "out-0" not in out and "out-2" not in out
     assert "err-1" in err and "err-0" not in err and "err-2" not in err
+    # the tee'd console copy carries torchrun's "[<role><local_rank>]:" prefix; the file stays raw
+    assert "[default1]:out-1\n" in out and "[default1]:[default1]" not in out
 
 
 def test_group_builds_logs_and_substitutes_local_rank(tmp_path: Path) -> None:
