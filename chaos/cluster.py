@@ -9,6 +9,13 @@ from real processes (``/proc``) and the files the job writes.
 Every agent runs in its own session (process group) so cleanup can reach its
 workers even when the agent itself is gone; logs go to files, never to the
 runner's terminal.
+
+With ``ClusterSpec(netns=True)`` every agent (a "node") runs in its own network
+namespace (:mod:`ckptless.chaos.netns`), etcd listens on the bridge address in
+the root namespace, and each agent gets ``--local-addr <its address>`` (its
+TCPStore binds and is advertised there) and ``GLOO_SOCKET_IFNAME`` (its
+workers' Gloo devices bind the namespace's interface, not the loopback the
+hostname resolves to). That is what partitions are injected into.
 """
 
 from __future__ import annotations
@@ -18,12 +25,14 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ckptless.chaos.netns import NS_IF, NetTopology, NodeNet
 from ckptless.coordinator.client import EtcdClient
 from ckptless.coordinator.config import EtcdConfig
 from ckptless.coordinator.embedded import EmbeddedEtcd
@@ -60,6 +69,8 @@ class ClusterSpec:
     hang_timeout: float | None = None
     snapshot_every: int = 0
     lease_ttl: float = 1.0
+    node_grace: float | None = None  # --node-grace (None: the launcher's default, 10 s)
+    netns: bool = False  # one network namespace per agent (partitions need it; root, ip, nft)
     steps: int = 12
     width: int = 32
     script: Path = DEMO_SCRIPT
@@ -82,6 +93,8 @@ class ClusterSpec:
             raise ConfigError("hang_timeout", self.hang_timeout, "must be > 0 seconds")
         if self.lease_ttl < 1:
             raise ConfigError("lease_ttl", self.lease_ttl, "must be >= 1 second")
+        if self.node_grace is not None and self.node_grace <= 0:
+            raise ConfigError("node_grace", self.node_grace, "must be > 0 seconds")
 
 
 @dataclass
@@ -127,6 +140,10 @@ class LocalCluster:
         self._endpoint = etcd_endpoint
         self._pauses = pauses
         self._client: EtcdClient | None = None
+        self.net: NetTopology | None = None
+        self._timers: list[threading.Timer] = []
+        if spec.netns and etcd_endpoint is not None:
+            raise ConfigError("etcd_endpoint", etcd_endpoint, "a netns cluster starts its own etcd on its bridge")
         out.mkdir(parents=True, exist_ok=True)
         (out / "logs").mkdir(exist_ok=True)
 
@@ -156,8 +173,16 @@ class LocalCluster:
         Starting agent 0 alone until it leads makes the layout deterministic:
         agent 0 leads and holds ranks 0..nproc-1, agent i holds the next block.
         """
+        host = "127.0.0.1"
+        if self.spec.netns:
+            self.net = NetTopology(self.job_id, self.spec.nodes + self.spec.spare_nodes).create()
+            host = self.net.root_ip
+            (self.out / "logs" / "netns.json").write_text(json.dumps(
+                {"bridge": self.net.bridge, "root_ip": host,
+                 "nodes": [{"ns": n.ns, "ip": n.ip, "host_if": n.host_if} for n in self.net.nodes]}, indent=1))
         if self._endpoint is None:
-            self.etcd = EmbeddedEtcd(data_dir=self.out / "etcd", log_path=self.out / "logs" / "etcd.log").start()
+            self.etcd = EmbeddedEtcd(data_dir=self.out / "etcd", log_path=self.out / "logs" / "etcd.log",
+                                     host=host).start()
             self._endpoint = self.etcd.endpoint
         self._start_agent(self.spec.nproc_per_node, self.spec.spares_per_node)
         wait_for(lambda: bool(self.client().get_prefix(self.keyspace.election_prefix)[0]), 120, "a leader")
@@ -177,11 +202,19 @@ class LocalCluster:
             args += ["--hang-timeout", str(s.hang_timeout)]
         if s.snapshot_every:
             args += ["--snapshot-every", str(s.snapshot_every), "--snapshot-dir", str(self.snapshot_dir)]
+        if s.node_grace is not None:
+            args += ["--node-grace", str(s.node_grace)]
         env = child_env({"DEMO_STEPS": str(s.steps), "DEMO_WIDTH": str(s.width), "CHAOS_PAUSES": self._pauses,
                          **s.env})
+        prefix: list[str] = []
+        if self.net is not None:
+            node = self.net.nodes[len(self.agents)]
+            prefix = node.exec_prefix()  # `ip netns exec` execs: the Popen pid is the agent's
+            args += ["--local-addr", node.ip]
+            env["GLOO_SOCKET_IFNAME"] = NS_IF
         log = self.out / "logs" / f"agent{len(self.agents)}.log"
         with open(log, "wb") as f:
-            proc = subprocess.Popen([sys.executable, "-m", "ckptless.launcher.main", *args, str(s.script),
+            proc = subprocess.Popen([*prefix, sys.executable, "-m", "ckptless.launcher.main", *args, str(s.script),
                                      str(self.out)], env=env, stdout=f, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL, start_new_session=True)
         agent = Agent(len(self.agents), proc, log, spare_only=nproc == 0)
@@ -215,15 +248,41 @@ class LocalCluster:
             except ProcessLookupError:
                 pass
 
+    def add_timer(self, timer: threading.Timer) -> None:
+        """A delayed action of an injector (a heal); cancelled at teardown."""
+        self._timers.append(timer)
+
+    def note(self, what: str) -> None:
+        """One timestamped line in ``logs/chaos.log`` (monotonic: comparable with the ledgers)."""
+        wall = time.time()
+        stamp = time.strftime("%H:%M:%S", time.localtime(wall)) + f".{int(wall * 1000) % 1000:03d}"
+        with open(self.out / "logs" / "chaos.log", "a") as f:
+            f.write(f"{time.monotonic():.3f} {stamp} {what}\n")
+
     def close(self) -> None:
+        for timer in self._timers:
+            timer.cancel()
         try:
             self.kill_all()
         finally:
-            if self._client is not None:
-                self._client.close()
-                self._client = None
-            if self.etcd is not None:
-                self.etcd.stop()
+            try:
+                if self._client is not None:
+                    self._client.close()
+                    self._client = None
+                if self.etcd is not None:
+                    self.etcd.stop()
+            finally:
+                if self.net is not None:
+                    self.net.close()
+
+    def node_net(self, agent: Agent) -> NodeNet:
+        """The network namespace agent ``agent`` runs in (netns clusters only)."""
+        if self.net is None:
+            raise ConfigError("netns", False, "this cluster runs without network namespaces")
+        return self.net.nodes[agent.index]
+
+    def etcd_port(self) -> int:
+        return int(self.endpoint.rsplit(":", 1)[1])
 
     # --- observation ----------------------------------------------------------------
     def client(self) -> EtcdClient:

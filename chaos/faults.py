@@ -7,6 +7,15 @@ injector waits for that file (bounded), sends the signal, and writes
 ``OUT/chaos/release_<tag>`` so a victim that was only a sync point (an etcd
 restart, a leader on another node) goes on. Targets are found from those
 files, ``/proc`` and the job's etcd records -- never from library internals.
+
+Partitions (netns clusters only, :mod:`ckptless.chaos.netns`): the cut is an
+nftables table in the victim node's namespace, applied while the victims are
+held, then the victims are released at once, so the job goes on training
+*through* the partition (scenarios give it enough steps). A backstop pause
+``HOLD_BEFORE_END`` steps before the end (``h<i>r<rank>``, on EVERY rank, so
+nobody waits inside a collective for a held peer) keeps the job from
+finishing before the heal on a slow machine. Healing runs on a timer owned
+by the cluster (cancelled at teardown).
 """
 
 from __future__ import annotations
@@ -14,15 +23,20 @@ from __future__ import annotations
 import json
 import os
 import signal
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from ckptless.chaos.cluster import Agent, LocalCluster, wait_for
+from ckptless.chaos.netns import NetTopology, Partition
 from ckptless.chaos.schedule import Fault, FaultKind
 from ckptless.errors import ConfigError
+from ckptless.recovery.wire import membership_from_json
 
 PAUSE_TIMEOUT_S = 180.0  # from job start to the scheduled step, on a loaded 2-core machine
+HOLD_BEFORE_END = 10  # a partition holds every rank this many steps before the end, until it heals
+PERMANENT_HOLD_S = 20.0  # ... and, for a permanent cut, releases them after this long
 
 
 @dataclass(frozen=True)
@@ -35,15 +49,28 @@ class Injection:
     agents_killed: tuple[int, ...]
     lost: tuple[int, ...]
     note: str
+    may_lose: tuple[int, ...] = ()  # ranks a partition may cost (replaced: allowed, noted in the verdict)
+    heal_after_s: float | None = None  # partitions: healed this long after t_monotonic (None: never)
+    cut_off: tuple[int, ...] = ()  # agents cut from etcd for good: they must still exit on their own
 
 
 def pause_tag(fault_index: int, rank: int) -> str:
     return f"f{fault_index}r{rank}"
 
 
-def pause_spec(faults: tuple[Fault, ...]) -> str:
-    """``CHAOS_PAUSES`` for the training script: one pause per (fault, target rank)."""
-    return ",".join(f"{pause_tag(i, r)}:{r}:{f.step}" for i, f in enumerate(faults) for r in f.targets)
+def hold_tag(fault_index: int, rank: int) -> str:
+    return f"h{fault_index}r{rank}"
+
+
+def pause_spec(faults: tuple[Fault, ...], steps: int | None = None, world_size: int = 0) -> str:
+    """``CHAOS_PAUSES`` for the training script: one pause per (fault, target rank), plus a
+    partition's backstop hold on every rank ``HOLD_BEFORE_END`` steps before ``steps``
+    (only when that step comes after the fault's)."""
+    items = [f"{pause_tag(i, r)}:{r}:{f.step}" for i, f in enumerate(faults) for r in f.targets]
+    for i, f in enumerate(faults):
+        if f.kind.is_partition and steps is not None and steps - HOLD_BEFORE_END > f.step:
+            items += [f"{hold_tag(i, r)}:{r}:{steps - HOLD_BEFORE_END}" for r in range(world_size)]
+    return ",".join(items)
 
 
 def _chaos_dir(out: Path) -> Path:
@@ -107,7 +134,10 @@ def inject_step(cluster: LocalCluster, indexed: list[tuple[int, Fault]], snapsho
     try:
         for i, f in indexed:
             pids = tuple(held[(i, r)]["pid"] for r in f.targets)
-            done.append(_inject_one(cluster, f, pids))
+            if f.kind.is_partition:
+                done.append(_partition(cluster, i, f, pids))
+            else:
+                done.append(_inject_one(cluster, f, pids))
     finally:
         for i, f in indexed:
             for r in f.targets:
@@ -145,3 +175,75 @@ def _inject_one(cluster: LocalCluster, f: Fault, pids: tuple[int, ...]) -> Injec
         restart_etcd(cluster)
         return Injection(f, t, (), (), (), f"etcd restarted in {time.monotonic() - t:.2f}s")
     raise ConfigError("fault", f.kind, "unknown fault kind")
+
+
+# --- partitions ---------------------------------------------------------------------------------
+def partition_node_etcd(cluster: LocalCluster, agent: Agent, mode: str = "drop") -> Partition:
+    """Cut ``agent``'s namespace (the agent and its workers) from the etcd port; node<->node stays up."""
+    return _net(cluster).cut_from_root(cluster.node_net(agent).index, cluster.etcd_port(), mode)
+
+
+def partition_workers(cluster: LocalCluster, a: Agent, b: Agent, mode: str = "reset",
+                      keep_store: bool = True) -> Partition:
+    """Cut the traffic between two nodes; both still reach etcd.
+
+    ``keep_store``: the current generation's store (hosted by an agent, from the
+    ``membership`` record) stays reachable, so only worker<->worker (Gloo) traffic
+    is cut; False cuts everything between the nodes, the store included.
+    """
+    keep: tuple[int, ...] = ()
+    if keep_store:
+        kv = cluster.client().get(cluster.keyspace.membership)
+        if kv is None:
+            raise ConfigError("membership", None, "no membership yet: cannot find the store to keep")
+        keep = (membership_from_json(kv.value).store_port,)
+    return _net(cluster).cut_between(cluster.node_net(a).index, cluster.node_net(b).index, mode, keep)
+
+
+def _net(cluster: LocalCluster) -> NetTopology:
+    if cluster.net is None:
+        raise ConfigError("netns", False, "partitions need ClusterSpec(netns=True)")
+    return cluster.net
+
+
+def heal_later(cluster: LocalCluster, cut: Partition | None, after_s: float, then: list[str]) -> None:
+    """On a timer owned by the cluster: heal ``cut`` (None: nothing to heal), then release ``then`` tags."""
+    def run() -> None:
+        if cut is not None:
+            cut.heal()
+            cluster.note(f"healed {cut.what}")
+        for tag in then:
+            release(cluster.out, tag)
+
+    timer = threading.Timer(after_s, run)
+    timer.daemon = True
+    cluster.add_timer(timer)
+    timer.start()
+
+
+def _partition(cluster: LocalCluster, index: int, f: Fault, pids: tuple[int, ...]) -> Injection:
+    agents = [cluster.agent_of_pid(pid) for pid in pids]
+    if f.kind is FaultKind.PARTITION_NODE_ETCD:
+        may_lose = cluster.ranks_of(agents[0])
+        t = time.monotonic()
+        cut = partition_node_etcd(cluster, agents[0], f.mode)
+    else:
+        if agents[0] is agents[1]:
+            raise ConfigError("targets", f.targets, "both ranks run on the same node: nothing to partition")
+        # A RST reaches only a socket that sends: a rank blocked in a receive on an idle
+        # connection across the cut is never told, and the leader replaces it once it does
+        # not report (a hung rank). Allowed; the verdict notes it.
+        may_lose = cluster.ranks_of(agents[0]) + cluster.ranks_of(agents[1])
+        t = time.monotonic()
+        cut = partition_workers(cluster, agents[0], agents[1], f.mode,
+                                keep_store=f.kind is FaultKind.PARTITION_WORKERS)
+    cluster.note(f"cut {cut.what} ({f.mode})")
+    hold = [hold_tag(index, r) for r in range(cluster.spec.world_size)]
+    if f.duration_s is None:
+        heal_later(cluster, None, PERMANENT_HOLD_S, hold)
+    else:
+        heal_later(cluster, cut, f.duration_s, hold)
+    how = "permanent" if f.duration_s is None else f"healed after {f.duration_s:g}s"
+    cut_off = (agents[0].index,) if f.kind is FaultKind.PARTITION_NODE_ETCD and f.duration_s is None else ()
+    return Injection(f, t, pids, (), (), f"{f.mode} {cut.what}, {how}", may_lose=may_lose,
+                     heal_after_s=f.duration_s, cut_off=cut_off)

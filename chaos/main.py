@@ -46,6 +46,54 @@ def _one(name: str, fault: str, expected: str, spec: ClusterSpec, cfg: ScheduleC
     return Scenario(name, fault, expected, spec, explicit_schedule(cfg, faults), expect_disk)
 
 
+PSTEPS = 400  # 40-70 ms a step here: the job trains on through a partition (backstop hold at step 390)
+PARTITION_SHORT_S = 4.0   # > the 1 s lease TTL (the lease really expires), < TTL + the default 10 s grace
+PARTITION_LONG_S = 12.0   # > TTL + LONG_GRACE_S: the leader gives the node up while it is cut off
+LONG_GRACE_S = 3.0
+
+
+def partition_scenarios() -> list[Scenario]:
+    """Network partitions (netns clusters: one namespace per node, etcd on the root bridge)."""
+    cfg = ScheduleConfig(steps=PSTEPS, kinds=(FaultKind.PARTITION_NODE_ETCD, FaultKind.PARTITION_WORKERS,
+                                              FaultKind.PARTITION_NODES))
+    ns = ClusterSpec(steps=PSTEPS, netns=True)
+    return [
+        Scenario("partition-etcd-short",
+                 f"cut node 1 (ranks 2-3) from etcd at step 5 for {PARTITION_SHORT_S:g}s (drop)",
+                 "lease lost and renewed; no incident, generation 0; bitwise equal", ns,
+                 explicit_schedule(cfg, [Fault(5, FaultKind.PARTITION_NODE_ETCD, (2,), PARTITION_SHORT_S, "drop")]),
+                 generation=(0, 0)),
+        Scenario("partition-etcd-long",
+                 f"cut node 1 from etcd at step 5 for {PARTITION_LONG_S:g}s (drop), --node-grace {LONG_GRACE_S:g}",
+                 "node given up after the grace: ranks 2-3 re-planned (bitwise equal) or a clear end",
+                 ClusterSpec(steps=PSTEPS, netns=True, node_grace=LONG_GRACE_S),
+                 explicit_schedule(cfg, [Fault(5, FaultKind.PARTITION_NODE_ETCD, (2,), PARTITION_LONG_S, "drop")]),
+                 generation=(1, None), end_causes=("lost their lease", "no replacement")),
+        Scenario("partition-etcd-permanent",
+                 f"cut node 1 from etcd at step 5 for good (drop), --node-grace {LONG_GRACE_S:g}; spare node",
+                 "2 spares take ranks 2-3 (bitwise equal); the cut-off agent exits by itself",
+                 ClusterSpec(steps=PSTEPS, netns=True, node_grace=LONG_GRACE_S, spare_nodes=1,
+                             spares_per_spare_node=2),
+                 explicit_schedule(cfg, [Fault(5, FaultKind.PARTITION_NODE_ETCD, (2,), None, "drop")]),
+                 generation=(1, None), run_timeout_s=150.0),
+        Scenario("partition-workers",
+                 f"cut worker traffic node 0 <-> node 1 (store kept) at step 5 for {PARTITION_SHORT_S:g}s (TCP reset)",
+                 "collectives break, survivors report, same membership re-formed; bitwise equal", ns,
+                 explicit_schedule(cfg, [Fault(5, FaultKind.PARTITION_WORKERS, (1, 2), PARTITION_SHORT_S, "reset")]),
+                 generation=(1, None)),
+        Scenario("partition-workers-permanent",
+                 "cut worker traffic node 0 <-> node 1 (store kept) at step 5 for good (TCP reset)",
+                 "the job cannot re-form: it ends, naming the unreachable peers (connect errors)", ns,
+                 explicit_schedule(cfg, [Fault(5, FaultKind.PARTITION_WORKERS, (1, 2), None, "reset")]),
+                 generation=(1, None), end_causes=("connect",), run_timeout_s=180.0),
+        Scenario("partition-nodes",
+                 f"cut ALL traffic node 0 <-> node 1 (Gloo + store) at step 5 for {PARTITION_SHORT_S:g}s (TCP reset)",
+                 "collectives break; after the heal the same membership re-forms; bitwise equal", ns,
+                 explicit_schedule(cfg, [Fault(5, FaultKind.PARTITION_NODES, (1, 2), PARTITION_SHORT_S, "reset")]),
+                 generation=(1, None)),
+    ]
+
+
 def random_scenario(seed: int, faults: int = 2, steps: int = STEPS) -> Scenario:
     """Seeded kills and hangs on 2 nodes x 2 workers; concurrent victims only in distinct groups."""
     cfg = ScheduleConfig(steps=steps, faults=faults, max_concurrent=2, kinds=RANK_KINDS, first_step=3, min_gap=3)
@@ -82,6 +130,7 @@ def catalogue() -> dict[str, Scenario]:
              "mirror lost: fall back to the disk snapshot", ClusterSpec(steps=STEPS, snapshot_every=2),
              ScheduleConfig(steps=STEPS, max_concurrent=2, allow_beyond_k=True),
              [Fault(7, FaultKind.KILL_WORKER, (0, holder))], expect_disk=True),
+        *partition_scenarios(),
     ]
     return {s.name: s for s in items}
 

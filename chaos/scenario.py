@@ -16,6 +16,7 @@ restarted); a loss beyond K was served from disk.
 from __future__ import annotations
 
 import dataclasses
+import json
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -40,6 +41,13 @@ class Scenario:
     spec: ClusterSpec
     schedule: Schedule
     expect_disk: bool = False
+    # Partitions: the final generation must lie in [lo, hi] (hi None: unbounded); None: the
+    # default rule (>= 1 per step that loses ranks, exactly 0 when nothing is lost).
+    generation: tuple[int, int | None] | None = None
+    # Non-empty: the job may also END (status "failed") instead of finishing, but then its
+    # status reason must contain one of these phrases (the cause, named) -- see _check_end.
+    end_causes: tuple[str, ...] = ()
+    run_timeout_s: float = RUN_TIMEOUT_S
 
 
 @dataclass
@@ -49,6 +57,8 @@ class Verdict:
     reasons: list[str] = field(default_factory=list)
     injections: list[Injection] = field(default_factory=list)
     generation: int | None = None
+    ended: str | None = None  # the job's status reason when it ended instead of finishing
+    notes: list[str] = field(default_factory=list)  # observations that do not fail the verdict
     downtimes_s: list[float] = field(default_factory=list)
     kill_to_step_s: list[float] = field(default_factory=list)
     goodput: float | None = None
@@ -96,7 +106,8 @@ def bitwise_diff(got: dict[int, dict[str, object]], want: dict[int, dict[str, ob
 def baseline_spec(spec: ClusterSpec) -> ClusterSpec:
     """The fault-free twin: same script, steps, width and world; no spares, watchdog or snapshots
     (none of them changes what is computed)."""
-    return dataclasses.replace(spec, spares_per_node=0, spare_nodes=0, hang_timeout=None, snapshot_every=0)
+    return dataclasses.replace(spec, spares_per_node=0, spare_nodes=0, hang_timeout=None, snapshot_every=0,
+                               netns=False, node_grace=None)
 
 
 class BaselineCache:
@@ -137,7 +148,7 @@ def goodput_of(directory: Path) -> tuple[float | None, list[Any]]:
 
 
 def _expected_incidents(schedule: Schedule) -> int:
-    return len({f.step for f in schedule.faults if f.kind is not FaultKind.RESTART_ETCD})
+    return len({f.step for f in schedule.faults if f.kind.loses_ranks})
 
 
 def run_scenario(sc: Scenario, root: Path, baselines: BaselineCache,
@@ -152,7 +163,7 @@ def run_scenario(sc: Scenario, root: Path, baselines: BaselineCache,
     shutil.rmtree(out, ignore_errors=True)
     v.out = out
     log(f"[{sc.name}] {sc.fault}; logs in {out / 'logs'}")
-    with LocalCluster(sc.spec, out, sc.name, pauses=pause_spec(sc.schedule.faults)) as c:
+    with LocalCluster(sc.spec, out, sc.name, pauses=pause_spec(sc.schedule.faults, sc.spec.steps, sc.spec.world_size)) as c:
         try:
             c.start()
             by_step: dict[int, list[tuple[int, Fault]]] = {}
@@ -162,15 +173,20 @@ def run_scenario(sc: Scenario, root: Path, baselines: BaselineCache,
                 for inj in inject_step(c, by_step[step]):
                     v.injections.append(inj)
                     log(f"[{sc.name}]   injected {inj.fault.describe()} ({inj.note})")
-            codes = c.wait(RUN_TIMEOUT_S)
+            codes = c.wait(sc.run_timeout_s)
         except CkptlessError as exc:
             v.reasons.append(f"run aborted: {exc}")
             codes = {}
         if not codes or None in codes.values():
             c.kill_all()  # a stuck job: stop it first, so the orphan check reports only real leftovers
-        _check_health(c, sc, v, codes)
-    got = load_finals(out, sc.spec.world_size)
-    v.reasons += bitwise_diff(got, want)[:8]
+        v.ended = _ended(c, sc) if sc.end_causes else None
+        if v.ended is not None:
+            _check_end(c, sc, v, codes)
+        else:
+            _check_health(c, sc, v, codes)
+    if v.ended is None:
+        got = load_finals(out, sc.spec.world_size)
+        v.reasons += bitwise_diff(got, want)[:8]
     _measure(v, out)
     v.passed = not v.reasons
     v.wall_s = time.monotonic() - t0
@@ -179,9 +195,14 @@ def run_scenario(sc: Scenario, root: Path, baselines: BaselineCache,
 
 def _check_health(c: LocalCluster, sc: Scenario, v: Verdict, codes: dict[int, int | None]) -> None:
     killed = {i for inj in v.injections for i in inj.agents_killed}
+    cut_off = {i for inj in v.injections for i in inj.cut_off}
     for a in c.agents:
         code = codes.get(a.index)
         if a.index in killed:
+            continue
+        if a.index in cut_off:  # replaced while unreachable: may exit non-zero, but must exit by itself
+            if code is None:
+                v.reasons.append(f"agent{a.index} (cut off from etcd for good) never exited by itself")
             continue
         if code != 0:
             v.reasons.append(f"agent{a.index} exited {code if code is not None else 'never (timeout)'}")
@@ -195,15 +216,22 @@ def _check_health(c: LocalCluster, sc: Scenario, v: Verdict, codes: dict[int, in
     except CkptlessError as exc:
         v.reasons.append(f"cannot read the generation: {exc}")
     want_min = _expected_incidents(sc.schedule)
-    if v.generation is not None:
+    if v.generation is not None and sc.generation is not None:
+        lo, hi = sc.generation
+        if v.generation < lo or (hi is not None and v.generation > hi):
+            v.reasons.append(f"generation {v.generation} outside [{lo}, {'inf' if hi is None else hi}]")
+    elif v.generation is not None:
         if want_min == 0 and v.generation != 0:
             v.reasons.append(f"generation advanced to {v.generation} without a lost rank")
         elif v.generation < want_min:
             v.reasons.append(f"generation {v.generation} < {want_min} incidents")
     lost = {r for inj in v.injections for r in inj.lost}
+    may = {r for inj in v.injections for r in inj.may_lose}
     for r in range(sc.spec.world_size):
         pids = c.pids(r)
-        if r not in lost and len(pids) > 1:
+        if r in may and len(pids) > 1:
+            v.notes.append(f"rank {r} was replaced ({len(pids) - 1}x): the partition cost it")
+        if r not in lost and r not in may and len(pids) > 1:
             v.reasons.append(f"survivor rank {r} was restarted: {[p['pid'] for p in pids]}")
         if r in lost and len(pids) < 2:
             v.reasons.append(f"lost rank {r} was never replaced")
@@ -211,6 +239,50 @@ def _check_health(c: LocalCluster, sc: Scenario, v: Verdict, codes: dict[int, in
         text = c.logs_text()
         if "restored disk snapshot" not in text and "disk snapshot step" not in text:
             v.reasons.append("expected a disk fallback; the logs show none")
+
+
+def _ended(c: LocalCluster, sc: Scenario) -> str | None:
+    """The job's status reason if the coordinator ended it as failed (None: it did not)."""
+    try:
+        kv = c.client().get(c.keyspace.status)
+    except CkptlessError:
+        return None
+    if kv is None:
+        return None
+    try:
+        doc = json.loads(kv.value)
+    except ValueError:
+        return "the job's status record is malformed"
+    return str(doc.get("reason", "")) if doc.get("state") == "failed" else None
+
+
+def _check_end(c: LocalCluster, sc: Scenario, v: Verdict, codes: dict[int, int | None]) -> None:
+    """The job ended instead of finishing: acceptable only as a clear, correct end.
+
+    The status reason names one of ``sc.end_causes`` (case-insensitive); every agent exited (none hung)
+    and non-zero; every agent that exited non-zero printed the cause (its failure
+    summary); no process of the job is left behind.
+    """
+    assert v.ended is not None
+    if not any(cause.lower() in v.ended.lower() for cause in sc.end_causes):
+        v.reasons.append(f"the job ended, but its reason names none of {list(sc.end_causes)}: {v.ended!r}")
+    for a in c.agents:
+        code = codes.get(a.index)
+        if code is None:
+            v.reasons.append(f"agent{a.index} never exited after the job ended (timeout)")
+        elif code == 0:
+            v.reasons.append(f"agent{a.index} exited 0 although the job failed")
+        elif v.ended[:60] not in a.log.read_text(errors="replace"):
+            v.reasons.append(f"agent{a.index} exited {code} without printing the cause")
+    leftover = wait_gone(c.job_processes(), 15.0)
+    if leftover:
+        v.reasons.append(f"orphan processes left: {leftover}")
+    try:
+        v.generation = c.generation()
+    except CkptlessError as exc:
+        v.reasons.append(f"cannot read the generation: {exc}")
+    if v.reasons:
+        v.reasons.append(f"see {c.out / 'logs'}")
 
 
 def _measure(v: Verdict, out: Path) -> None:
@@ -221,7 +293,7 @@ def _measure(v: Verdict, out: Path) -> None:
         return
     v.downtimes_s = [round(i.downtime_s, 3) for i in incidents]
     for inj in v.injections:
-        if inj.fault.kind is FaultKind.RESTART_ETCD:
+        if not inj.fault.kind.loses_ranks and not inj.fault.kind.is_partition:
             continue
         after = [i.ended_at for i in incidents if i.ended_at >= inj.t_monotonic]
         if after:
@@ -231,8 +303,9 @@ def _measure(v: Verdict, out: Path) -> None:
 def render_table(verdicts: list[Verdict]) -> str:
     rows = [("scenario", "fault", "verdict", "gen", "kill->step s", "downtime s", "goodput", "wall s")]
     for v in verdicts:
+        verdict = "PASS" if v.passed else "FAIL"
         rows.append((
-            v.scenario.name, v.scenario.fault, "PASS" if v.passed else "FAIL",
+            v.scenario.name, v.scenario.fault, verdict + (" (ended)" if v.ended is not None else ""),
             "-" if v.generation is None else str(v.generation),
             ",".join(f"{x:.2f}" for x in v.kill_to_step_s) or "-",
             ",".join(f"{x:.2f}" for x in v.downtimes_s) or "-",
@@ -242,6 +315,10 @@ def render_table(verdicts: list[Verdict]) -> str:
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
     for v in verdicts:
+        if v.ended is not None:
+            lines.append(f"  {v.scenario.name}: job ended: {v.ended}")
+        for note in v.notes:
+            lines.append(f"  {v.scenario.name}: note: {note}")
         for reason in v.reasons:
             lines.append(f"  {v.scenario.name}: {reason}")
     return "\n".join(lines) + "\n"

@@ -30,10 +30,26 @@ class FaultKind(str, Enum):
     KILL_AGENT = "kill_agent"        # SIGKILL a whole non-leading agent: node loss
     KILL_LEADER = "kill_leader"      # SIGKILL the agent currently leading the election
     RESTART_ETCD = "restart_etcd"    # SIGKILL + restart the etcd server (same data dir and ports)
+    PARTITION_NODE_ETCD = "partition_node_etcd"  # cut one node (agent + workers) from etcd only
+    PARTITION_WORKERS = "partition_workers"      # cut worker<->worker traffic of two nodes (the store stays up)
+    PARTITION_NODES = "partition_nodes"          # cut ALL node<->node traffic (Gloo and the agents' store)
 
     @property
     def loses_node(self) -> bool:
         return self in (FaultKind.KILL_AGENT, FaultKind.KILL_LEADER)
+
+    @property
+    def is_partition(self) -> bool:
+        """Needs a netns cluster (``ClusterSpec(netns=True)``); kills nothing by itself."""
+        return self in (FaultKind.PARTITION_NODE_ETCD, FaultKind.PARTITION_WORKERS, FaultKind.PARTITION_NODES)
+
+    @property
+    def loses_ranks(self) -> bool:
+        """Whether the fault by itself destroys ranks (a partition or an etcd restart does not)."""
+        return not (self is FaultKind.RESTART_ETCD or self.is_partition)
+
+
+PARTITION_MODES = ("drop", "reset")
 
 
 # Kinds that lose exactly the targeted ranks (node kinds lose a whole node's ranks).
@@ -46,15 +62,24 @@ class Fault:
 
     ``targets`` are global ranks; for node kinds it is the one rank whose
     agent is the victim (the rank is also where the runner synchronises).
+    Partitions: ``PARTITION_NODE_ETCD`` cuts the node of ``targets[0]`` from etcd;
+    ``PARTITION_WORKERS`` / ``PARTITION_NODES`` cut the nodes of ``targets[0]``
+    and ``targets[1]`` from each other (workers only / everything). ``duration_s`` is how long the cut lasts (None: never
+    healed); ``mode`` is ``drop`` (a black hole) or ``reset`` (TCP RST).
     """
 
     step: int
     kind: FaultKind
     targets: tuple[int, ...]
+    duration_s: float | None = None
+    mode: str = "drop"
 
     def describe(self) -> str:
         who = ",".join(str(t) for t in self.targets)
-        return f"step {self.step}: {self.kind.value} rank {who}"
+        text = f"step {self.step}: {self.kind.value} rank {who}"
+        if self.kind.is_partition:
+            text += f" ({self.mode}, {'permanent' if self.duration_s is None else f'{self.duration_s:g}s'})"
+        return text
 
 
 @dataclass(frozen=True)
@@ -78,6 +103,7 @@ class ScheduleConfig:
     min_gap: int = 2
     allow_beyond_k: bool = False
     spare_slots: int = 0
+    partition_s: float = 4.0  # how long a drawn partition lasts
 
     def validate(self) -> None:
         _int_at_least("steps", self.steps, 1)
@@ -100,6 +126,10 @@ class ScheduleConfig:
         for k in self.kinds:
             if not isinstance(k, FaultKind):
                 raise ConfigError("kinds", k, f"not one of {[x.value for x in FaultKind]}")
+        if any(k.is_partition for k in self.kinds) and self.world_size // self.nproc_per_node < 2:
+            raise ConfigError("kinds", [k.value for k in self.kinds], "partitions need >= 2 worker nodes")
+        if not self.partition_s > 0:
+            raise ConfigError("partition_s", self.partition_s, "must be > 0 seconds")
         if any(k.loses_node for k in self.kinds):
             if self.world_size // self.nproc_per_node < 2:
                 raise ConfigError("kinds", [k.value for k in self.kinds], "node loss needs >= 2 worker nodes")
@@ -126,7 +156,7 @@ class Schedule:
         """Ranks lost by the faults at ``step`` (a node fault loses its node's ranks)."""
         lost: set[int] = set()
         for f in self.faults:
-            if f.step == step and f.kind is not FaultKind.RESTART_ETCD:
+            if f.step == step and f.kind.loses_ranks:
                 lost |= _lost_ranks(f, self.config.nproc_per_node)
         return lost
 
@@ -178,16 +208,34 @@ def make_schedule(cfg: ScheduleConfig, seed: int) -> Schedule:
     for i in range(cfg.faults):
         step = cfg.first_step + i * cfg.min_gap + extra[i]
         kind = rng.choice(cfg.kinds)
+        per = cfg.nproc_per_node
+        nodes = cfg.world_size // per
         if kind.loses_node or kind is FaultKind.RESTART_ETCD:
-            per = cfg.nproc_per_node
-            nodes = cfg.world_size // per
             # Any node may go; the runner resolves the leader at injection time.
             targets: tuple[int, ...] = (rng.randrange(1, nodes) * per if kind is FaultKind.KILL_AGENT else 0,)
+        elif kind.is_partition:
+            other = rng.randrange(1, nodes) * per
+            targets = (other,) if kind is FaultKind.PARTITION_NODE_ETCD else (0, other)
+            faults.append(Fault(step, kind, targets, cfg.partition_s,
+                                "drop" if kind is FaultKind.PARTITION_NODE_ETCD else "reset"))
+            continue
         else:
             count = rng.randint(1, cfg.max_concurrent)
             targets = _victims(rng, cfg, count, hold)
         faults.append(Fault(step, kind, targets))
     return Schedule(seed, cfg, tuple(faults))
+
+
+def _check_partition(cfg: ScheduleConfig, f: Fault) -> None:
+    if f.duration_s is not None and not f.duration_s > 0:
+        raise ConfigError("duration_s", f.duration_s, "must be > 0 seconds (None: permanent)")
+    if f.mode not in PARTITION_MODES:
+        raise ConfigError("mode", f.mode, f"must be one of {PARTITION_MODES}")
+    want = 1 if f.kind is FaultKind.PARTITION_NODE_ETCD else 2
+    if len(f.targets) != want:
+        raise ConfigError("targets", f.targets, f"{f.kind.value} takes {want} rank(s)")
+    if want == 2 and f.targets[0] // cfg.nproc_per_node == f.targets[1] // cfg.nproc_per_node:
+        raise ConfigError("targets", f.targets, "a workers partition needs ranks on two different nodes")
 
 
 def explicit_schedule(cfg: ScheduleConfig, faults: list[Fault], seed: int = 0) -> Schedule:
@@ -200,6 +248,8 @@ def explicit_schedule(cfg: ScheduleConfig, faults: list[Fault], seed: int = 0) -
         for t in f.targets:
             if not 0 <= t < cfg.world_size:
                 raise ConfigError("target", t, f"must be a rank in [0, {cfg.world_size})")
+        if f.kind.is_partition:
+            _check_partition(cfg, f)
     sched = Schedule(seed, cfg, tuple(sorted(faults, key=lambda f: f.step)))
     for step in {f.step for f in faults}:
         lost = sched.lost_at(step)

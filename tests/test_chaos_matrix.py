@@ -4,16 +4,31 @@ CI runs one bounded, seeded scenario (not marked slow): a hang and a kill of
 different ranks at fixed steps on 2 nodes x 2 workers, plus its baseline --
 two job runs, about 60-80 s on 2 cores. The full matrix (every scenario of
 ``ckptless-chaos list`` and more seeds) is ``@pytest.mark.slow``.
+
+Partition scenarios (one network namespace per node, docs/chaos.md) need root
+and run only with ``-m slow``; the ones that expose a known product gap are
+``xfail`` (not strict) with the gap named, so a fix turns them into XPASS.
 """
 
 from __future__ import annotations
 
+import os
 
 import pytest
 
-from ckptless.chaos.main import catalogue, random_scenario
+from ckptless.chaos.faults import HOLD_BEFORE_END, pause_spec
+from ckptless.chaos.main import catalogue, partition_scenarios, random_scenario
 from ckptless.chaos.scenario import BaselineCache, Scenario, render_table, run_scenario
-from ckptless.chaos.schedule import FaultKind
+from ckptless.chaos.schedule import Fault, FaultKind, ScheduleConfig, explicit_schedule
+from ckptless.errors import ConfigError
+
+PARTITIONS = sorted(sc.name for sc in partition_scenarios())
+# Product gaps these scenarios expose (docs/chaos.md, "Findings"); not fixable in chaos/.
+KNOWN_GAPS = {
+    "partition-etcd-permanent": "an agent cut off from etcd for good never exits (no lease-loss deadline)",
+    "partition-workers-permanent": "the job ends with 'gave up after 50 recoveries', not the connect errors",
+    "partition-nodes": "a worker never reconnects a TCPStore client broken by the partition",
+}
 
 CI_SEED = 5  # step 5: hang rank 3; step 10: kill rank 1 (asserted below, so a schedule change is caught)
 
@@ -40,9 +55,27 @@ def test_ci_seeded_hang_then_kill(baselines: BaselineCache) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(420)
-@pytest.mark.parametrize("name", sorted(catalogue()))
+@pytest.mark.parametrize("name", sorted(set(catalogue()) - set(PARTITIONS)))
 def test_matrix_scenario(name: str, baselines: BaselineCache) -> None:
     _check(catalogue()[name], baselines)
+
+
+def _partition_param(name: str) -> object:
+    marks = [pytest.mark.xfail(reason=KNOWN_GAPS[name], strict=False)] if name in KNOWN_GAPS else []
+    return pytest.param(name, marks=marks)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0, reason="network namespaces need root")
+@pytest.mark.parametrize("name", [_partition_param(n) for n in PARTITIONS])
+def test_partition_scenario(name: str, baselines: BaselineCache) -> None:
+    """Survived bitwise equal, or (where the scenario allows it) ended naming the cause."""
+    sc = catalogue()[name]
+    v = run_scenario(sc, baselines.root, baselines, log=lambda _line: None)
+    assert v.passed, render_table([v])
+    if v.ended is None and sc.generation is not None:
+        assert v.generation is not None and v.generation >= sc.generation[0]
 
 
 @pytest.mark.slow
@@ -63,3 +96,32 @@ def test_catalogue_is_valid_and_named_uniquely() -> None:
         if any(f.kind.loses_node for f in sc.schedule.faults):
             assert sc.spec.spare_nodes * sc.spec.spares_per_spare_node >= sc.spec.nproc_per_node, sc.name
     assert cat["beyond-k-disk"].expect_disk and cat["beyond-k-disk"].spec.snapshot_every
+
+
+def test_partition_scenarios_are_well_formed() -> None:
+    """Fast: every partition scenario runs in namespaces, names its fault, bounds its generation."""
+    assert {"partition-etcd-short", "partition-etcd-long", "partition-workers"} <= set(PARTITIONS)
+    for sc in partition_scenarios():
+        assert sc.spec.netns and sc.generation is not None, sc.name
+        assert all(f.kind.is_partition and not f.kind.loses_ranks for f in sc.schedule.faults)
+        assert sc.schedule.lost_at(sc.schedule.faults[0].step) == set()
+    short = catalogue()["partition-etcd-short"]
+    assert short.generation == (0, 0) and short.schedule.faults[0].duration_s is not None
+    long = catalogue()["partition-etcd-long"]
+    grace = long.spec.node_grace
+    assert grace is not None and long.schedule.faults[0].duration_s is not None
+    assert long.schedule.faults[0].duration_s > long.spec.lease_ttl + grace
+
+
+def test_partition_schedule_validation_and_pauses() -> None:
+    cfg = ScheduleConfig(steps=40, kinds=(FaultKind.PARTITION_WORKERS,))
+    with pytest.raises(ConfigError, match="two different nodes"):
+        explicit_schedule(cfg, [Fault(5, FaultKind.PARTITION_WORKERS, (0, 1), 3.0)])
+    with pytest.raises(ConfigError, match="mode"):
+        explicit_schedule(cfg, [Fault(5, FaultKind.PARTITION_WORKERS, (1, 2), 3.0, "flaky")])
+    with pytest.raises(ConfigError, match="duration_s"):
+        explicit_schedule(cfg, [Fault(5, FaultKind.PARTITION_NODE_ETCD, (2,), 0.0)])
+    sched = explicit_schedule(cfg, [Fault(5, FaultKind.PARTITION_WORKERS, (1, 2), 3.0, "reset")])
+    hold = 40 - HOLD_BEFORE_END
+    assert pause_spec(sched.faults, 40, 4) == f"f0r1:1:5,f0r2:2:5,h0r0:0:{hold},h0r1:1:{hold},h0r2:2:{hold},h0r3:3:{hold}"
+    assert pause_spec(sched.faults) == "f0r1:1:5,f0r2:2:5"
