@@ -221,6 +221,10 @@ class Job:
             self._store = (addr, groups.connect_store(addr[0], addr[1], self.ctx.collective_timeout_s))
         return self._store[1]
 
+    def forget_store(self) -> None:
+        """Drop the cached store client: the next generation connects a fresh one."""
+        self._store = None
+
     def adopt(self, m: Membership) -> None:
         """A membership that includes us: take its rank (a spare learns it now) and make the default group."""
         first = self.seen is None

@@ -90,6 +90,7 @@ class NodeAgent:
         self._metrics: MetricsExporter | None = None
         self._warm_started = False
         self._reexec_pending: set[int] = set()
+        self._lost_since: float | None = None  # when our lease was found lost and could not be renewed
         self._incident_t: dict[int, float] = {}  # generation -> when its incident opened (for metrics)
         self._published_t: dict[int, float] = {}
 
@@ -220,15 +221,26 @@ class NodeAgent:
                         log.warning("worker %s is not part of generation %d: killing it", slot.worker_id, m.generation)
                         group.send_signal(slot.local_rank, signal.SIGKILL)
                     self.slots.assign(slot.local_rank, None)  # its rank now runs elsewhere
-            for a in m.ranks:
-                if a.node_id == self.node_id and a.source == "respawn":
-                    self._respawn(group, a, m.generation)
+            respawns = [a for a in m.ranks if a.node_id == self.node_id and a.source == "respawn"]
+        if respawns:  # off the watch thread: each waits (bounded) for the process it replaces to be reaped
+            threading.Thread(target=self._respawn_all, args=(group, respawns, m.generation),
+                             name="ckptless-respawn", daemon=True).start()
         for lr in list(self._reexec_pending):
             self._reexec_if_assigned(lr)
+
+    def _respawn_all(self, group: WorkerGroup, assignments: list[Assignment], generation: int) -> None:
+        for a in assignments:
+            self._respawn(group, a, generation)
 
     def _respawn(self, group: WorkerGroup, a: Assignment, generation: int) -> None:
         slot = self.slots.for_rank_slot(a.rank, self._result.rank_offset if self._result else 0)
         if slot is None or slot.worker_id == a.worker_id:
+            return
+        deadline = time.monotonic() + 10.0  # a SIGKILLed process is reaped within milliseconds
+        while self.slots.get(slot.local_rank).alive and time.monotonic() < deadline:
+            self._stopping.wait(0.01)  # until its exit is recorded under its own worker id
+        if self.slots.get(slot.local_rank).alive:
+            log.error("rank %d: the worker it replaces (%s) did not exit; not respawning", a.rank, slot.worker_id)
             return
         log.warning("respawning rank %d as %s (generation %d)", a.rank, a.worker_id, generation)
         self.slots.reset(slot.local_rank, a.worker_id, a.rank)
@@ -292,8 +304,11 @@ class NodeAgent:
             session = Session(self._client, ttl_s=self.cfg.lease_ttl, name=self.node_id)
         except CoordinatorError as exc:
             self._session = old  # still done: try again on the next turn
+            if self._lost_since is None:
+                self._lost_since = time.monotonic()
             log.debug("renewing the lease failed: %s", exc)
             return
+        self._lost_since = None
         self._session = session
         Rendezvous(self._client, self.keyspace, session).register(self._me)
         for slot in self.slots.all():
@@ -307,8 +322,10 @@ class NodeAgent:
 
     def _start_leader(self, session: Session) -> RecoveryLeader:
         cfg = self.cfg
+        collective = float(os.environ.get("CKPTLESS_COLLECTIVE_TIMEOUT") or 60.0)
         leader = RecoveryLeader(self._client, self.keyspace, session, self._host, self._store_port,  # type: ignore[arg-type]
-                                LeaderConfig(cfg.run_id, cfg.replicas, cfg.placement, node_grace_s=cfg.node_grace),
+                                LeaderConfig(cfg.run_id, cfg.replicas, cfg.placement, node_grace_s=cfg.node_grace,
+                                             alive_report_timeout_s=collective + 10.0),
                                 snapshot_step=self._snapshot_step)
         leader.start()
         return leader
@@ -328,7 +345,27 @@ class NodeAgent:
             return 0
         if not self.slots.ever_ranked() and self._all_ranks_finished():
             return 0  # a spare-only node outlives nobody
+        if self._cut_off():
+            return 1
         return None
+
+    def _cut_off(self) -> bool:
+        """Cut from etcd past the node grace with none of our workers left: the job went on without us.
+
+        While etcd is merely down for everyone, our workers keep training and we stay;
+        only once they have all ended (not by finishing) is there nothing left to wait for.
+        """
+        lost = self._lost_since
+        if lost is None or not self.slots.ever_ranked():
+            return False
+        if time.monotonic() - lost <= self.cfg.node_grace + self.cfg.lease_ttl:
+            return False
+        if any(s.alive for s in self.slots.all() if s.rank is not None):
+            return False
+        print(f"ckptless-run: this node was cut off from etcd for {time.monotonic() - lost:.0f}s (more than "
+              f"--node-grace {self.cfg.node_grace:.0f}s) and its workers have ended: its ranks were re-planned "
+              "elsewhere; leaving", file=sys.stderr, flush=True)
+        return True
 
     def _hosts_store(self) -> bool:
         """This agent hosts the current generation's store (others may still need it to finish)."""
@@ -624,6 +661,8 @@ class NodeAgent:
             common["CKPTLESS_GOODPUT_DIR"] = os.path.abspath(cfg.goodput_dir)
         if cfg.shm_dir:
             common["CKPTLESS_SHM_DIR"] = os.path.abspath(cfg.shm_dir)
+        if cfg.local_addr:  # workers' Gloo binds here too (see worker/rebindable.new_gloo)
+            common["CKPTLESS_LOCAL_ADDR"] = cfg.local_addr
         if cfg.snapshot_dir:  # also without --snapshot-every: a restarted job resumes from it
             common["CKPTLESS_SNAPSHOT_DIR"] = os.path.abspath(cfg.snapshot_dir)
             common["CKPTLESS_SNAPSHOT_EVERY"] = str(cfg.snapshot_every)

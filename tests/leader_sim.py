@@ -36,7 +36,8 @@ from ckptless.recovery.view import ExitRecord, JobStatus, JobView, ReportRecord
 from ckptless.recovery.wire import Membership
 
 JOB = "job"
-CFG = LeaderConfig(JOB, replicas=1, report_timeout_s=10, replacement_timeout_s=30, formation_timeout_s=20,
+CFG = LeaderConfig(JOB, replicas=1, report_timeout_s=10, alive_report_timeout_s=40, replacement_timeout_s=30,
+                   formation_timeout_s=20,
                    formation_extensions=2, node_grace_s=5, gone_node_report_grace_s=1, max_recoveries=50)
 
 

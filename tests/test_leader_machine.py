@@ -246,6 +246,8 @@ def test_silent_rank_is_lost_at_the_report_deadline() -> None:
     ld.observe(CFG.report_timeout_s - 1)
     assert isinstance(ld.state, Collecting)
     ld.observe(2)
+    assert isinstance(ld.state, Collecting), "a live process may be inside a collective: it gets longer"
+    ld.observe(CFG.alive_report_timeout_s - CFG.report_timeout_s)
     assert "did not report within" in ld.messages()
     # 0 and 1 lost: 0's holder (2) and 1's holder (3) are alive -> a memory plan
     assert isinstance(ld.state, AwaitingFormation)
@@ -517,3 +519,22 @@ def test_early_kill_of_a_ported_job_restarts_from_the_initial_state() -> None:
     (plan,) = ld.world.published
     assert isinstance(plan, RecoveryPlan) and plan.resume_version == 0 and plan.initial_ranks == (1,)
     assert not plan.transfers
+
+
+def test_silent_rank_whose_process_died_is_lost_at_the_report_deadline() -> None:
+    ld = fresh_leader()
+    ld.world.kill(1)
+    ld.observe()
+    ld.world.report(2)
+    ld.world.report(3)
+    ld.world.lose_node("n0")  # rank 0's node is gone too, and rank 0 never reports
+    ld.observe(CFG.report_timeout_s + 1)
+    assert isinstance(ld.state, AwaitingFormation) or isinstance(ld.state, WaitingForReplacement)
+
+
+def test_give_up_names_the_last_cause() -> None:
+    ld = fresh_leader()
+    ld.state = Planning(CFG.max_recoveries, frozenset({1}), 0.0, "rank 1 ended by signal 9")
+    d = RecoveryPlan("job", CFG.max_recoveries + 1, (), (1,), 4, (), (), True, (), 0)
+    ld.feed(Planned(d, (), 0.0))
+    assert isinstance(ld.state, Ended) and "the last: rank 1 ended by signal 9" in ld.state.reason

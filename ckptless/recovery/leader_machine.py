@@ -40,6 +40,9 @@ class LeaderConfig:
     replicas: int
     placement: str = "ring"
     report_timeout_s: float = 15.0
+    # A rank whose process is alive may sit in a collective until the collective timeout
+    # before it can notice the incident (e.g. a reset connection it is only receiving on).
+    alive_report_timeout_s: float = 70.0
     gone_node_report_grace_s: float = 1.0
     replacement_timeout_s: float = 60.0
     formation_timeout_s: float = 60.0
@@ -62,6 +65,7 @@ class Collecting:
     opened_at: float
     deadline: float
     others_in_at: float | None = None  # when every rank not on a vanished node had reported
+    reason: str = ""
 
 
 @dataclass(frozen=True)
@@ -69,6 +73,7 @@ class Planning:
     generation: int
     lost: frozenset[int]
     opened_at: float
+    reason: str = ""
 
 
 @dataclass(frozen=True)
@@ -323,7 +328,7 @@ def _watch(state: Watching, view: JobView, now: float, cfg: LeaderConfig) -> Ste
 def _open(generation: int, view: JobView, now: float, cfg: LeaderConfig, reason: str,
           lost: frozenset[int] = frozenset()) -> Step:
     lost = lost | view.faulted
-    opened = Collecting(generation, lost, now, now + cfg.report_timeout_s)
+    opened = Collecting(generation, lost, now, now + cfg.report_timeout_s, reason=reason)
     nxt, actions = _collect(opened, view, now, cfg)
     return nxt, (OpenIncident(generation, tuple(sorted(lost)), reason),
                  Log("warning", f"generation {generation}: incident ({reason}); collecting reports"), *actions)
@@ -355,13 +360,18 @@ def _collect(state: Collecting, view: JobView, now: float, cfg: LeaderConfig) ->
                               "(port the script: docs/porting.md, or run it under torchrun)",
                     faults[0] if faults else None)
     if missing and now >= state.deadline:
-        logs.append(Log("warning", f"generation {state.generation}: ranks {sorted(missing)} did not report within "
-                                   f"{cfg.report_timeout_s:.0f}s; treating them as lost"))
-        lost, missing = lost | missing, set()
+        # A live process may still be inside a collective: it gets the collective timeout.
+        alive = {r for r in missing if r not in gone and view.current_exit(r) is None}
+        late = now >= state.opened_at + max(cfg.alive_report_timeout_s, cfg.report_timeout_s)
+        silent = missing if late else missing - alive
+        if silent:
+            logs.append(Log("warning", f"generation {state.generation}: ranks {sorted(silent)} did not report within "
+                                       f"{now - state.opened_at:.0f}s; treating them as lost"))
+            lost, missing = lost | silent, missing - silent
     if missing:
         return replace(state, lost=frozenset(lost), others_in_at=others_in), tuple(logs)
-    return Planning(state.generation, frozenset(lost), state.opened_at), (*logs, RequestPlan(state.generation,
-                                                                                             frozenset(lost)))
+    return (Planning(state.generation, frozenset(lost), state.opened_at, state.reason),
+            (*logs, RequestPlan(state.generation, frozenset(lost))))
 
 
 def _planned(state: State, event: Planned, cfg: LeaderConfig) -> Step:
@@ -378,7 +388,7 @@ def _planned(state: State, event: Planned, cfg: LeaderConfig) -> Step:
                 notes + (Log("warning", f"waiting for a replacement: {d.reason}"),))
     if d.generation > cfg.max_recoveries:
         st, acts = _end("failed", f"gave up after {state.generation} recoveries (limit {cfg.max_recoveries}): "
-                                  "failures keep recurring")
+                                  f"failures keep recurring; the last: {state.reason[:300]}")
         return st, notes + acts
     return Publishing(state.generation, d, state.opened_at), notes + (Publish(d, state.generation),)
 
@@ -393,7 +403,7 @@ def _wait_replacement(state: WaitingForReplacement, view: JobView, now: float, c
     if state.seen is None:  # the first look after planning: only a *change* triggers a re-plan
         state = replace(state, seen=key)
     if key != state.seen or lost != state.lost:
-        return Planning(state.generation, lost, state.opened_at), (RequestPlan(state.generation, lost),)
+        return Planning(state.generation, lost, state.opened_at, state.reason), (RequestPlan(state.generation, lost),)
     if now >= state.deadline:
         return _end("failed", f"no replacement within {cfg.replacement_timeout_s:.0f}s: {state.reason}")
     return state, ()

@@ -138,6 +138,7 @@ def _form(job: Job, a: FormGroups) -> Event:
     except TransportError as exc:
         reason = str(exc)
     if reason:
+        job.forget_store()  # a broken client never recovers (a partition, a store restart): connect anew
         return FormFailed(reason)
     gen.bound = True
     if m.decision is not None:

@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from ckptless.errors import ConfigError, TransportError
 from ckptless.worker import exit_guard
-from ckptless.worker.rebindable import PLUGIN, RebindableGroup
+from ckptless.worker.rebindable import PLUGIN, RebindableGroup, new_gloo
 
 log = logging.getLogger(__name__)
 
@@ -212,8 +212,8 @@ def mirror_group(store: dist.Store, generation: int, rank: int, world_size: int,
     its engine instead.
     """
     try:
-        pg = dist.ProcessGroupGloo(dist.PrefixStore(f"ckptless/gen{generation}/mirror/", store), rank, world_size,
-                                   timedelta(seconds=timeout_s))
+        pg = new_gloo(dist.PrefixStore(f"ckptless/gen{generation}/mirror/", store), rank, world_size,
+                      timedelta(seconds=timeout_s))
     except (RuntimeError, ValueError) as exc:
         raise TransportError(f"forming generation {generation}'s mirror group failed on rank {rank}: {exc}") from exc
     return cast(dist.ProcessGroup, pg)

@@ -37,6 +37,7 @@ cuda tensors (written device-agnostically, untested here).
 
 from __future__ import annotations
 
+import os
 import threading
 from datetime import timedelta
 from typing import Any
@@ -49,6 +50,22 @@ from ckptless.errors import CollectiveError
 
 GLOO = dist.ProcessGroup.BackendType.GLOO
 PLUGIN = "ckptless"
+
+
+def new_gloo(store: dist.Store, rank: int, size: int, timeout: timedelta) -> dist.ProcessGroupGloo:
+    """A Gloo communicator that binds to this node's ``--local-addr`` when one was given.
+
+    Why: Gloo otherwise binds the address the hostname resolves to (127.0.0.1 on
+    many hosts), which peers on other nodes cannot reach ("connectFullMesh ...
+    Connection refused"); ``GLOO_SOCKET_IFNAME`` still wins when set.
+    """
+    addr = os.environ.get("CKPTLESS_LOCAL_ADDR")
+    if not addr or os.environ.get("GLOO_SOCKET_IFNAME"):
+        return dist.ProcessGroupGloo(store, rank, size, timeout)
+    opts = dist.ProcessGroupGloo._Options()
+    opts._timeout = timeout
+    opts._devices = [dist.ProcessGroupGloo.create_device(hostname=addr)]
+    return dist.ProcessGroupGloo(store, rank, size, opts)
 
 
 def _done_work(result: Any) -> dist.Work:
@@ -154,7 +171,7 @@ class RebindableGroup(dist.ProcessGroup):
         """The generation's communicator (blocks until every member of the group built it)."""
         prefix = dist.PrefixStore(f"ckptless/gen{generation}/pg/{self._name}/", store)
         inner = dist.ProcessGroup(prefix, self.rank(), self.size())
-        gloo = dist.ProcessGroupGloo(prefix, self.rank(), self.size(), self.timeout)
+        gloo = new_gloo(prefix, self.rank(), self.size(), self.timeout)
         gloo._set_sequence_number_for_group()
         gloo.options.group_name = self._name
         gloo.options.global_ranks_in_group = self.global_ranks
