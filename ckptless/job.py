@@ -125,6 +125,7 @@ class Job:
                                  await_timeout_s=max(600.0, ctx.recovery_timeout_s))
         self._state: State = Joining(0.0)
         self._pending: deque[Action] = deque()
+        self._closed = False
         self.ledger.emit(EventKind.JOB_START, generation=ctx.generation, role=ctx.role)
         self.prebuilt = self.recovery and ctx.standby_rank is not None
         if self.prebuilt:
@@ -339,6 +340,11 @@ class Job:
     # --- the end --------------------------------------------------------------------------------------
     def close(self) -> None:
         """Stop mirroring and snapshots and leave the groups (idempotent)."""
+        if self.spec is not None and not self._closed:
+            from ckptless.state.digest import write_digest
+
+            write_digest(self.registry, self.rank, self.spec.steps)  # only when a chaos runner asked
+        self._closed = True
         if self.snapshots is not None:
             try:
                 self.snapshots.close(timeout=self.ctx.recovery_timeout_s)
