@@ -23,7 +23,8 @@ import os
 import sys
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Generator, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -57,6 +58,7 @@ from ckptless.worker.machine import (
     Started,
     State,
     Train,
+    UserError,
     WaitFinalCommit,
     WorkerConfig,
     is_terminal,
@@ -80,9 +82,12 @@ class RunResult:
 
 @dataclass(frozen=True)
 class RunSpec:
-    train_step: Callable[[int], Any]
+    train_step: Callable[[int], Any] | None  # None: the loop API (job.steps), the caller runs each step
     steps: int
     start_step: int
+
+
+_UNSET: Any = object()
 
 
 class Job:
@@ -126,6 +131,7 @@ class Job:
         self._state: State = Joining(0.0)
         self._pending: deque[Action] = deque()
         self._closed = False
+        self._guard_outcome: Any = _UNSET
         self.ledger.emit(EventKind.JOB_START, generation=ctx.generation, role=ctx.role)
         self.prebuilt = self.recovery and ctx.standby_rank is not None
         if self.prebuilt:
@@ -191,6 +197,20 @@ class Job:
                 return
             self._pending.popleft()
             event = actions.execute(self, action)
+            if event is not None:
+                self.feed(event)
+        if isinstance(self._state, Failed):
+            self._raise_failure(self._state)
+
+    def _drive_steps(self) -> Generator[int, Event | None, None]:
+        """The drive loop for the loop API: yields each step to the caller's ``for`` body."""
+        while self._pending:
+            action = self._pending.popleft()
+            if isinstance(action, Train):
+                event: Event | None = yield from actions.train_steps(self, action.generation, action.from_step,
+                                                                     action.until_reprotected)
+            else:
+                event = actions.execute(self, action)
             if event is not None:
                 self.feed(event)
         if isinstance(self._state, Failed):
@@ -317,10 +337,11 @@ class Job:
         return image
 
     # --- the loop ------------------------------------------------------------------------------------
-    def run(self, train_step: Callable[[int], Any], steps: int, start_step: int = 0) -> RunResult:
-        """Call ``train_step(step)`` for ``step`` in ``[start_step, steps)``, protected and recovered."""
+    def _prepare(self, train_step: Callable[[int], Any] | None, steps: int, start_step: int) -> None:
         if steps < start_step:
             raise ConfigError("steps", steps, f"must be >= start_step ({start_step})")
+        if self.spec is not None:
+            raise ConfigError("run", steps, "a job trains once: run() or steps() was already called")
         if len(self.registry) <= 1:
             log.warning("ckptless: nothing protected besides RNG; call job.protect(model=..., optimizer=...)")
         else:
@@ -330,6 +351,62 @@ class Job:
                 log.warning("ckptless: no data position is protected: after a recovery the resumed ranks will "
                             "not replay the same batches (protect one, e.g. data=ckptless.data.resumable(loader))")
         self.spec = RunSpec(train_step, steps, start_step)
+
+    def registry_step_done(self) -> None:
+        """Tell protected objects that track per-step facts (a DDP reducer's phase) that a step ended."""
+        done = getattr(self.registry, "step_done", None)
+        if done is not None:
+            done()
+
+    def steps(self, steps: int, start_step: int = 0) -> Iterator[int]:
+        """The loop API: ``for step in job.steps(n):`` with the body inside ``with job.guard():``.
+
+        Yields the step to run next: after a recovery, the resume step (earlier
+        steps are run again, exactly as ``run`` does). The guard is required:
+        it decides whether an exception in the body is a fault (recovered: the
+        next step yielded is the resume step) or the user's own error
+        (re-raised: the job fails fast). Locals the body keeps across
+        iterations are not protected, as with ``run``'s closures.
+        """
+        self._prepare(None, steps, start_step)
+        it: Generator[int, Event | None, None] = (
+            self._drive_steps() if self.recovery else actions.plain_steps(self))  # type: ignore[assignment]
+        try:
+            step = next(it)
+            while True:
+                self._guard_outcome = _UNSET
+                yield step
+                outcome = self._guard_outcome
+                if outcome is _UNSET:
+                    raise ConfigError("loop", step, "wrap the body of `for step in job.steps(n):` in "
+                                                    "`with job.guard():` so that a failure inside it is recovered")
+                step = it.send(outcome)
+        except StopIteration:
+            return
+
+    @contextmanager
+    def guard(self) -> Iterator[None]:
+        """One step of the loop API: a fault inside is recovered, the user's own error re-raised."""
+        try:
+            yield
+        except (KeyboardInterrupt, GeneratorExit):
+            raise
+        except BaseException as exc:
+            if not self.recovery:
+                raise
+            event = actions.classify(self, exc)
+            if isinstance(event, UserError):
+                exit_file.write("user_error", exit_file.summarize(exc))
+                code = exc.code if isinstance(exc, SystemExit) and isinstance(exc.code, int) else 1
+                exit_guard.set_exit_code(code)
+                raise
+            self._guard_outcome = event  # a fault: suppressed; the loop yields the resume step next
+        else:
+            self._guard_outcome = None
+
+    def run(self, train_step: Callable[[int], Any], steps: int, start_step: int = 0) -> RunResult:
+        """Call ``train_step(step)`` for ``step`` in ``[start_step, steps)``, protected and recovered."""
+        self._prepare(train_step, steps, start_step)
         if not self.recovery:
             return actions.run_without_recovery(self)
         self._drive()

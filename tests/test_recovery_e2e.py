@@ -209,3 +209,17 @@ def test_leader_killed_mid_publish(module_etcd: EmbeddedEtcd, tmp_path: Path, ba
     _survivors_kept_pids(c, {1})
     m = c.membership()
     assert m is not None and m.generation == 1, "published once, by the new leader"
+
+
+def test_loop_api_survives_a_kill(module_etcd: EmbeddedEtcd, tmp_path: Path, baseline: dict) -> None:
+    """``for step in job.steps(n): with job.guard(): ...`` recovers like run(): bitwise equal."""
+    c = _cluster(module_etcd, tmp_path, "loop", REF_PAUSE_RANK="2", REF_PAUSE_STEP="5", REF_LOOP_API="1")
+    try:
+        c.start_agent()
+        c.start_agent()
+        os.kill(c.paused_pid(2), signal.SIGKILL)
+        c.wait()
+    finally:
+        c.kill_all()
+    assert_bitwise_equal(c.finals(), baseline)
+    _survivors_kept_pids(c, {2})

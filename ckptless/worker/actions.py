@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Generator
 from typing import TYPE_CHECKING
 
 from ckptless import chaos_hooks
@@ -254,32 +255,49 @@ def _protect(job: Job, version: int) -> Event | None:
 
 
 def _call_step(job: Job, step: int) -> Event | None:
-    assert job.spec is not None
-    generation = job.generation
-    reason = ""
-    chaos_hooks.pause_point(f"step:r{job.rank}:{step}", rank=job.rank, step=step)
+    """Run the user's step for ``step`` (the callback API); classify what escapes it."""
+    assert job.spec is not None and job.spec.train_step is not None
     try:
         job.spec.train_step(step)
         return None
     except (KeyboardInterrupt, GeneratorExit):
         raise
-    except SystemExit as exc:
+    except BaseException as exc:
+        outcome = classify(job, exc)
+    return outcome  # outside the except block: the traceback no longer pins the communicator
+
+
+def classify(job: Job, exc: BaseException) -> Event:
+    """What an exception escaping the user's step means: a Fault (recover) or a UserError (fail fast)."""
+    if isinstance(exc, SystemExit):
         if exc.code in (None, 0):
-            raise
+            raise exc
         job.exit_error = exc
         return UserError(f"SystemExit: {exc.code}")
-    except BaseException as exc:
-        c = job.control
-        if job.recovery and is_fault(exc, generation, c.incident if c is not None else None):
-            reason = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
-        else:
-            job.exit_error = exc
-            return UserError(f"{type(exc).__name__}: {exc}")
-    return Fault(reason)  # outside the except block: the traceback no longer pins the communicator
+    c = job.control
+    if job.recovery and is_fault(exc, job.generation, c.incident if c is not None else None):
+        return Fault(f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}")
+    job.exit_error = exc
+    return UserError(f"{type(exc).__name__}: {exc}")
 
 
 def train(job: Job, generation: int, from_step: int, until_reprotected: bool) -> Event:
     """Run steps until the end, a failure, or (after a recovery) the re-protection committed."""
+    it = train_steps(job, generation, from_step, until_reprotected)
+    try:
+        step = next(it)
+        while True:
+            step = it.send(_call_step(job, step))
+    except StopIteration as stop:
+        return stop.value
+
+
+def train_steps(job: Job, generation: int, from_step: int, until_reprotected: bool) -> Generator[int, Event | None, Event]:
+    """The training loop as a generator: yields each step to run, receives how it ended (None: done).
+
+    Why a generator: the callback API (``run``) and the loop API (``for step in job.steps(n)``) are
+    the same loop; only who runs the user's code differs. Returns the machine's next event.
+    """
     spec = job.spec
     assert spec is not None
     every = job.mirror_config.mirror_every
@@ -295,9 +313,11 @@ def train(job: Job, generation: int, from_step: int, until_reprotected: bool) ->
                 return JobEnded(c.ended.reason)
             if c.incident(generation):
                 return Fault(f"the coordinator declared generation {generation} failed")
-        failed = _call_step(job, step)
+        chaos_hooks.pause_point(f"step:r{job.rank}:{step}", rank=job.rank, step=step)
+        failed = yield step
         if failed is not None:
             return failed
+        job.registry_step_done()
         done = step + 1
         job.heartbeat.beat(done, generation=generation, committed=job.committed_version,
                            replica_bytes=job.peer_store.bytes_held if job.peer_store is not None else 0)
@@ -359,19 +379,28 @@ def _resume_from_snapshot(job: Job) -> int:
     return step
 
 
-def run_without_recovery(job: Job) -> RunResult:
-    """No coordinator or nothing to mirror to: train; any failure propagates (and ends the job)."""
-    from ckptless.job import RunResult
-
+def plain_steps(job: Job) -> Generator[int, None, None]:
+    """No coordinator or nothing to mirror to: the steps to run; any failure propagates (ends the job)."""
     spec = job.spec
     assert spec is not None
     job.first_after_recovery = False
     start = max(spec.start_step, _resume_from_snapshot(job))
     for s in range(start, spec.steps):
-        spec.train_step(s)
+        yield s
+        job.registry_step_done()
         job.heartbeat.beat(s + 1)
         if job.snapshots is not None and job.snapshots.maybe_snapshot(s + 1, job.generation):
             job.ledger.emit(EventKind.SNAPSHOT_SAVED, step=s + 1, generation=job.generation,
                             block_s=job.snapshots.last_block_s)
         job.ledger.emit(EventKind.STEP_DONE, step=s + 1, generation=job.generation)
+
+
+def run_without_recovery(job: Job) -> RunResult:
+    """No coordinator or nothing to mirror to: train; any failure propagates (and ends the job)."""
+    from ckptless.job import RunResult
+
+    spec = job.spec
+    assert spec is not None and spec.train_step is not None
+    for s in plain_steps(job):
+        spec.train_step(s)
     return RunResult(spec.steps - spec.start_step, spec.steps, None, job.generation, 0)
