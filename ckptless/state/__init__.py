@@ -7,6 +7,14 @@ Public API::
     cap = Capturer(reg, job_id="job", owner=rank)
     img = cap.capture(version=step, generation=gen, out=buf)   # StateImage
     report = restore(reg, img)                 # verifies checksums first; in place where exact
+
+DDP and FSDP2 models (see ckptless.state.ddp, ckptless.state.fsdp)::
+
+    reg.protect(model=ddp_or_fully_sharded_model, optimizer=opt)   # before the first step
+    reg.step_done()                            # after every completed step
+    reg.reset_after_failure()                  # survivor: after groups.release_all(), before restoring
+    with ckptless.worker.groups.local_only():  # DDP state replays collectives: keep them local
+        restore(reg, img)
 """
 
 from ckptless.state.capture import ALIGN, Capturer

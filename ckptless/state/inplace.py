@@ -27,6 +27,15 @@ provably what ``load_state_dict`` of fresh clones would give:
   and it sets ``param_groups`` (lr, betas, step counts) from the image.
   Tensors in ``param_groups`` are tiny and come from fresh clones.
 
+DTensor leaves (FSDP2 parameters and their optimizer moments) are copied
+into the live DTensor's *local shard* when the live value at that path is a
+DTensor with the image's placements, global shape/stride and mesh; the
+optimizer then gets the live DTensor object itself. A module sharded with
+``fully_shard`` carries FSDP2's own load pre-hook, which only re-registers the
+sharded parameters (``state_dict()``, called first, has done exactly that),
+and a load post-hook that re-pads a shard only when loading replaced it
+(copying into it never does): those hooks, and only those, are admitted.
+
 Everything else, and any mismatch (a tensor missing in the live state, e.g.
 moments not created yet on a fresh replacement; another dtype, shape or
 device; live tensors sharing memory with each other or with the image
@@ -44,6 +53,8 @@ import torch
 from torch import nn
 
 from ckptless.errors import ManifestError
+from ckptless.state import fsdp
+from ckptless.state.dtensor import DTensorSpec, is_dtensor, local_of, same_layout
 from ckptless.state.manifest import TensorEntry, dtype_from_name
 from ckptless.state.tree import _join, _where
 
@@ -82,11 +93,16 @@ class NoPlan(Exception):
 
 @dataclass(frozen=True)
 class Target:
-    """Copy image tensor ``index`` into ``live`` (the object's own tensor at ``path``)."""
+    """Copy image tensor ``index`` into ``live`` (the object's own tensor at ``path``).
+
+    ``keep`` is what ``load_state_dict`` then receives at that path when it
+    differs from ``live``: the live DTensor whose local shard ``live`` is.
+    """
 
     index: int
     live: torch.Tensor
     path: str
+    keep: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -117,11 +133,12 @@ def plan(obj: Any, subtree: Any, entries: tuple[TensorEntry, ...], buf: torch.Te
 def _module_loading_is_plain(m: nn.Module) -> None:
     if type(m).load_state_dict is not nn.Module.load_state_dict:
         raise NoPlan(f"{type(m).__qualname__} overrides load_state_dict")
+    pre_ok, post_ok = fsdp.load_hook_ids(m)  # FSDP2's own hooks: no-ops for copies into the live shards
     for sub in m.modules():
         kind = type(sub).__qualname__
         if type(sub)._load_from_state_dict not in _PLAIN_LOADERS:
             raise NoPlan(f"{kind} overrides _load_from_state_dict")
-        if sub._load_state_dict_pre_hooks or sub._load_state_dict_post_hooks:
+        if not set(sub._load_state_dict_pre_hooks) <= pre_ok or not set(sub._load_state_dict_post_hooks) <= post_ok:
             raise NoPlan(f"{kind} has load_state_dict hooks")
         if type(sub).set_extra_state is not nn.Module.set_extra_state:
             raise NoPlan(f"{kind} has extra state")
@@ -144,6 +161,8 @@ def _own_tensors(m: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if is_dtensor(a) or is_dtensor(b):  # a DTensor has no storage of its own: compare layouts and shards
+        return is_dtensor(a) and is_dtensor(b) and same_layout(a, b) and _same_view(local_of(a), local_of(b))
     return (
         a.device == b.device
         and a.dtype == b.dtype
@@ -183,7 +202,7 @@ def _plan_module(m: nn.Module, subtree: Any, entries: tuple[TensorEntry, ...], b
         raise NoPlan(f"keys differ from the image (image only: {extra[:3]}, live only: {missing[:3]}, or order)")
     targets: list[Target] = []
     for key, node in items:
-        if not (isinstance(node, dict) and len(node) == 1 and next(iter(node)) in ("T", "Td")):
+        if not (isinstance(node, dict) and len(node) == 1 and next(iter(node)) in ("T", "Td", "DT")):
             raise NoPlan(f"{key}: image value is not a tensor")
         _match(node, live[key], key, entries, targets)
     _check_overlap(targets, buf, allow_identical=True)  # tied weights: one parameter under two keys
@@ -266,6 +285,8 @@ def _match(node: Any, live: Any, path: str, entries: tuple[TensorEntry, ...], ou
         out.append(_target(live, val, entries, torch.device("cpu"), path))
     elif tag == "Td":
         out.append(_target(live, val[0], entries, torch.device(val[1]), path))
+    elif tag == "DT":
+        out.append(_dtensor_target(live, val, entries, path))
     elif tag == "N":
         raise NoPlan(f"{_where(path)}: numpy arrays are restored by copy")
 
@@ -300,6 +321,18 @@ def _target(live: Any, index: int, entries: tuple[TensorEntry, ...], device: tor
     if live.layout != torch.strided or live.is_conj() or live.is_neg() or live.is_inference() or not _dense(live):
         raise NoPlan(f"{where}: live tensor is not a plain dense tensor")
     return Target(index, live, path)
+
+
+def _dtensor_target(live: Any, val: list[Any], entries: tuple[TensorEntry, ...], path: str) -> Target:
+    """Copy into the live DTensor's local shard, if its distribution is the image's."""
+    if live is _MISSING or not is_dtensor(live):
+        raise NoPlan(f"{_where(path)}: live value is not a DTensor")
+    if not same_layout(live, DTensorSpec.from_json(val[1:], path)):
+        raise NoPlan(f"{_where(path)}: live DTensor's placements, shape or mesh differ from the image's")
+    ((tag, idx),) = val[0].items()
+    device = torch.device("cpu") if tag == "T" else torch.device(idx[1])
+    local = _target(local_of(live), idx if tag == "T" else idx[0], entries, device, path)
+    return Target(local.index, local.live, path, keep=live)
 
 
 def _check_overlap(targets: list[Target], buf: torch.Tensor, allow_identical: bool) -> None:

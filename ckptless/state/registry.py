@@ -5,6 +5,14 @@ and their names across processes (a replacement rebuilds a lost rank's state
 from an image another process captured), so names are validated once, up
 front, and the RNG streams are included automatically under the reserved
 name ``"rng"`` so user code cannot forget them.
+
+A ``DistributedDataParallel`` model also brings a hidden object,
+``__ddp__<name>`` (:mod:`ckptless.state.ddp`): its reducer's bucket phase,
+ready order and layout, which a resumed run must match exactly.
+
+What the job loop calls besides capture/restore: :meth:`StateRegistry.step_done`
+after every completed step, and :meth:`StateRegistry.reset_after_failure`
+on a survivor after a failed generation's groups were released.
 """
 
 from __future__ import annotations
@@ -13,9 +21,11 @@ import keyword
 from collections.abc import Iterator
 from typing import Any, Protocol, runtime_checkable
 
-import torch
+from torch import nn
 
 from ckptless.errors import ConfigError
+from ckptless.state import fsdp
+from ckptless.state.ddp import HIDDEN_PREFIX, DDPReducerState, check_supported, hidden_name
 from ckptless.state.rng import RNGState
 
 RNG_NAME = "rng"
@@ -30,6 +40,15 @@ class Stateful(Protocol):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
 
 
+def is_hidden(name: str) -> bool:
+    """Is ``name`` one of the registry's own hidden objects (a DDP reducer's state)?"""
+    return name.startswith(HIDDEN_PREFIX)
+
+
+def _ddp(obj: Any) -> nn.parallel.DistributedDataParallel | None:
+    return obj if isinstance(obj, nn.parallel.DistributedDataParallel) else None
+
+
 def _unwrap(obj: Any) -> Any:
     """Protect a DDP model as its inner module.
 
@@ -38,8 +57,7 @@ def _unwrap(obj: Any) -> Any:
     the restoring process wraps its model in DDP (a replacement may build
     the model before its process group exists).
     """
-    ddp = torch.nn.parallel.DistributedDataParallel
-    while isinstance(obj, ddp):
+    while isinstance(obj, nn.parallel.DistributedDataParallel):
         obj = obj.module
     return obj
 
@@ -61,26 +79,66 @@ class StateRegistry:
 
         Raises :class:`ConfigError` (naming the name and value) when a name is
         not a plain identifier, is reserved, is already protected, or the
-        object lacks callable ``state_dict``/``load_state_dict``.
+        object lacks callable ``state_dict``/``load_state_dict``, or is a DDP
+        model whose reducer state cannot be restored exactly (see
+        :func:`ckptless.state.ddp.check_supported`).
+
+        A DDP model is protected as its inner module plus the hidden
+        ``__ddp__<name>`` reducer state, which installs tracking hooks now:
+        protect it before its first training step, and protect the DDP-wrapped
+        model in a replacement too (an image with reducer state restores into
+        a plain module, not the other way round).
         """
         for name, obj in objs.items():
             if not name or not name.isidentifier() or keyword.iskeyword(name):
                 raise ConfigError("name", name, "must be a non-empty Python identifier")
             if name == RNG_NAME:
                 raise ConfigError("name", name, "is reserved for the automatically captured RNG streams")
+            if is_hidden(name):
+                raise ConfigError("name", name, f"names starting with {HIDDEN_PREFIX!r} are reserved")
             if name in self._objs:
                 raise ConfigError("name", name, "is already protected")
             for method in ("state_dict", "load_state_dict"):
                 if not callable(getattr(obj, method, None)):
                     raise ConfigError(name, obj, f"must implement {method}() (torch.distributed.checkpoint Stateful)")
+            ddp = _ddp(obj)
+            if ddp is not None:
+                check_supported(ddp, name)
         for name, obj in objs.items():
             self._objs[name] = _unwrap(obj)
+            ddp = _ddp(obj)
+            if ddp is not None:
+                self._objs[hidden_name(name)] = DDPReducerState(ddp, name)
 
     def unprotect(self, name: str) -> None:
         """Stop protecting ``name`` (images captured before still include it)."""
-        if name not in self._objs:
+        if name not in self._objs or is_hidden(name):
             raise ConfigError("name", name, "is not protected")
         del self._objs[name]
+        tracker = self._objs.pop(hidden_name(name), None)
+        if isinstance(tracker, DDPReducerState):
+            tracker.close()
+
+    def step_done(self) -> None:
+        """Call after every completed training step (before or after its capture; cheap).
+
+        It tells each DDP reducer tracker that its reducer is in a step-boundary
+        state: a survivor restoring that same state then skips the replay.
+        Forgetting it costs a replay per restore, never exactness.
+        """
+        for obj in self._objs.values():
+            if isinstance(obj, DDPReducerState):
+                obj.step_done()
+
+    def reset_after_failure(self) -> list[str]:
+        """On a survivor, after the failed generation's groups were released and before restoring.
+
+        Resets every protected FSDP2 model's per-iteration state and gradients
+        (:func:`ckptless.state.fsdp.reset_after_failure`); returns the names of
+        the models it reset. DDP models need nothing here: their restore does it.
+        """
+        return [name for name, obj in self._objs.items()
+                if isinstance(obj, nn.Module) and fsdp.reset_after_failure(obj)]
 
     def items(self) -> Iterator[tuple[str, Stateful]]:
         yield from self._objs.items()

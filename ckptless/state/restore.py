@@ -27,9 +27,10 @@ import torch
 
 from ckptless.errors import ManifestError, StateError
 from ckptless.state import checksum, inplace
+from ckptless.state.dtensor import Meshes
 from ckptless.state.image import StateImage, check_buffer, slot
 from ckptless.state.manifest import dtype_from_name
-from ckptless.state.registry import StateRegistry
+from ckptless.state.registry import StateRegistry, is_hidden
 from ckptless.state.tree import decode
 
 
@@ -127,6 +128,8 @@ def _tensor_indices(node: Any, out: list[int]) -> list[int]:
             out.append(val)
         elif tag == "Td":
             out.append(val[0])
+        elif tag == "DT":
+            _tensor_indices(val[0], out)
         elif tag == "d":
             for _, v in val:
                 _tensor_indices(v, out)
@@ -145,6 +148,10 @@ def restore(registry: StateRegistry, image: StateImage, verify: bool = True, in_
     :mod:`ckptless.state.inplace` finds a plan, else from fresh clones via
     its ``load_state_dict``; ``in_place=False`` forces clones everywhere.
     Both give the same bits; the returned report says which was used.
+    DTensor leaves are copied into the live DTensor's local shard in place,
+    or rebuilt on the matching live device mesh (:mod:`ckptless.state.dtensor`).
+    A hidden DDP reducer object (see :mod:`ckptless.state.ddp`) replays
+    collectives: call this inside ``ckptless.worker.groups.local_only()``.
     If loading an object fails, objects before it in registry order are
     already loaded: treat the process state as undefined and restore again.
     """
@@ -161,10 +168,14 @@ def restore(registry: StateRegistry, image: StateImage, verify: bool = True, in_
             what=f"image of owner {m.owner} version {m.version} (generation {m.generation})",
         )
     views = [slot(buf, e, dtype_from_name(e.dtype)) for e in m.tensors]
-    states = decode(m.tree, views, move=False)  # validation only: zero-copy views, nothing moved
+    meshes = Meshes(obj for _, obj in registry.items())
+    states = decode(m.tree, views, move=False, meshes=meshes)  # validation only: zero-copy views, nothing moved
     if not isinstance(states, dict) or not all(isinstance(k, str) for k in states):
         raise ManifestError("state tree root is not a dict of object names")
     want, have = set(registry.names()), set(states)
+    # A hidden DDP-reducer object in the image has nothing to load into where the
+    # restoring process protects a plain module: its model state is the same.
+    have -= {n for n in have - want if is_hidden(n)}
     if want != have:
         raise StateError(
             f"image objects {sorted(have)} do not match protected objects {sorted(want)}"
@@ -189,9 +200,10 @@ def restore(registry: StateRegistry, image: StateImage, verify: bool = True, in_
             if plan is not None:
                 _copy(name, plan, views)
                 if plan.load:
-                    obj.load_state_dict(decode(sub, _Overlay(clones, {t.index: t.live for t in plan.targets})))
+                    live = {t.index: t.live if t.keep is None else t.keep for t in plan.targets}
+                    obj.load_state_dict(decode(sub, _Overlay(clones, live), meshes=meshes))
             else:
-                obj.load_state_dict(decode(sub, clones))
+                obj.load_state_dict(decode(sub, clones, meshes=meshes))
         except StateError:
             raise
         except Exception as exc:

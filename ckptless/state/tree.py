@@ -37,12 +37,14 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
 from ckptless.errors import ManifestError, StateError
+from ckptless.state.dtensor import DTensorSpec, Meshes, is_dtensor, local_of, same_layout
 from ckptless.state.manifest import dtype_name
 
 MAX_DEPTH = 128
@@ -93,11 +95,12 @@ def _enc(obj: Any, path: str, tensors: list[torch.Tensor], depth: int) -> Any:
         return obj
     if kind is float:
         return obj if math.isfinite(obj) else {"f": "nan" if math.isnan(obj) else ("inf" if obj > 0 else "-inf")}
+    if is_dtensor(obj):
+        return {"DT": [_enc_tensor(local_of(obj), path, tensors), *DTensorSpec.of(obj, path).to_json()]}
     if isinstance(obj, torch.Tensor):
         if kind not in (torch.Tensor, torch.nn.Parameter):
             raise StateError(f"cannot capture {_where(path)}: tensor subclass {kind.__qualname__} is not supported")
-        idx = _add_tensor(obj.detach(), path, tensors)
-        return {"T": idx} if obj.device.type == "cpu" else {"Td": [idx, str(obj.device)]}
+        return _enc_tensor(obj, path, tensors)
     if kind is dict:
         return {"d": _enc_items(obj, path, tensors, depth)}
     if kind is OrderedDict:
@@ -119,6 +122,11 @@ def _enc(obj: Any, path: str, tensors: list[torch.Tensor], depth: int) -> Any:
     if isinstance(obj, np.generic) and obj.dtype.kind in _NP_KINDS and obj.dtype.itemsize <= 8:
         return {"n": [obj.dtype.name, _enc(obj.item(), path, tensors, depth + 1)]}
     raise StateError(f"cannot capture {_where(path)}: unsupported type {kind.__module__}.{kind.__qualname__}")
+
+
+def _enc_tensor(t: torch.Tensor, path: str, tensors: list[torch.Tensor]) -> dict[str, Any]:
+    idx = _add_tensor(t.detach(), path, tensors)
+    return {"T": idx} if t.device.type == "cpu" else {"Td": [idx, str(t.device)]}
 
 
 def _enc_items(obj: dict[Any, Any], path: str, tensors: list[torch.Tensor], depth: int) -> list[list[Any]]:
@@ -143,7 +151,14 @@ def _enc_ndarray(arr: np.ndarray, path: str, tensors: list[torch.Tensor]) -> int
 # --- decoding ---------------------------------------------------------------
 
 
-def decode(tree: Any, tensors: Sequence[torch.Tensor], move: bool = True) -> Any:
+@dataclass(frozen=True)
+class _Ctx:
+    tensors: Sequence[torch.Tensor]
+    move: bool
+    meshes: Meshes | None
+
+
+def decode(tree: Any, tensors: Sequence[torch.Tensor], move: bool = True, meshes: Meshes | None = None) -> Any:
     """Rebuild the object :func:`encode` produced ``tree`` from.
 
     ``tensors[i]`` is placed wherever the tree says ``{"T": i}``; tensors that
@@ -155,9 +170,17 @@ def decode(tree: Any, tensors: Sequence[torch.Tensor], move: bool = True) -> Any
     where they are and only their device is checked to exist (a zero-size
     allocation). Restore uses it to vet a whole image before touching any
     object without copying every device tensor to its device first.
+
+    DTensor nodes: their metadata is always validated. Without ``meshes`` the
+    local shard itself is returned (the disk writer stores each rank's shard
+    as a plain tensor). With ``meshes`` the recorded mesh must exist
+    (:class:`StateError` naming the path otherwise) and, unless
+    ``move=False``, a DTensor is built around the local tensor; a
+    ``tensors[i]`` that already is a DTensor (a live one an in-place restore
+    copied into) is returned as it is.
     """
     try:
-        return _dec(tree, "", tensors, 0, move)
+        return _dec(tree, "", _Ctx(tensors, move, meshes), 0)
     except RecursionError as exc:  # pragma: no cover - MAX_DEPTH stops this first
         raise ManifestError("state tree nested too deeply") from exc
 
@@ -172,7 +195,7 @@ def _index(raw: Any, path: str, n: int) -> int:
     return raw
 
 
-def _dec(node: Any, path: str, tensors: Sequence[torch.Tensor], depth: int, move: bool = True) -> Any:
+def _dec(node: Any, path: str, ctx: _Ctx, depth: int) -> Any:
     if depth > MAX_DEPTH:
         raise _bad(path, f"nested deeper than {MAX_DEPTH} levels")
     kind = type(node)
@@ -183,18 +206,18 @@ def _dec(node: Any, path: str, tensors: Sequence[torch.Tensor], depth: int, move
             raise _bad(path, "non-finite float must be tagged")
         return node
     if kind is list:
-        return [_dec(v, _join(path, i), tensors, depth + 1, move) for i, v in enumerate(node)]
+        return [_dec(v, _join(path, i), ctx, depth + 1) for i, v in enumerate(node)]
     if kind is not dict or len(node) != 1:
         raise _bad(path, f"unexpected node of type {kind.__name__}")
     ((tag, val),) = node.items()
     if tag == "d":
-        return _dec_dict(val, path, tensors, depth, {}, move)
+        return _dec_dict(val, path, ctx, depth, {})
     if tag == "o":
         if type(val) is not list or len(val) != 2:
             raise _bad(path, "OrderedDict payload must be [items, metadata]")
-        od = _dec_dict(val[0], path, tensors, depth, OrderedDict(), move)
+        od = _dec_dict(val[0], path, ctx, depth, OrderedDict())
         if val[1] is not None:
-            meta = _dec(val[1], _join(path, "_metadata"), tensors, depth + 1, move)
+            meta = _dec(val[1], _join(path, "_metadata"), ctx, depth + 1)
             if not isinstance(meta, dict):
                 raise _bad(path, "OrderedDict metadata is not a dict")
             od._metadata = meta  # type: ignore[attr-defined]
@@ -202,22 +225,24 @@ def _dec(node: Any, path: str, tensors: Sequence[torch.Tensor], depth: int, move
     if tag == "t":
         if type(val) is not list:
             raise _bad(path, "tuple payload is not a list")
-        return tuple(_dec(v, _join(path, i), tensors, depth + 1, move) for i, v in enumerate(val))
+        return tuple(_dec(v, _join(path, i), ctx, depth + 1) for i, v in enumerate(val))
     if tag == "T":
-        return tensors[_index(val, path, len(tensors))]
+        return ctx.tensors[_index(val, path, len(ctx.tensors))]
     if tag == "Td":
         if type(val) is not list or len(val) != 2 or type(val[1]) is not str:
             raise _bad(path, "device tensor payload must be [index, device]")
-        t = tensors[_index(val[0], path, len(tensors))]
+        t = ctx.tensors[_index(val[0], path, len(ctx.tensors))]
         try:
-            if not move:
+            if not ctx.move:
                 torch.empty(0, device=torch.device(val[1]))  # the device exists here
                 return t
             return t.to(torch.device(val[1]))
         except (RuntimeError, AssertionError) as exc:
             raise StateError(f"cannot restore {_where(path)} onto device {val[1]!r}: {exc}") from exc
+    if tag == "DT":
+        return _dec_dtensor(val, path, ctx, depth)
     if tag == "N":
-        t = tensors[_index(val, path, len(tensors))]
+        t = ctx.tensors[_index(val, path, len(ctx.tensors))]
         if t.device.type != "cpu":
             raise _bad(path, "numpy array tensor is not on the CPU")
         return t.numpy()
@@ -230,7 +255,7 @@ def _dec(node: Any, path: str, tensors: Sequence[torch.Tensor], depth: int, move
             raise _bad(path, "torch.Size payload must be a list of non-negative ints")
         return torch.Size(val)
     if tag == "n":
-        return _dec_npscalar(val, path, tensors, depth)
+        return _dec_npscalar(val, path, ctx, depth)
     if tag == "dtype":
         dt = getattr(torch, val, None) if type(val) is str else None
         if not isinstance(dt, torch.dtype):
@@ -244,9 +269,28 @@ def _dec(node: Any, path: str, tensors: Sequence[torch.Tensor], depth: int, move
     raise _bad(path, f"unknown tag {tag!r}")
 
 
-def _dec_dict(
-    val: Any, path: str, tensors: Sequence[torch.Tensor], depth: int, out: dict[Any, Any], move: bool = True
-) -> dict[Any, Any]:
+def _dec_dtensor(val: Any, path: str, ctx: _Ctx, depth: int) -> Any:
+    if type(val) is not list or len(val) != 5:
+        raise _bad(path, "DTensor payload must be [local, placements, shape, stride, mesh]")
+    local_node = val[0]
+    if type(local_node) is not dict or len(local_node) != 1 or next(iter(local_node)) not in ("T", "Td"):
+        raise _bad(path, "DTensor local shard is not a tensor node")
+    spec = DTensorSpec.from_json(val[1:], path)
+    local = _dec(local_node, path, ctx, depth + 1)
+    if is_dtensor(local):  # a live DTensor an in-place restore already copied into
+        if not same_layout(local, spec):
+            raise StateError(f"cannot restore {_where(path)}: the live DTensor's layout differs from the image's")
+        return local
+    spec.check_local(local, path)
+    if ctx.meshes is None:
+        return local
+    mesh = ctx.meshes.find(spec.mesh, path)
+    if not ctx.move:
+        return local
+    return spec.build(local, mesh)
+
+
+def _dec_dict(val: Any, path: str, ctx: _Ctx, depth: int, out: dict[Any, Any]) -> dict[Any, Any]:
     if type(val) is not list:
         raise _bad(path, "dict payload is not a list of pairs")
     for pair in val:
@@ -257,11 +301,11 @@ def _dec_dict(
             raise _bad(path, f"dict key {k!r} is not a str or int")
         if k in out:
             raise _bad(path, f"duplicate dict key {k!r}")
-        out[k] = _dec(v, _join(path, k), tensors, depth + 1, move)
+        out[k] = _dec(v, _join(path, k), ctx, depth + 1)
     return out
 
 
-def _dec_npscalar(val: Any, path: str, tensors: Sequence[torch.Tensor], depth: int) -> Any:
+def _dec_npscalar(val: Any, path: str, ctx: _Ctx, depth: int) -> Any:
     if type(val) is not list or len(val) != 2 or type(val[0]) is not str:
         raise _bad(path, "numpy scalar payload must be [dtype, value]")
     try:
@@ -270,7 +314,7 @@ def _dec_npscalar(val: Any, path: str, tensors: Sequence[torch.Tensor], depth: i
         raise _bad(path, f"unknown numpy dtype {val[0]!r}") from exc
     if dt.kind not in _NP_KINDS or dt.itemsize > 8:
         raise _bad(path, f"numpy dtype {val[0]!r} is not a supported scalar type")
-    raw = _dec(val[1], path, tensors, depth + 1)
+    raw = _dec(val[1], path, ctx, depth + 1)
     if type(raw) not in (bool, int, float):
         raise _bad(path, "numpy scalar value is not a number")
     try:
