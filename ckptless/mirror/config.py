@@ -27,7 +27,10 @@ class MirrorConfig(BaseModel):
     wire_bytes: int = Field(default=64 << 20, ge=4096, description="bytes per p2p message (multiple of chunk_bytes)")
     shm_dir: str | None = Field(default=None, description="back the peer store with files here (e.g. /dev/shm)")
     timeout_s: float = Field(default=60.0, gt=0, description="deadline of one mirror round")
-    pool_buffers: int = Field(default=3, ge=2, description="owner capture buffers: committed + in flight + next")
+    pool_buffers: int = Field(default=2, ge=1, description="owner capture buffers: 2 = committed + in flight; "
+                              "1 = capture reuses the committed buffer (memory budget, see mirror.py)")
+    max_send_bytes_s: float = Field(default=0.0, ge=0, description="cap on one rank's payload send rate, "
+                                    "bytes/s (0: none); spreads a round's CPU work over more steps")
 
     @classmethod
     def build(cls, **values: Any) -> MirrorConfig:

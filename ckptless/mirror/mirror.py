@@ -4,7 +4,7 @@ Why a background thread: the training step must only wait for its local copy
 (the capture into a pool buffer); sending to K peers and receiving their
 images run on the dedicated mirror group meanwhile.
 
-Buffer pool lifetime rules (``pool_buffers`` >= 3 recommended):
+Buffer pool lifetime rules (``MirrorConfig.pool_buffers``):
 
 * ``acquire_buffer(n)`` hands out a FREE buffer (>= n bytes) to capture into;
   it blocks (up to ``timeout_s``) only if all buffers are busy, i.e. when
@@ -14,10 +14,25 @@ Buffer pool lifetime rules (``pool_buffers`` >= 3 recommended):
 * The engine keeps the buffer of the newest *committed* version (the owner's
   own copy, for local rollback: ``local_image()``); it becomes FREE when a
   newer version commits. An in-flight buffer becomes FREE when its round ends
-  without a commit. Steady state: committed + in flight + capturing = 3.
+  without a commit.
+* ``pool_buffers=2`` (default): committed + in flight. Capturing v+1 waits
+  only while v's round is still running, so a step longer than a round never
+  waits, and a committed local copy always exists (survivors roll back from
+  local memory). ``3`` also lets one capture run ahead of a slow round
+  (absorbs jitter when step < round) for one more S of memory.
+* ``pool_buffers=1`` (memory budget: host memory (2 + 2K) x S with the live
+  state in host memory): capturing v+1 reuses the buffer of committed v once
+  no round is queued or in flight (it blocks while v's round still sends).
+  Trade-off: from then until v+1 commits this rank has *no local copy of the
+  committed version*; if a failure hits in that window and recovery resumes
+  at v, this rank receives v from its holders (the planner does that for any
+  rank that does not report v locally) instead of restoring it in place.
 
 Rounds are collective: every rank must submit the same versions in the same
-order (use ``should_mirror(step)``). A round ending with corrupt replicas is
+order (use ``should_mirror(step)``), with the same ``pairs``. A partial round
+(``pairs``: see :mod:`ckptless.mirror.partial`) moves the payload only for the
+given (owner, holder) pairs and commits only if every other holder already
+holds the identical image. A round ending with corrupt or missing replicas is
 not committed but the engine continues; a transport error, a stale or
 out-of-step peer marks the engine broken: ``error`` is set, waiters wake, and
 every later call raises. Recovery then builds a new engine on a new group,
@@ -39,6 +54,7 @@ import torch.distributed as dist
 from ckptless.errors import MirrorError, TransportError
 from ckptless.mirror.commit import RoundOutcome, decide, encode, round_ack
 from ckptless.mirror.config import MirrorConfig
+from ckptless.mirror.partial import MISSING, Pair, PairSpec, check_pairs, holdings_row, missing_from_rows, split
 from ckptless.mirror.placement import Placement, compute_placement
 from ckptless.mirror.store import PeerStore, StoredImage
 from ckptless.mirror.transport import Deadline, MirrorTransport, RoundResult, wait_one
@@ -64,6 +80,9 @@ class RoundStats:
     bytes_sent: int
     bytes_received: int
     corrupt: dict[int, list[int]]
+    pairs: frozenset[Pair] | None = None  # the pairs that moved bytes; None: a full round
+    kept: tuple[int, ...] = ()  # owners this rank acknowledged from the image it already held
+    missing: tuple[int, ...] = ()  # owners whose kept image this rank lacked (round not committed)
 
 
 class MirrorEngine:
@@ -95,14 +114,14 @@ class MirrorEngine:
         self.group = group
         self.transport = MirrorTransport(
             group, self.rank, self.placement.holders(self.rank), self.placement.owners_held_by(self.rank),
-            job_id, generation, self.config.wire_bytes)
+            job_id, generation, self.config.wire_bytes, self.config.max_send_bytes_s)
         self.on_commit = on_commit
         self.committed_version: int | None = None
         self.error: BaseException | None = None
         self.history: list[RoundStats] = []
         self._pool: list[_Buf] = []
         self._cond = threading.Condition()
-        self._queue: queue.Queue[tuple[Manifest, torch.Tensor] | None] = queue.Queue()
+        self._queue: queue.Queue[tuple[Manifest, torch.Tensor, PairSpec] | None] = queue.Queue()
         self._thread: threading.Thread | None = None
         if background:
             self._thread = threading.Thread(target=self._loop, name=f"ckptless-mirror-{self.rank}", daemon=True)
@@ -137,6 +156,11 @@ class MirrorEngine:
                 elif len(self._pool) < self.config.pool_buffers:
                     buf = _Buf(torch.empty(nbytes, dtype=torch.uint8))
                     self._pool.append(buf)
+                elif (reuse := self._reusable_committed()) is not None:
+                    buf = reuse  # pool_buffers=1: the committed local copy is given up (module doc)
+                    if buf.tensor.numel() < nbytes:
+                        buf.tensor = torch.empty(0, dtype=torch.uint8)  # free the old one first
+                        buf.tensor = torch.empty(nbytes, dtype=torch.uint8)
                 else:
                     left = deadline - time.monotonic()
                     if left <= 0:
@@ -146,6 +170,12 @@ class MirrorEngine:
                     continue
                 buf.state, buf.manifest = CAPTURING, None
                 return buf.tensor
+
+    def _reusable_committed(self) -> _Buf | None:
+        """With one buffer: the committed one, once no round is queued or in flight."""
+        if self.config.pool_buffers > 1 or any(b.state in (QUEUED, INFLIGHT) for b in self._pool):
+            return None
+        return next((b for b in self._pool if b.state == COMMITTED), None)
 
     def release_buffer(self, tensor: torch.Tensor) -> None:
         with self._cond:
@@ -183,9 +213,21 @@ class MirrorEngine:
                     for b in self._pool if b.manifest is not None and b.state != CAPTURING]
 
     # --- submission -------------------------------------------------------------------------
-    def submit(self, manifest: Manifest, buffer: torch.Tensor) -> None:
-        """Queue one image for the next round; returns at once (background) or after it."""
+    def submit(self, manifest: Manifest, buffer: torch.Tensor, pairs: PairSpec = None) -> None:
+        """Queue one image for the next round; returns at once (background) or after it.
+
+        ``pairs``: None = full round (every owner to all its holders). A set of
+        (owner, holder) pairs = a partial round: only those pairs move bytes;
+        for every other pair of the placement the holder must already hold
+        this very image of ``manifest.version`` (any generation), else the
+        round does not commit. ``MISSING`` = the engine computes that set
+        itself at the start of the round (one all_reduce of image
+        fingerprints, on the background thread). Every rank must pass the
+        same value.
+        """
         self._raise_if_broken()
+        if pairs is not None and pairs != MISSING:
+            pairs = check_pairs(self.placement, pairs)
         if buffer.dtype != torch.uint8 or buffer.dim() != 1 or not buffer.is_contiguous() or buffer.numel() < manifest.total_bytes:
             raise MirrorError("image buffer must be a contiguous 1-D uint8 tensor of >= total_bytes")
         with self._cond:
@@ -195,10 +237,10 @@ class MirrorEngine:
                 self._pool.append(entry)
             entry.state, entry.manifest = QUEUED, manifest
         if self._thread is None:
-            self._round(manifest, buffer)
+            self._round(manifest, buffer, pairs)
             self._raise_if_broken()
         else:
-            self._queue.put((manifest, buffer))
+            self._queue.put((manifest, buffer, pairs))
 
     def wait_committed(self, version: int, timeout: float) -> bool:
         """Block until ``version`` (or newer) is committed; False on timeout; raises if broken."""
@@ -233,7 +275,7 @@ class MirrorEngine:
                 return
             self._round(*item)
 
-    def _round(self, manifest: Manifest, buffer: torch.Tensor) -> None:
+    def _round(self, manifest: Manifest, buffer: torch.Tensor, spec: PairSpec = None) -> None:
         t0 = time.monotonic()
         with self._cond:
             entry = self._entry(buffer)
@@ -241,7 +283,11 @@ class MirrorEngine:
             entry.state = INFLIGHT
         try:
             deadline = Deadline(self.config.timeout_s)
-            res = self.transport.exchange(manifest, buffer, self.store, deadline)
+            pairs = self._missing_pairs(manifest, deadline) if spec == MISSING else spec
+            assert pairs is None or isinstance(pairs, frozenset)
+            send_to, recv_from = split(pairs, self.rank, self.placement)
+            res = self.transport.exchange(manifest, buffer, self.store, deadline,
+                                          send_to=send_to, recv_from=recv_from)
             outcome = self._agree(res, deadline)
         except Exception as exc:  # any failure leaves the group in an unknown state
             log.error("mirror round v%d failed on rank %d: %s", manifest.version, self.rank, exc)
@@ -261,12 +307,33 @@ class MirrorEngine:
             else:
                 entry.state = FREE
             self.history.append(RoundStats(manifest.version, self.committed_version, time.monotonic() - t0,
-                                           res.bytes_sent, res.bytes_received, res.corrupt))
+                                           res.bytes_sent, res.bytes_received, res.corrupt, pairs,
+                                           tuple(res.kept), tuple(res.missing)))
+            if res.missing:
+                log.warning("round v%d not committable: rank %d lacks the kept images of owners %s",
+                            manifest.version, self.rank, res.missing)
             if not outcome.in_step:
                 self.error = MirrorError(f"ranks are out of step in round v{manifest.version}")
             self._cond.notify_all()
         if outcome.advanced and self.on_commit is not None and outcome.committed is not None:
             self.on_commit(outcome.committed)
+
+    def _missing_pairs(self, manifest: Manifest, deadline: Deadline) -> frozenset[Pair]:
+        """The pairs whose holder lacks this round's image, agreed by one all_reduce(MAX).
+
+        Row r of a [world, 1 + max load] matrix is rank r's fingerprint of its
+        own image and of each image it holds at this version (0: none); every
+        rank fills only its row, so MAX assembles the matrix everywhere.
+        """
+        width = 1 + max(self.placement.loads())
+        held = [self.store.verified_copy(o, manifest.version) for o in self.placement.owners_held_by(self.rank)]
+        mat = torch.zeros(self.world_size, width, dtype=torch.int64)
+        mat[self.rank] = torch.tensor(holdings_row(manifest, held, width), dtype=torch.int64)
+        mat = mat.to(self.transport.device)
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.MAX  # type: ignore[assignment]
+        wait_one(self.group.allreduce([mat], opts), deadline, "holdings all_reduce")
+        return missing_from_rows(self.placement, manifest.version, mat.cpu().tolist())
 
     def _agree(self, res: RoundResult, deadline: Deadline) -> RoundOutcome:
         """One all_reduce(MIN) on the mirror group: the piggy-backed acks of this round."""

@@ -336,6 +336,16 @@ class PeerStore:
                 return None
             return StoredImage(s.complete, s.buffer[: s.complete.total_bytes])
 
+    def verified_copy(self, owner: int, version: int) -> Manifest | None:
+        """Manifest of the held ``(owner, version)`` if its verdict stands (a partial round's kept pair).
+
+        Trusts the cached verdict; re-checksums only when the payload file changed since.
+        """
+        if (owner, version) not in {(o, v) for o, v, _ in self._check({(owner, version)}, None).verified}:
+            return None
+        img = self.get(owner, version)
+        return None if img is None else img.manifest
+
     def versions(self, owner: int) -> list[int]:
         own = self._owners.get(owner)
         if own is None:

@@ -3,11 +3,23 @@ images I hold for others, straight into the peer store's writing slots.
 
 Wire format (per owner -> holder pair, all on the dedicated mirror group):
 
-1. header, int64[8]: ``[MAGIC, job_hash, generation, version, owner,
-   manifest_len, total_bytes, chunk_bytes]`` (tag ``TAG_HEADER``);
+1. header, int64[9]: ``[MAGIC, job_hash, generation, version, owner,
+   manifest_len, total_bytes, chunk_bytes, moves]`` (tag ``TAG_HEADER``);
 2. manifest, uint8[manifest_len]: ``Manifest.to_bytes()`` JSON (``TAG_MANIFEST``);
-3. payload, ``ceil(total_bytes / wire_bytes)`` uint8 messages, message i
-   covering bytes ``[i*wire_bytes, ...)`` (tag ``TAG_PAYLOAD + i``).
+3. payload, only when ``moves == 1``: ``ceil(total_bytes / wire_bytes)`` uint8
+   messages, message i covering bytes ``[i*wire_bytes, ...)`` (tag ``TAG_PAYLOAD + i``).
+
+Partial rounds (:mod:`ckptless.mirror.partial`): a pair outside the round's
+pair set is *kept*: header and manifest still travel (``moves == 0``), no
+payload; the holder acknowledges only if its store holds the same image
+(``PeerStore.verified_copy`` + ``partial.same_image``), else the pair is
+*missing* and the round cannot commit. ``moves`` also cross-checks that both
+sides were given the same pair set (a mismatch is an out-of-step error).
+
+Throttle: with ``rate_bytes_s`` the sender posts one payload message at a
+time and sleeps whenever it is ahead of that rate, so a background round's
+CPU work (loopback copies, the receivers' CRC) is spread over more of the
+training steps instead of landing on the first ones.
 
 Why three phases: the receiver learns sizes from the header, checks job and
 generation before accepting anything bigger, then gets the slot from the store
@@ -38,12 +50,13 @@ import torch
 import torch.distributed as dist
 
 from ckptless.errors import ManifestError, MirrorError, StaleGeneration, TransportError
+from ckptless.mirror.partial import same_image
 from ckptless.mirror.store import PeerStore
 from ckptless.state.checksum import bad_chunks
 from ckptless.state.manifest import Manifest
 
 MAGIC = 0x636B70746C657373  # "ckptless"
-HEADER_LEN = 8
+HEADER_LEN = 9
 TAG_HEADER, TAG_MANIFEST, TAG_PAYLOAD = 1, 2, 16
 MAX_MANIFEST_BYTES = 256 << 20
 
@@ -63,10 +76,11 @@ class Header:
     manifest_len: int
     total_bytes: int
     chunk_bytes: int
+    moves: int = 1  # 1: the payload follows; 0: a kept pair of a partial round
 
     def to_list(self) -> list[int]:
         return [self.magic, self.job, self.generation, self.version, self.owner,
-                self.manifest_len, self.total_bytes, self.chunk_bytes]
+                self.manifest_len, self.total_bytes, self.chunk_bytes, self.moves]
 
     @classmethod
     def from_tensor(cls, t: torch.Tensor) -> Header:
@@ -118,6 +132,8 @@ class RoundResult:
     version: int
     received: dict[int, Manifest] = field(default_factory=dict)  # owner -> verified manifest
     corrupt: dict[int, list[int]] = field(default_factory=dict)  # owner -> bad chunk indices
+    kept: list[int] = field(default_factory=list)  # owners acknowledged from the image already held
+    missing: list[int] = field(default_factory=list)  # kept pairs whose image this holder lacks
     bytes_sent: int = 0
     bytes_received: int = 0
 
@@ -134,6 +150,7 @@ class MirrorTransport:
         job_id: str,
         generation: int,
         wire_bytes: int,
+        rate_bytes_s: float = 0.0,
     ) -> None:
         self.group = group
         self.rank = rank
@@ -143,6 +160,7 @@ class MirrorTransport:
         self.job = job_hash(job_id)
         self.generation = generation
         self.wire_bytes = wire_bytes
+        self.rate_bytes_s = rate_bytes_s
         # Every posted operation and its tensor stay referenced until its round
         # completes: a Gloo op abandoned mid-flight (a round that failed) must
         # never have its Work or buffer freed while Gloo may still touch them.
@@ -183,27 +201,36 @@ class MirrorTransport:
         store: PeerStore,
         deadline: Deadline,
         on_check: Callable[[int, Header], None] | None = None,
+        send_to: frozenset[int] | None = None,
+        recv_from: frozenset[int] | None = None,
     ) -> RoundResult:
-        """Send ``(manifest, buffer)`` to my holders, receive my owners' images into ``store``."""
+        """Send ``(manifest, buffer)`` to my holders, receive my owners' images into ``store``.
+
+        ``send_to`` / ``recv_from`` (None: all) restrict the payload to a
+        partial round's pairs; the other pairs are kept (module doc).
+        """
         if manifest.owner != self.rank or manifest.job_id != self.job_id:
             raise MirrorError(f"rank {self.rank} asked to mirror owner {manifest.owner} of job {manifest.job_id!r}")
         if manifest.generation != self.generation:
             raise StaleGeneration(f"image of generation {manifest.generation}, transport at {self.generation}")
+        send_to = frozenset(self.holders) if send_to is None else send_to
+        recv_from = frozenset(self.owners) if recv_from is None else recv_from
         res = RoundResult(manifest.version)
         mbytes = torch.frombuffer(bytearray(manifest.to_bytes()), dtype=torch.uint8)
-        mine = torch.tensor(Header(MAGIC, self.job, manifest.generation, manifest.version, self.rank,
-                                   mbytes.numel(), manifest.total_bytes, manifest.chunk_bytes).to_list(),
-                            dtype=torch.int64)
+        mine = {h: torch.tensor(Header(MAGIC, self.job, manifest.generation, manifest.version, self.rank,
+                                       mbytes.numel(), manifest.total_bytes, manifest.chunk_bytes,
+                                       int(h in send_to)).to_list(), dtype=torch.int64)
+                for h in self.holders}
         # Phase 1: headers.
         hdr_bufs = {o: torch.empty(HEADER_LEN, dtype=torch.int64) for o in self.owners}
         recvs = {o: self._irecv(hdr_bufs[o], o, TAG_HEADER) for o in self.owners}
-        sends = [self._isend(mine, h, TAG_HEADER) for h in self.holders]
+        sends = [self._isend(mine[h], h, TAG_HEADER) for h in self.holders]
         headers: dict[int, Header] = {}
         for o, (w, land) in recvs.items():
             wait_one(w, deadline, f"header from rank {o}")
             self._landed(hdr_bufs[o], land)
             headers[o] = hdr = Header.from_tensor(hdr_bufs[o])
-            self._check_header(o, hdr, manifest)
+            self._check_header(o, hdr, manifest, o in recv_from)
             if on_check is not None:
                 on_check(o, hdr)
         wait_all(sends, deadline, "header send")
@@ -222,19 +249,26 @@ class MirrorTransport:
             self._check_manifest(o, headers[o], m)
             manifests[o] = m
         wait_all(sends, deadline, "manifest send")
+        # Kept pairs: the image must already be here, identical and verified.
+        for o, m in manifests.items():
+            if o not in recv_from:
+                held = store.verified_copy(o, m.version)
+                if held is not None and same_image(held, m):
+                    res.kept.append(o)
+                    res.received[o] = held
+                else:
+                    res.missing.append(o)
+        moving = {o: m for o, m in manifests.items() if o in recv_from}
         # Phase 3: payload straight into the store's writing slots.
-        views = {o: store.begin(m) for o, m in manifests.items()}
+        views = {o: store.begin(m) for o, m in moving.items()}
         try:
             precvs = {o: [(self._irecv(views[o][off:off + n], o, TAG_PAYLOAD + i), off, n)
                           for i, (off, n) in enumerate(self._spans(m.total_bytes))]
-                      for o, m in manifests.items()}
-            psends: list[dist.Work | None] = []
-            for h in self.holders:
-                for i, (off, n) in enumerate(self._spans(manifest.total_bytes)):
-                    psends.append(self._isend(buffer[off:off + n], h, TAG_PAYLOAD + i))
-                    res.bytes_sent += n
+                      for o, m in moving.items()}
+            psends = self._send_payload(buffer, manifest.total_bytes, [h for h in self.holders if h in send_to],
+                                        res, deadline)
             for o, parts in precvs.items():
-                m = manifests[o]
+                m = moving[o]
                 bad: list[int] = []
                 for (w, land), off, n in parts:
                     wait_one(w, deadline, f"payload from rank {o}")
@@ -251,13 +285,32 @@ class MirrorTransport:
                     res.received[o] = m
             wait_all(psends, deadline, "payload send")
         except BaseException:
-            for o in manifests:
+            for o in moving:
                 store.abort(o)
             raise
         self._inflight.clear()  # the round completed: nothing of it is pending any more
         return res
 
-    def _check_header(self, src: int, h: Header, mine: Manifest) -> None:
+    def _send_payload(self, buffer: torch.Tensor, total: int, holders: list[int], res: RoundResult,
+                      deadline: Deadline) -> list[dist.Work | None]:
+        """Post the payload messages; with a rate cap one at a time, sleeping while ahead of it."""
+        works: list[dist.Work | None] = []
+        t0 = time.monotonic()
+        for i, (off, n) in enumerate(self._spans(total)):
+            for h in holders:
+                w = self._isend(buffer[off:off + n], h, TAG_PAYLOAD + i)
+                res.bytes_sent += n
+                if self.rate_bytes_s <= 0:
+                    works.append(w)
+                    continue
+                wait_one(w, deadline, f"payload send to rank {h}")
+                ahead = t0 + res.bytes_sent / self.rate_bytes_s - time.monotonic()
+                if ahead > 0:
+                    deadline.remaining("throttled payload send")
+                    time.sleep(min(ahead, max(0.0, deadline.end - time.monotonic())))
+        return works
+
+    def _check_header(self, src: int, h: Header, mine: Manifest, moves: bool = True) -> None:
         if h.magic != MAGIC:
             raise TransportError(f"rank {src} sent a header with bad magic {h.magic:#x}")
         if h.job != self.job:
@@ -268,6 +321,9 @@ class MirrorTransport:
             raise TransportError(f"rank {src} sent a header for owner {h.owner}")
         if h.version != mine.version:
             raise MirrorError(f"ranks out of step: rank {src} mirrors v{h.version}, this rank v{mine.version}")
+        if h.moves != int(moves):
+            raise MirrorError(f"ranks out of step: rank {src} {'sends' if h.moves else 'keeps'} its payload, "
+                              f"this rank expected the opposite (different pair sets)")
         if not (0 < h.manifest_len <= MAX_MANIFEST_BYTES) or h.total_bytes < 0 or h.chunk_bytes <= 0:
             raise TransportError(f"rank {src} sent implausible sizes {h}")
 
