@@ -35,6 +35,7 @@ from ckptless.errors import CkptlessError, ConfigError, MirrorError, RecoveryErr
 from ckptless.goodput.ledger import EventKind
 from ckptless.mirror.config import MirrorConfig
 from ckptless.mirror.mirror import MirrorEngine
+from ckptless.mirror.partial import PairSpec
 from ckptless.mirror.store import PeerStore, StoredImage
 from ckptless.recovery.wire import Membership
 from ckptless.snapshot import SnapshotConfig, SnapshotWriter
@@ -326,14 +327,18 @@ class Job:
             exit_guard.watch(gen.engine.thread_alive, gen.engine.join)
         return gen.engine
 
-    def capture_and_mirror(self, version: int) -> StateImage:
-        """Capture the protected state as ``version`` and hand it to the mirror engine."""
+    def capture_and_mirror(self, version: int, pairs: PairSpec = None) -> StateImage:
+        """Capture the protected state as ``version`` and hand it to the mirror engine.
+
+        ``pairs``: None for a full round; ``MISSING`` after a recovery, so that only the
+        (owner, holder) pairs whose holder lacks this very image move bytes.
+        """
         engine = self.engine()
         if engine is None:
             return self.capturer.capture(version, self.generation)
         buf = engine.acquire_buffer(self.capturer.required_bytes())
         image = self.capturer.capture(version, self.generation, out=buf)
-        engine.submit(image.manifest, image.buffer)
+        engine.submit(image.manifest, image.buffer, pairs)
         return image
 
     # --- the loop ------------------------------------------------------------------------------------
@@ -354,9 +359,7 @@ class Job:
 
     def registry_step_done(self) -> None:
         """Tell protected objects that track per-step facts (a DDP reducer's phase) that a step ended."""
-        done = getattr(self.registry, "step_done", None)
-        if done is not None:
-            done()
+        self.registry.step_done()
 
     def steps(self, steps: int, start_step: int = 0) -> Iterator[int]:
         """The loop API: ``for step in job.steps(n):`` with the body inside ``with job.guard():``.

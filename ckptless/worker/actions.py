@@ -29,6 +29,7 @@ from ckptless.errors import (
     UnrecoverableError,
 )
 from ckptless.goodput.ledger import EventKind
+from ckptless.mirror.partial import MISSING, PairSpec
 from ckptless.recovery.executor import RestoreInputs, SnapshotLoadFailed, apply_decision, build_report
 from ckptless.recovery.plan import DiskFallback
 from ckptless.state.capture import StateImage, restore
@@ -198,9 +199,10 @@ def _restore(job: Job, a: RestoreState) -> Event:
     job.bad_snapshot = None
     job.resume_version = out.resume_step
     job.first_after_recovery = True
-    # Re-protect the resume version under the new membership, in the background: until it
+    # Re-protect the resume version under the new membership, in the background, moving only
+    # the images a holder lacks (the replacement's own, and those the lost rank held): until it
     # commits, a further failure is planned from the replicas the previous generation left.
-    failed = _protect(job, out.resume_step)
+    failed = _protect(job, out.resume_step, MISSING)
     if failed is not None:
         return failed
     log.warning("rank %d: resumed at step %d in generation %d (%s)", job.rank, out.resume_step, g, out.source)
@@ -227,6 +229,11 @@ def _leave(job: Job, a: LeaveGroups) -> Event:
             job.own_images = own
     else:
         groups.release_all()
+    # A collective that failed mid forward/backward leaves FSDP2 per-iteration state (pending
+    # all-gathers, unsharded parameters, partial gradients) that the retried step would trip on.
+    reset = job.registry.reset_after_failure()
+    if reset:
+        log.info("rank %d: reset FSDP2 state of %s after the failure", job.rank, reset)
     return Left(time.monotonic())
 
 
@@ -241,11 +248,11 @@ def _report(job: Job, a: Report) -> Event:
 
 
 # --- training ------------------------------------------------------------------------------------------
-def _protect(job: Job, version: int) -> Event | None:
+def _protect(job: Job, version: int, pairs: PairSpec = None) -> Event | None:
     """Capture ``version`` and hand it to the mirror engine; a broken engine is a fault."""
     reason = ""
     try:
-        job.capture_and_mirror(version)
+        job.capture_and_mirror(version, pairs)
     except (MirrorError, TransportError) as exc:
         reason = f"{type(exc).__name__}: {exc}"
     except StateError as exc:  # the script's state cannot be captured: the user's to fix
