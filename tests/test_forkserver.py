@@ -354,7 +354,7 @@ def test_redirect_and_tee_of_warm_worker(tmp_path: Path, fifo: Fifo, probe_dir: 
     assert Path(logs[0].stdout).read_text() == "out c\nout w\n"
     assert Path(logs[0].stderr).read_text() == "err c\nerr w\n"
     out, err = capfd.readouterr()
-    assert "out c\nout w\n" in out and "err w" not in err
+    assert "[default0]:out c\n[default0]:out w\n" in out and "err w" not in err  # --tee prefixes like torchrun
 
 
 def test_rng_and_hash_seed_like_fresh_processes(tmp_path: Path, fifo: Fifo, probe_dir: Path,

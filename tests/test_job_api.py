@@ -28,8 +28,13 @@ def job() -> Iterator[Job]:
     env = {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
            "LOCAL_RANK": "0"}
     j = ckptless.init(env)
-    yield j
-    del store
+    try:
+        yield j
+    finally:
+        j.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()  # later in-process tests start their own default group
+        del store
 
 
 def _fresh(job: Job) -> Job:
