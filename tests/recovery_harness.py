@@ -22,6 +22,7 @@ from ckptless.coordinator.config import EtcdConfig
 from ckptless.coordinator.keyspace import Keyspace
 from ckptless.chaos.scenario import bitwise_diff
 from ckptless.mirror.placement import compute_placement
+from ckptless.recovery.view import ExitRecord
 from ckptless.recovery.wire import Membership, membership_from_json
 
 from .conftest import PYTHON, REPO, child_env
@@ -39,25 +40,42 @@ class Cluster:
     env: dict[str, str] = field(default_factory=dict)
     agents: list[subprocess.Popen[str]] = field(default_factory=list)
     logs: list[Path] = field(default_factory=list)
+    user: str | None = None  # etcd credentials (also given to the agents as CKPTLESS_ETCD_USER/PASSWORD)
+    password: str | None = None
 
-    def start_agent(self, *extra: str, nproc: int = 2) -> subprocess.Popen[str]:
+    def start_agent(self, *extra: str, nproc: int = 2, nnodes: str = "2", script: str = TRAIN,
+                    script_args: Sequence[str] | None = None) -> subprocess.Popen[str]:
         env = child_env()
         env.update({"REF_STEPS": str(STEPS), "CKPTLESS_LOG_LEVEL": "INFO", "CKPTLESS_COLLECTIVE_TIMEOUT": "30",
                     "CKPTLESS_RECOVERY_TIMEOUT": "60"})
+        if self.user is not None and self.password is not None:
+            env.update({"CKPTLESS_ETCD_USER": self.user, "CKPTLESS_ETCD_PASSWORD": self.password})
         env.update(self.env)
         log = self.out / f"agent{len(self.agents)}.log"
         self.logs.append(log)
         proc = subprocess.Popen(
-            [PYTHON, "-m", "ckptless.launcher.main", "--nnodes", "2", "--nproc-per-node", str(nproc),
+            [PYTHON, "-m", "ckptless.launcher.main", "--nnodes", nnodes, "--nproc-per-node", str(nproc),
              "--rdzv-id", self.job_id, "--rdzv-endpoint", self.endpoint, "--lease-ttl", "1", *extra,
-             TRAIN, str(self.out)],
+             script, *(script_args if script_args is not None else (str(self.out),))],
             env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT, text=True, start_new_session=True,
         )
         self.agents.append(proc)
         return proc
 
     def client(self) -> EtcdClient:
-        return EtcdClient(EtcdConfig((self.endpoint,)))
+        return EtcdClient(EtcdConfig((self.endpoint,), user=self.user, password=self.password))
+
+    def exit_record(self, rank: int) -> ExitRecord | None:
+        with self.client() as c:
+            kv = c.get(Keyspace(self.job_id).worker_exit(rank))
+            return None if kv is None else ExitRecord.from_json(kv.value)
+
+    def release(self, name: str = "release") -> None:
+        """Create OUT/<name>: ends the pauses of a job started with REF_PAUSE_RELEASE=<name>."""
+        (self.out / name).write_text("go")
+
+    def log_text(self) -> str:
+        return "\n".join(p.read_text(errors="replace") for p in self.logs if p.exists())
 
     def membership(self) -> Membership | None:
         with self.client() as c:
@@ -96,10 +114,23 @@ class Cluster:
             try:
                 code = a.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
+                live = self.live_processes()
                 self.kill_all()
-                raise AssertionError(f"agent {a.pid} did not finish in {timeout}s\n{self.tail()}") from None
+                raise AssertionError(f"agent {a.pid} did not finish in {timeout}s\n{live}\n{self.tail()}") from None
             if a not in expect_fail:
                 assert code == 0, f"agent {a.pid} exited {code}\n{self.tail()}"
+
+    def live_processes(self) -> str:
+        """Which agents and workers are still alive, and where they wait (for a timeout's message)."""
+        lines = []
+        for a in self.agents:
+            if a.poll() is not None:
+                lines.append(f"agent {a.pid}: exited {a.returncode}")
+                continue
+            lines.append(f"agent {a.pid}: alive ({_proc_state(a.pid)})")
+            for pid in descendants(a.pid):
+                lines.append(f"  pid {pid}: {_proc_state(pid)}")
+        return "\n".join(lines)
 
     def kill_all(self) -> None:
         for a in self.agents:
@@ -120,10 +151,82 @@ class Cluster:
         return [json.loads(line) for line in (self.out / f"pids_rank{rank}.jsonl").read_text().splitlines()]
 
 
-def ring_holders(world: int = 4, per_node: int = 2) -> dict[int, tuple[int, ...]]:
+def ring_holders(world: int = 4, per_node: int = 2, replicas: int = 1) -> dict[int, tuple[int, ...]]:
     node_of = [r // per_node for r in range(world)]
-    p = compute_placement(world, 1, "ring", node_of)
+    p = compute_placement(world, replicas, "ring", node_of)
     return {r: p.holders(r) for r in range(world)}
+
+
+def wait_exit(proc: subprocess.Popen[str], timeout: float, what: str = "") -> int:
+    """The exit code of ``proc`` once it ends (deadline-bounded; killed and failed past it)."""
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait(10)
+        raise AssertionError(f"{what or f'process {proc.pid}'} did not exit within {timeout}s") from None
+
+
+def flip_byte(path: Path, offset: int | None = None, xor: int = 0xFF) -> None:
+    """Change one byte in place: same inode, same size (a silent corruption)."""
+    size = path.stat().st_size
+    at = size // 2 if offset is None else offset
+    with open(path, "r+b") as f:
+        f.seek(at)
+        b = f.read(1)
+        f.seek(at)
+        f.write(bytes([b[0] ^ xor]))
+    assert path.stat().st_size == size
+
+
+def _proc_state(pid: int) -> str:
+    """State, kernel wait channel and role of a process, from /proc (best effort)."""
+    try:
+        state = next(line.split(":", 1)[1].strip() for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+                     if line.startswith("State:"))
+        wchan = Path(f"/proc/{pid}/wchan").read_text().strip()
+        env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except (OSError, StopIteration):
+        return "gone"
+    tags = [kv.decode(errors="replace") for kv in env if kv.startswith((b"RANK=", b"CKPTLESS_ROLE=", b"CKPTLESS_WORKER_ID="))]
+    return f"{state}, wchan {wchan or '-'}, {' '.join(tags)}"
+
+
+def descendants(root_pid: int) -> list[int]:
+    """Live descendants of ``root_pid`` (Linux /proc)."""
+    children: dict[int, list[int]] = {}
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            stat = (d / "stat").read_text()
+            ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(d.name))
+    found, todo = [], list(children.get(root_pid, []))
+    while todo:
+        pid = todo.pop()
+        found.append(pid)
+        todo.extend(children.get(pid, []))
+    return found
+
+
+def descendants_with_env(root_pid: int, key: str, value: str) -> list[int]:
+    """Live descendants of ``root_pid`` whose environment has ``key=value`` (Linux /proc)."""
+    want = f"{key}={value}".encode()
+    found = []
+    for pid in descendants(root_pid):
+        try:
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if want in env:
+            found.append(pid)
+    return found
 
 
 def independent_pair() -> tuple[int, int]:

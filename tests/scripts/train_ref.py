@@ -6,8 +6,20 @@ Environment knobs for fault injection by the test (which sends the real signal):
                    that rank, when about to run that step (first incarnation only),
                    writes OUT/paused_rank<R>.json with its pid and blocks (bounded) so
                    the test can SIGKILL / SIGSTOP it exactly there.
-  REF_PAUSE_RANK2 / REF_PAUSE_STEP2   a second pause point.
+  REF_PAUSE_RANK2 / REF_PAUSE_STEP2, REF_PAUSE_RANK3 / REF_PAUSE_STEP3
+                   more pause points (announced as paused2_/paused3_rank<R>.json).
+                   A pause step of -1 holds before job.run(): nothing of that rank is
+                   captured or mirrored yet.
+  REF_PAUSE_RELEASE
+                   a file name NAME: pause point <N> ("" for the first, "2", "3") also ends
+                   as soon as OUT/NAME<N> exists (the test lets the held rank go on).
+  REF_EXIT_RANK / REF_EXIT_STEP / REF_EXIT_KIND
+                   that rank, about to run that step (every incarnation, every time),
+                   writes OUT/exiting_rank<R>.json ({pid, step, time}) and then fails
+                   in the user's own code: KIND ``raise`` (default) raises ValueError,
+                   ``exit:N`` calls sys.exit(N).
   REF_HIDDEN       hidden width (state size)
+  REF_LOOP_API     if set, train with ``for step in job.steps(n): with job.guard(): ...`` instead of run()
 Writes OUT/final_rank<R>.pt (params, optimizer state, RNG draws, data position) and
 OUT/pids_rank<R>.json (every pid that ran this rank).
 """
@@ -42,8 +54,15 @@ def main() -> None:
     hidden = int(os.environ.get("REF_HIDDEN", "64"))
     job = ckptless.init()
     rank, world = dist.get_rank(), dist.get_world_size()
-    with open(os.path.join(out, f"pids_rank{rank}.jsonl"), "a") as f:
-        f.write(json.dumps({"pid": os.getpid(), "role": job.ctx.role, "generation": job.generation}) + "\n")
+    recorded: list[int] = []
+
+    def record_pid() -> None:
+        """Which process ran this rank: written at its first step (a pre-built spare runs the setup
+        as its standby rank before it is assigned one, so setup is not the moment to record it)."""
+        if not recorded:
+            recorded.append(os.getpid())
+            with open(os.path.join(out, f"pids_rank{job.rank}.jsonl"), "a") as f:
+                f.write(json.dumps({"pid": os.getpid(), "role": job.ctx.role, "generation": job.generation}) + "\n")
 
     torch.manual_seed(1234 + rank)
     random.seed(99 + rank)
@@ -64,18 +83,38 @@ def main() -> None:
     job.protect(model=model, optimizer=opt, scheduler=sched, data=loader)
 
     pauses = {}
-    for suffix in ("", "2"):
+    for suffix in ("", "2", "3"):
         r, s = os.environ.get(f"REF_PAUSE_RANK{suffix}"), os.environ.get(f"REF_PAUSE_STEP{suffix}")
         if r is not None and s is not None:
             pauses[(int(r), int(s))] = suffix
+    release = os.environ.get("REF_PAUSE_RELEASE")
+    exit_at = None
+    if os.environ.get("REF_EXIT_RANK") is not None and os.environ.get("REF_EXIT_STEP") is not None:
+        exit_at = (int(os.environ["REF_EXIT_RANK"]), int(os.environ["REF_EXIT_STEP"]))
+    exit_kind = os.environ.get("REF_EXIT_KIND", "raise")
 
-    def train_step(step: int) -> None:
+    def hold(step: int) -> None:
         key = (rank, step)
         if key in pauses and job.ctx.role == "member":
             _announce(os.path.join(out, f"paused{pauses[key]}_rank{rank}.json"), {"pid": os.getpid(), "step": step})
             deadline = time.monotonic() + 120
             while time.monotonic() < deadline:  # held here until the test's signal arrives
+                if release and os.path.exists(os.path.join(out, release + pauses[key])):
+                    break
                 time.sleep(0.01)
+
+    def user_failure(step: int) -> None:
+        if exit_at != (rank, step):
+            return
+        _announce(os.path.join(out, f"exiting_rank{rank}.json"), {"pid": os.getpid(), "step": step, "time": time.time()})
+        if exit_kind.startswith("exit:"):
+            sys.exit(int(exit_kind.split(":", 1)[1]))
+        raise ValueError(f"REF_EXIT: deliberate user error on rank {rank} at step {step}")
+
+    def train_step(step: int) -> None:
+        record_pid()
+        hold(step)
+        user_failure(step)
         x, y = loader.next_batch()
         noise = torch.randn(1).item() * 1e-3 + random.random() * 1e-3 + float(np.random.rand()) * 1e-3
         loss = torch.nn.functional.mse_loss(model(x), y) + noise
@@ -92,7 +131,16 @@ def main() -> None:
         opt.step()
         sched.step()
 
-    result = job.run(train_step, steps)
+    hold(-1)
+    if os.environ.get("REF_LOOP_API"):  # the loop API: the same steps, driven by the script's own for loop
+        for step in job.steps(steps):
+            with job.guard():
+                train_step(step)
+        from ckptless.job import RunResult
+
+        result = RunResult(steps, steps, job.committed_version, job.generation, job.recoveries)
+    else:
+        result = job.run(train_step, steps)
     write_final_state(out, rank, model, opt, sched, loader, result)
     job.close()
 
