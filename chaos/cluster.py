@@ -38,9 +38,13 @@ from ckptless.coordinator.config import EtcdConfig
 from ckptless.coordinator.embedded import EmbeddedEtcd
 from ckptless.coordinator.keyspace import Keyspace
 from ckptless.errors import CkptlessError, ConfigError, CoordinatorError
+from ckptless.recovery.wire import membership_from_json
 
 REPO = Path(__file__).resolve().parent.parent
 DEMO_SCRIPT = REPO / "examples" / "train_demo.py"
+# Every process of a job started here carries this variable (value: the run's output dir), so
+# leftovers are found even when the script's command line does not name the output dir.
+RUN_MARK = "CKPTLESS_CHAOS_RUN"
 
 
 class ChaosTimeout(CkptlessError):
@@ -75,6 +79,9 @@ class ClusterSpec:
     width: int = 32
     script: Path = DEMO_SCRIPT
     env: Mapping[str, str] = field(default_factory=dict)
+    # The script's arguments; ``{out}`` in one is replaced by the run's output dir. None: the
+    # demo/matrix convention -- the output dir alone, plus DEMO_STEPS/DEMO_WIDTH from steps/width.
+    script_args: tuple[str, ...] | None = None
 
     @property
     def world_size(self) -> int:
@@ -129,7 +136,7 @@ class LocalCluster:
     """Start, observe and tear down one job. Use as a context manager: teardown is in ``__exit__``."""
 
     def __init__(self, spec: ClusterSpec, out: Path, name: str, etcd_endpoint: str | None = None,
-                 pauses: str = "") -> None:
+                 pauses: str = "", points: str = "") -> None:
         spec.validate()
         self.spec = spec
         self.out = out
@@ -138,7 +145,8 @@ class LocalCluster:
         self.agents: list[Agent] = []
         self.etcd: EmbeddedEtcd | None = None
         self._endpoint = etcd_endpoint
-        self._pauses = pauses
+        self._pauses = pauses  # the demo script's own CHAOS_PAUSES (tag:rank:step)
+        self._points = points  # the library's CKPTLESS_CHAOS_POINTS (tag=step:r<R>:<S>), any script
         self._client: EtcdClient | None = None
         self.net: NetTopology | None = None
         self._timers: list[threading.Timer] = []
@@ -160,6 +168,16 @@ class LocalCluster:
     @property
     def snapshot_dir(self) -> Path:
         return self.out / "snapshots"
+
+    @property
+    def digest_dir(self) -> Path:
+        """Where every rank's library digest lands at ``job.close()`` (``CKPTLESS_DIGEST_DIR``)."""
+        return self.out / "digest"
+
+    def script_args(self) -> list[str]:
+        if self.spec.script_args is None:
+            return [str(self.out)]
+        return [a.replace("{out}", str(self.out)) for a in self.spec.script_args]
 
     def __enter__(self) -> LocalCluster:
         return self
@@ -204,8 +222,12 @@ class LocalCluster:
             args += ["--snapshot-every", str(s.snapshot_every), "--snapshot-dir", str(self.snapshot_dir)]
         if s.node_grace is not None:
             args += ["--node-grace", str(s.node_grace)]
-        env = child_env({"DEMO_STEPS": str(s.steps), "DEMO_WIDTH": str(s.width), "CHAOS_PAUSES": self._pauses,
-                         **s.env})
+        extra = {"DEMO_STEPS": str(s.steps), "DEMO_WIDTH": str(s.width)} if s.script_args is None else {}
+        extra.update({"CHAOS_PAUSES": self._pauses, "CKPTLESS_DIGEST_DIR": str(self.digest_dir),
+                      RUN_MARK: str(self.out)})
+        if self._points:
+            extra.update({"CKPTLESS_CHAOS_DIR": str(self.out / "chaos"), "CKPTLESS_CHAOS_POINTS": self._points})
+        env = child_env({**extra, **s.env})
         prefix: list[str] = []
         if self.net is not None:
             node = self.net.nodes[len(self.agents)]
@@ -215,7 +237,7 @@ class LocalCluster:
         log = self.out / "logs" / f"agent{len(self.agents)}.log"
         with open(log, "wb") as f:
             proc = subprocess.Popen([*prefix, sys.executable, "-m", "ckptless.launcher.main", *args, str(s.script),
-                                     str(self.out)], env=env, stdout=f, stderr=subprocess.STDOUT,
+                                     *self.script_args()], env=env, stdout=f, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL, start_new_session=True)
         agent = Agent(len(self.agents), proc, log, spare_only=nproc == 0)
         self.agents.append(agent)
@@ -313,25 +335,42 @@ class LocalCluster:
         return self.agent_by_node_id(self.leader_node_id())
 
     def agent_of_pid(self, worker_pid: int) -> Agent:
-        """A worker's agent is its parent process (agents spawn workers directly)."""
-        ppid = _ppid(worker_pid)
-        for a in self.agents:
-            if a.pid == ppid:
-                return a
-        raise CoordinatorError(f"worker {worker_pid} has parent {ppid}, not one of our agents")
+        """A worker's agent is its parent process (agents spawn workers directly; a warm respawn
+        is re-parented to its agent), else the nearest agent up the parent chain."""
+        by_pid = {a.pid: a for a in self.agents}
+        pid, seen = worker_pid, 0
+        while seen < 16:
+            ppid = _ppid(pid)
+            if ppid in by_pid:
+                return by_pid[ppid]
+            if ppid <= 1:
+                break
+            pid, seen = ppid, seen + 1
+        raise CoordinatorError(f"worker {worker_pid} has parent {_ppid(worker_pid)}, not one of our agents")
 
     def ranks_of(self, agent: Agent) -> tuple[int, ...]:
-        """Ranks whose current worker (last line of ``pids_rank<R>.jsonl``) is a child of ``agent``."""
+        """Ranks whose current worker (last line of ``pids_rank<R>.jsonl``) is a child of ``agent``;
+        for a script that writes no such files, the ranks the job's ``membership`` record puts on
+        ``agent``'s node."""
         found = []
+        recorded = False
         for r in range(self.spec.world_size):
             recs = self.pids(r)
+            recorded = recorded or bool(recs)
             if recs and _ppid(int(str(recs[-1]["pid"]))) == agent.pid:
                 found.append(r)
-        return tuple(found)
+        if recorded:
+            return tuple(found)
+        kv = self.client().get(self.keyspace.membership)
+        if kv is None:
+            return ()
+        return tuple(sorted(a.rank for a in membership_from_json(kv.value).ranks if f"-{agent.pid}-" in a.node_id))
 
     def job_processes(self) -> list[int]:
-        """Live (non-zombie) processes whose command line names this job's output dir."""
+        """Live (non-zombie) processes of this job: their command line names the output dir, or
+        their environment carries ``RUN_MARK`` for it (any script, whatever its arguments)."""
         needle = str(self.out).encode() + b"\0"  # the script's argument, exactly
+        mark = b"\0" + f"{RUN_MARK}={self.out}".encode() + b"\0"
         found = []
         for entry in os.listdir("/proc"):
             if not entry.isdigit() or int(entry) == os.getpid():
@@ -339,7 +378,11 @@ class LocalCluster:
             try:
                 with open(f"/proc/{entry}/cmdline", "rb") as f:
                     cmd = f.read()
-                if needle in cmd and _state(int(entry)) not in ("Z", "X"):
+                hit = needle in cmd
+                if not hit:
+                    with open(f"/proc/{entry}/environ", "rb") as f:
+                        hit = mark in b"\0" + f.read()
+                if hit and _state(int(entry)) not in ("Z", "X"):
                     found.append(int(entry))
             except OSError:
                 continue
@@ -381,6 +424,24 @@ def alive(pid: int) -> bool:
         return _state(pid) not in ("Z", "X")
     except OSError:
         return False
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live descendant of ``pid`` (children first), from ``/proc``: a node's whole process tree."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                children.setdefault(_ppid(int(entry)), []).append(int(entry))
+            except OSError:
+                continue
+    found: list[int] = []
+    todo = list(children.get(pid, []))
+    while todo:
+        p = todo.pop(0)
+        found.append(p)
+        todo.extend(children.get(p, []))
+    return found
 
 
 def wait_gone(pids: Sequence[int], timeout_s: float) -> list[int]:

@@ -25,13 +25,15 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from ckptless.chaos.cluster import Agent, LocalCluster, wait_for
+from ckptless.chaos.cluster import Agent, ChaosTimeout, LocalCluster, descendants, wait_for
 from ckptless.chaos.netns import NetTopology, Partition
 from ckptless.chaos.schedule import Fault, FaultKind
 from ckptless.errors import ConfigError
+from ckptless.goodput.ledger import Event, EventKind
 from ckptless.recovery.wire import membership_from_json
 
 PAUSE_TIMEOUT_S = 180.0  # from job start to the scheduled step, on a loaded 2-core machine
@@ -77,9 +79,14 @@ def _chaos_dir(out: Path) -> Path:
     return out / "chaos"
 
 
-def wait_paused(out: Path, tag: str, timeout_s: float = PAUSE_TIMEOUT_S) -> dict[str, int]:
+def wait_paused(out: Path, tag: str, timeout_s: float = PAUSE_TIMEOUT_S,
+                alive: Callable[[], bool] | None = None) -> dict[str, int]:
+    """The pause marker of ``tag`` ({pid, rank, step}); ``alive``: give up at once when the job is gone."""
     marker = _chaos_dir(out) / f"paused_{tag}.json"
-    wait_for(marker.exists, timeout_s, f"pause point {tag} ({marker})")
+    wait_for(lambda: marker.exists() or (alive is not None and not alive()), timeout_s,
+             f"pause point {tag} ({marker})")
+    if not marker.exists():
+        raise ChaosTimeout(f"the job ended before reaching pause point {tag} ({marker})")
     doc = json.loads(marker.read_text())
     return {k: int(doc[k]) for k in ("pid", "rank", "step")}
 
@@ -113,6 +120,37 @@ def kill_agent(agent: Agent) -> None:
     _signal(agent.pid, signal.SIGKILL)
 
 
+def kill_node(agent: Agent) -> tuple[int, ...]:
+    """SIGKILL a whole node at once: the agent's process group and every descendant (workers, spares,
+    the fork server; each worker runs in its own session, so the group alone is not the node).
+    Returns the pids signalled (the agent first)."""
+    tree = descendants(agent.pid)  # before the kill: orphans are re-parented away at once
+    try:
+        os.killpg(agent.pid, signal.SIGKILL)  # agents run in their own session: pgid == pid
+    except (ProcessLookupError, PermissionError):
+        _signal(agent.pid, signal.SIGKILL)
+    for pid in tree:
+        _signal(pid, signal.SIGKILL)
+    return (agent.pid, *tree)
+
+
+def record_injection(cluster: LocalCluster, inj: Injection) -> None:
+    """Append a ``fault_injected`` event to the run's goodput dir (``chaos.jsonl``): the report then
+    starts the incident at the injection and shows kill -> first step. Same monotonic clock as the
+    ledgers on this host, plus the wall time for merging."""
+    kind = "kill_node" if inj.fault.kind is FaultKind.KILL_AGENT and inj.note.startswith("SIGKILL node") \
+        else inj.fault.kind.value
+    target: str | int = inj.fault.targets[0] if len(inj.fault.targets) == 1 else ",".join(map(str, inj.fault.targets))
+    if inj.agents_killed:
+        target = f"agent{inj.agents_killed[0]} (ranks {','.join(map(str, inj.lost)) or '?'})"
+    wall = time.time() - (time.monotonic() - inj.t_monotonic)
+    ev = Event(EventKind.FAULT_INJECTED, inj.t_monotonic, None, 0, inj.fault.step,
+               {"kind": kind, "target": target, "note": inj.note}, t_wall=wall)
+    cluster.goodput_dir.mkdir(parents=True, exist_ok=True)
+    with open(cluster.goodput_dir / "chaos.jsonl", "a", encoding="utf-8") as f:
+        f.write(ev.to_json() + "\n")
+
+
 def restart_etcd(cluster: LocalCluster) -> None:
     """SIGKILL the etcd server and start it again on the same ports and data dir."""
     if cluster.etcd is None:
@@ -121,13 +159,20 @@ def restart_etcd(cluster: LocalCluster) -> None:
     cluster.etcd.start()
 
 
-def inject_step(cluster: LocalCluster, indexed: list[tuple[int, Fault]], snapshot_wait_s: float = 120.0) -> list[Injection]:
+def inject_step(cluster: LocalCluster, indexed: list[tuple[int, Fault]], snapshot_wait_s: float = 120.0,
+                pause_timeout_s: float = PAUSE_TIMEOUT_S, whole_node: bool = False) -> list[Injection]:
     """Inject all faults scheduled for one step, concurrently (after every victim is held there).
 
     With disk snapshots on, a kill waits for one complete snapshot first:
-    a fallback to disk needs something on disk to fall back to.
+    a fallback to disk needs something on disk to fall back to. ``whole_node``: a
+    ``KILL_AGENT`` fault kills the agent's whole process tree at once (:func:`kill_node`)
+    instead of the agent alone. Every injection is recorded in the run's goodput dir.
     """
-    held = {(i, r): wait_paused(cluster.out, pause_tag(i, r)) for i, f in indexed for r in f.targets}
+    def alive() -> bool:
+        return any(a.proc.poll() is None for a in cluster.agents)
+
+    held = {(i, r): wait_paused(cluster.out, pause_tag(i, r), pause_timeout_s, alive)
+            for i, f in indexed for r in f.targets}
     if cluster.spec.snapshot_every:
         wait_for(lambda: any(cluster.snapshot_dir.rglob("COMPLETE.json")), snapshot_wait_s, "a complete snapshot")
     done: list[Injection] = []
@@ -137,7 +182,8 @@ def inject_step(cluster: LocalCluster, indexed: list[tuple[int, Fault]], snapsho
             if f.kind.is_partition:
                 done.append(_partition(cluster, i, f, pids))
             else:
-                done.append(_inject_one(cluster, f, pids))
+                done.append(_inject_one(cluster, f, pids, whole_node))
+            record_injection(cluster, done[-1])
     finally:
         for i, f in indexed:
             for r in f.targets:
@@ -145,7 +191,7 @@ def inject_step(cluster: LocalCluster, indexed: list[tuple[int, Fault]], snapsho
     return done
 
 
-def _inject_one(cluster: LocalCluster, f: Fault, pids: tuple[int, ...]) -> Injection:
+def _inject_one(cluster: LocalCluster, f: Fault, pids: tuple[int, ...], whole_node: bool = False) -> Injection:
     t = time.monotonic()
     if f.kind is FaultKind.KILL_WORKER:
         for pid in pids:
@@ -163,7 +209,12 @@ def _inject_one(cluster: LocalCluster, f: Fault, pids: tuple[int, ...]) -> Injec
             note = "SIGKILL agent"
         lost = cluster.ranks_of(agent)
         t = time.monotonic()
-        kill_agent(agent)
+        if whole_node:
+            killed = kill_node(agent)
+            note = f"SIGKILL node: agent{agent.index} and {len(killed) - 1} processes under it" + (
+                " (it was leading)" if "leading" in note else "")
+        else:
+            kill_agent(agent)
         return Injection(f, t, pids, (agent.index,), lost, note)
     if f.kind is FaultKind.KILL_LEADER:
         agent = cluster.leader()

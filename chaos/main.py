@@ -1,8 +1,10 @@
-"""``ckptless-chaos``: the fault-injected demo, single scenarios and the chaos matrix.
+"""``ckptless-chaos``: chaos on your own script, the fault-injected demo, single scenarios and the matrix.
 
+    ckptless-chaos run    SCENARIO --script PATH [--nnodes N] [--nproc-per-node N] [--spares N]
+                          [--env K=V ...] [--rank R] [--at S[,S]] [--hang-timeout S] [--out DIR] [-- ARGS...]
     ckptless-chaos demo   [--out DIR] [--steps N]
     ckptless-chaos list
-    ckptless-chaos run    NAME [--seed S] [--out DIR]     (NAME from `list`, or `random`)
+    ckptless-chaos run    NAME [--seed S] [--out DIR]     (NAME from `list`, or `random`: the matrix's demo job)
     ckptless-chaos matrix [--only a,b] [--seeds 1,2] [--out DIR]
 
 Why one entry point for the demo and the matrix: the demo *is* a chaos
@@ -21,8 +23,11 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from ckptless.chaos.cluster import ClusterSpec
+from ckptless.chaos.cluster import DEMO_SCRIPT, ClusterSpec
 from ckptless.chaos.scenario import BaselineCache, Scenario, Verdict, render_table, run_scenario
+from ckptless.chaos.script import (
+    DEFAULT_HANG_TIMEOUT_S, SCRIPT_SCENARIOS, ScriptJob, describe, render_details, run_script,
+)
 from ckptless.chaos.schedule import (
     RANK_KINDS, Fault, FaultKind, ScheduleConfig, explicit_schedule, holders, independent, make_schedule,
 )
@@ -135,22 +140,28 @@ def catalogue() -> dict[str, Scenario]:
     return {s.name: s for s in items}
 
 
-def demo_scenario(steps: int, spare: bool = False) -> Scenario:
-    """4 workers on one node (optionally plus a warm spare): kill -9 one worker, later freeze another.
+DEMO_STEPS = 1000  # ~50 ms a step here (2 x 2 workers on 2 cores): ~50 s of training per run
 
-    The spare is off by default: an agent whose dead worker's rank was adopted by
-    a spare keeps that rank in its slot table and never exits (reported to the
-    launcher's owner); respawns on the node exercise the same recovery path.
+
+def demo_job(steps: int) -> ScriptJob:
+    """2 agents x 2 workers plus a spare-only node with 2 warm spares, the demo transformer.
+
+    Why two spares on their own node: a lost node takes both its ranks at once and a dead
+    node cannot respawn them (a rank is respawned only on its own live node), so the node
+    loss needs as many warm spares as the node had ranks, on a node that survives it.
     """
-    if steps < 12:
-        raise ConfigError("steps", steps, "the demo needs >= 12 steps (faults at 1/4 and 2/3 of the run)")
-    spec = ClusterSpec(nodes=1, nproc_per_node=4, spares_per_node=int(spare), hang_timeout=3.0, steps=steps)
-    cfg = ScheduleConfig(steps=steps, world_size=4, nproc_per_node=4, kinds=RANK_KINDS)
-    kill, hang = steps // 4, (2 * steps) // 3
-    return Scenario("demo", f"SIGKILL rank 1 at step {kill}; SIGSTOP rank 2 at step {hang}",
-                    ("spare takes rank 1" if spare else "rank 1 respawned") + ", rank 2 respawned; bitwise equal", spec,
-                    explicit_schedule(cfg, [Fault(kill, FaultKind.KILL_WORKER, (1,)),
-                                            Fault(hang, FaultKind.HANG_WORKER, (2,))]))
+    if steps < 20:
+        raise ConfigError("steps", steps, "the demo needs >= 20 steps (three faults, each after the last recovery)")
+    return ScriptJob(DEMO_SCRIPT, ("{out}",), nnodes=2, nproc_per_node=2, spares=2,
+                     env={"DEMO_STEPS": str(steps), "DEMO_WIDTH": "32"}, hang_timeout=3.0)
+
+
+def demo_faults(steps: int) -> list[Fault]:
+    """Node loss first (it needs both spares), then a worker kill and a hang on the surviving node
+    (no spare left: both are respawned there, warm)."""
+    return [Fault(steps // 5, FaultKind.KILL_AGENT, (2,)),
+            Fault(steps // 2, FaultKind.KILL_WORKER, (1,)),
+            Fault((4 * steps) // 5, FaultKind.HANG_WORKER, (0,))]
 
 
 def _out_dir(arg: str | None, what: str) -> Path:
@@ -171,23 +182,72 @@ def _run_all(scenarios: list[Scenario], out: Path) -> list[Verdict]:
 
 def _demo(args: argparse.Namespace) -> int:
     from ckptless.cli import main as ckptless_cli
+    from ckptless.report.loader import load_run
+    from ckptless.report.model import build_report
 
     out = _out_dir(args.out, "demo")
-    sc = demo_scenario(args.steps, args.spare)
+    job = demo_job(args.steps)
+    faults = demo_faults(args.steps)
     t0 = time.monotonic()
-    spare = " + 1 warm spare" if args.spare else ""
-    print(f"ckptless demo: {sc.spec.world_size} workers{spare} on one node, embedded etcd, "
-          f"{sc.spec.steps} steps of examples/train_demo.py", flush=True)
-    print(f"  faults: {sc.fault}", flush=True)
-    print(f"  output: {out} (agent logs in {out / 'demo' / 'logs'})", flush=True)
-    v = _run_all([sc], out)[0]
-    print(f"\n== goodput report of the faulty run ({out / 'demo' / 'goodput'}) ==", flush=True)
-    if (out / "demo" / "goodput").is_dir():
-        ckptless_cli(["report", str(out / "demo" / "goodput")])
-    sys.stdout.flush()
-    print("\n== verdict: faulty run vs fault-free run (params, optimizer, LR, RNG, data position; torch.equal) ==")
-    print(render_table([v]), end="")
+    print(f"ckptless demo: {job.nnodes} nodes x {job.nproc_per_node} workers + a spare node with {job.spares} warm "
+          f"spares, embedded etcd, {args.steps} steps of examples/train_demo.py (tiny transformer)", flush=True)
+    print(f"  faults: {'; '.join(describe(f) for f in faults)} (--hang-timeout {job.hang_timeout:g})", flush=True)
+    print(f"  output: {out}", flush=True)
+    v = run_script("demo", job, out, faults=lambda _steps: faults, log=lambda line: print(line, flush=True))
+    goodput = out / "demo" / "goodput"
+    html = out / "report.html"
+    print(f"\n== goodput report of the faulty run (ckptless report {goodput} --html {html}) ==", flush=True)
+    if goodput.is_dir():
+        ckptless_cli(["report", str(goodput), "--html", str(html)])
+        sys.stdout.flush()
+        rep = build_report(load_run(goodput))
+        a, e = rep.analysis, rep.estimate
+        print(f"\n== ckptless vs restart-from-disk, same {len(a.incidents)} failures ==")
+        print(f"goodput with ckptless: {a.goodput:.1%} (measured: {a.productive_s:.1f}s productive of "
+              f"{a.wall_s:.1f}s; failures cost {e.ckptless_failure_s:.1f}s)")
+        print(f"goodput restarting from disk: {e.goodput:.1%} (ESTIMATE: failures would cost "
+              f"{e.failure_badput_s:.1f}s -- restart {e.inputs.restart_s:g}s + load {e.inputs.load_s:g}s + "
+              f"warm-up {e.warmup_s:.1f}s + steps since a checkpoint every {e.inputs.interval_steps} steps, each; "
+              f"see the report's estimate inputs)")
+        print(f"HTML report: {html}")
+    print("\n== verdict: faulty run vs fault-free run (library digest of every protected object, RNG included) ==")
+    print(render_details(v), end="")
+    print(v.line)
     print(f"demo {'PASSED' if v.passed else 'FAILED'} in {time.monotonic() - t0:.0f}s")
+    return 0 if v.passed else 1
+
+
+def _env_pairs(items: list[str]) -> dict[str, str]:
+    env: dict[str, str] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ConfigError("env", item, "expected KEY=VALUE")
+        env[key] = value
+    return env
+
+
+def _steps_list(text: str | None) -> list[int]:
+    if not text:
+        return []
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ConfigError("at", text, "expected step numbers, comma-separated") from None
+
+
+def _run_script(args: argparse.Namespace, script_args: list[str]) -> int:
+    spares = args.spares
+    if spares is None:
+        spares = args.nproc_per_node if args.name == "kill-node" else 0
+    job = ScriptJob(Path(args.script).resolve(), tuple(script_args), nnodes=args.nnodes,
+                    nproc_per_node=args.nproc_per_node, spares=spares, env=_env_pairs(args.env or []),
+                    hang_timeout=args.hang_timeout)
+    out = _out_dir(args.out, f"{args.name}-script")
+    v = run_script(args.name, job, out, rank=args.rank, at=_steps_list(args.at), timeout_s=args.timeout,
+                   log=lambda line: print(line, flush=True))
+    print(render_details(v), end="")
+    print(v.line, flush=True)
     return 0 if v.passed else 1
 
 
@@ -218,12 +278,30 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     d = sub.add_parser("demo", help="the fault-injected demo (what `make demo` runs)")
     d.add_argument("--out", help="output directory (default: a fresh temp dir)")
-    d.add_argument("--steps", type=int, default=24, help="training steps (default 24)")
-    d.add_argument("--spare", action="store_true", help="add a warm spare to the node")
-    sub.add_parser("list", help="list the scenarios of the matrix")
-    r = sub.add_parser("run", help="run one scenario against its fault-free baseline")
-    r.add_argument("name", help="scenario name (see `list`) or `random`")
-    r.add_argument("--seed", default="0", help="seed of `random` (default 0)")
+    d.add_argument("--steps", type=int, default=DEMO_STEPS, help=f"training steps (default {DEMO_STEPS})")
+    sub.add_parser("list", help="list the scenarios (for --script, and of the matrix)")
+    r = sub.add_parser("run", help="run one scenario against its fault-free twin: on your script (--script) "
+                                   "or on the matrix's demo job",
+                       usage="ckptless-chaos run SCENARIO [--script PATH ...] [-- SCRIPT_ARGS...]")
+    r.add_argument("name", help=f"with --script: one of {', '.join(SCRIPT_SCENARIOS)}; "
+                                "else a matrix scenario (see `list`) or `random`")
+    r.add_argument("--script", help="your training script (uses ckptless.init/protect/run or job.steps/guard "
+                                    "and closes its job); its arguments go after `--` ({out}: the run's dir)")
+    r.add_argument("--nnodes", type=int, default=2, help="agents (nodes) running workers (default 2)")
+    r.add_argument("--nproc-per-node", type=int, default=2, help="workers per node (default 2)")
+    r.add_argument("--spares", type=int, default=None,
+                   help="warm spares on one extra spare-only node (default 0; kill-node: --nproc-per-node)")
+    r.add_argument("--env", action="append", metavar="KEY=VALUE",
+                   help="environment of the script in both runs (repeatable), e.g. its step count")
+    r.add_argument("--rank", type=int, default=None, help="victim rank (default: the last rank)")
+    r.add_argument("--at", metavar="STEP[,STEP]",
+                   help="fault step(s) (default: 1/3 of the run; kill-node 1/2; kill-twice 1/3 and 2/3)")
+    r.add_argument("--hang-timeout", type=float, default=None,
+                   help=f"agents' --hang-timeout in the faulty run (default {DEFAULT_HANG_TIMEOUT_S:g} for "
+                        "hang-worker, else off)")
+    r.add_argument("--timeout", type=float, default=None,
+                   help="seconds a run may take (default: 4x the fault-free run, >= 300)")
+    r.add_argument("--seed", default="0", help="seed of `random` (default 0; matrix scenarios only)")
     r.add_argument("--out", help="output directory")
     m = sub.add_parser("matrix", help="run the chaos matrix; non-zero exit if any scenario fails")
     m.add_argument("--only", help="comma-separated scenario names")
@@ -235,18 +313,32 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
     os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    script_args: list[str] = []
+    if "--" in argv:  # everything after the first `--` belongs to the user's script
+        cut = argv.index("--")
+        argv, script_args = argv[:cut], argv[cut + 1:]
     try:
         args = _parser().parse_args(argv)
     except SystemExit as exc:
         return exc.code if isinstance(exc.code, int) else 2
+    if script_args and not (args.command == "run" and args.script):
+        print("ckptless-chaos: error: arguments after `--` go to a --script", file=sys.stderr)
+        return 2
     try:
         if args.command == "demo":
             return _demo(args)
         if args.command == "list":
+            print("for `run SCENARIO --script PATH` (your script; steps are fractions of its run):")
+            for ss in SCRIPT_SCENARIOS.values():
+                print(f"  {ss.name:12} {ss.fault}  ->  {ss.expected}")
+            print("the matrix (examples/train_demo.py, 2 nodes x 2 workers):")
             for sc in catalogue().values():
-                print(f"{sc.name:14} {sc.fault}  ->  {sc.expected}")
-            print(f"{'random':14} seeded kills/hangs (--seed S)")
+                print(f"  {sc.name:14} {sc.fault}  ->  {sc.expected}")
+            print(f"  {'random':14} seeded kills/hangs (--seed S)")
             return 0
+        if args.command == "run" and args.script:
+            return _run_script(args, script_args)
         if args.command == "run":
             scs = [random_scenario(_seed(args.seed))] if args.name == "random" else _pick(args.name, None)
             verdicts = _run_all(scs, _out_dir(args.out, args.name))
