@@ -60,6 +60,7 @@ from ckptless.worker.heartbeat import read_progress
 log = logging.getLogger("ckptless.agent")
 
 EXIT_RECORD_RETRY_S = 300.0  # an exit record waits this long for etcd to come back
+OUTBOX_DRAIN_S = 15.0  # an exiting agent waits this long for its pending exit records
 
 
 class NodeAgent:
@@ -74,6 +75,7 @@ class NodeAgent:
         self._stopping = threading.Event()  # a signal asked us to stop: every wait obeys it
         self._stop_signal: int | None = None
         self._status: JobStatus | None = None
+        self._outbox: list[threading.Thread] = []
         self._client: EtcdClient | None = None
         self._session: Session | None = None
         self._leader: RecoveryLeader | None = None
@@ -159,7 +161,17 @@ class NodeAgent:
                         log.error("could not record %s in etcd: %s", what, exc)
                         return
                     self._stopping.wait(1.0)
-        threading.Thread(target=run, name="ckptless-outbox", daemon=True).start()
+        t = threading.Thread(target=run, name="ckptless-outbox", daemon=True)
+        self._outbox.append(t)
+        t.start()
+
+    def _drain_outbox(self, timeout: float) -> None:
+        """Before leaving: let pending exit records reach etcd (bounded). Without this, an agent
+        whose last worker just finished could exit before its record landed, and the store's
+        host would wait for that rank's exit forever."""
+        deadline = time.monotonic() + timeout
+        for t in list(self._outbox):
+            t.join(max(0.0, deadline - time.monotonic()))
 
     def _send_delete(self, key: str, what: str) -> None:
         try:
@@ -441,6 +453,7 @@ class NodeAgent:
                 self._update_metrics()
                 self._maybe_warm(group)
                 code = self._done()
+            self._drain_outbox(OUTBOX_DRAIN_S)
             self._stopping.set()  # stops the hang watcher and the outbox retries
             group.stop(timeout=cfg.shutdown_timeout)
             if code == 1 and self._status is not None:

@@ -104,6 +104,33 @@ def test_node_loss_replaced_by_spares_on_a_third_agent(module_etcd: EmbeddedEtcd
     assert all(c.pids(r)[-1]["role"] == "spare" for r in lost)
 
 
+def test_worker_killed_spare_on_another_agent_takes_its_rank(module_etcd: EmbeddedEtcd, tmp_path: Path,
+                                                             baseline: dict) -> None:
+    """The victim's own agent survives and its rank goes to a pre-built spare on a spare-only agent:
+    every agent must still exit 0 at the end (the store's host waits for the spare's exit record)."""
+    from ckptless.coordinator.keyspace import Keyspace
+    from ckptless.recovery.wire import spare_from_json
+
+    c = _cluster(module_etcd, tmp_path, "spare0", REF_PAUSE_RANK="0", REF_PAUSE_STEP="5")
+    try:
+        c.start_agent()
+        c.start_agent()
+        c.start_agent("--spares", "1", nproc=0)
+        pid = c.paused_pid(0)
+        with c.client() as cl:
+            def spare_stands_by_for_rank0() -> bool:
+                kvs, _ = cl.get_prefix(Keyspace(c.job_id).spares_prefix)
+                return any(spare_from_json(kv.value).standby_rank == 0 for kv in kvs)
+            wait_until(spare_stands_by_for_rank0, 120, "the spare standing by for rank 0")
+        os.kill(pid, signal.SIGKILL)
+        c.wait()  # all three agents exit 0
+    finally:
+        c.kill_all()
+    assert_bitwise_equal(c.finals(), baseline)
+    _survivors_kept_pids(c, {0})
+    assert c.pids(0)[-1]["role"] == "spare"
+
+
 def test_two_failures_in_different_placement_groups(module_etcd: EmbeddedEtcd, tmp_path: Path, baseline: dict) -> None:
     a, b = independent_pair()
     c = _cluster(module_etcd, tmp_path, "two", REF_PAUSE_RANK=str(a), REF_PAUSE_STEP="5",
