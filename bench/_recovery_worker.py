@@ -90,18 +90,29 @@ def run_ckptless(out: str) -> None:
     if os.environ.get("CKPTLESS_ROLE") == "spare":  # warm: torch and ckptless imported, about to wait
         _announce(os.path.join(out, f"spare_ready_{os.getpid()}.json"), {"pid": os.getpid(), "t": time.monotonic()})
     job = ckptless.init()
-    rank = dist.get_rank()
-    with open(os.path.join(out, f"pids_rank{rank}.jsonl"), "a") as f:
-        f.write(json.dumps({"pid": os.getpid(), "role": job.ctx.role, "generation": job.generation,
-                            "t_process": T_PROCESS, "t_init": time.monotonic()}) + "\n")
+    t_init = time.monotonic()
+    rank = dist.get_rank()  # a pre-built spare: its standby rank (it may be assigned another)
     t0 = time.monotonic()
     model, opt = _build(rank)
     job.protect(model=model, optimizer=opt)
-    with open(os.path.join(out, f"built_rank{rank}.jsonl"), "a") as f:
-        f.write(json.dumps({"pid": os.getpid(), "generation": job.generation, "t0": t0, "t_built": time.monotonic()}) + "\n")
+    t_built = time.monotonic()
+    recorded: list[int] = []
+
+    def record() -> None:
+        """At the first step, when the rank is final: which process ran it, and when it was built
+        (a pre-built spare built before it was assigned: off the recovery's critical path)."""
+        recorded.append(job.rank)
+        with open(os.path.join(out, f"pids_rank{job.rank}.jsonl"), "a") as f:
+            f.write(json.dumps({"pid": os.getpid(), "role": job.ctx.role, "generation": job.generation,
+                                "t_process": T_PROCESS, "t_init": t_init}) + "\n")
+        with open(os.path.join(out, f"built_rank{job.rank}.jsonl"), "a") as f:
+            f.write(json.dumps({"pid": os.getpid(), "generation": job.generation, "t0": t0,
+                                "t_built": t_built}) + "\n")
 
     def train_step(step: int) -> None:
-        _maybe_pause(out, rank, step)
+        if not recorded:
+            record()
+        _maybe_pause(out, job.rank, step)
         _step(model, opt, step)
 
     job.run(train_step, steps)

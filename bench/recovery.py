@@ -191,8 +191,10 @@ def run_ckptless(etcd_ep: str, size: int, world: int, spares: int, respawns: int
     gdir = out / "goodput"
     out.mkdir(parents=True)
     kills = spares + respawns
-    # Spares take ranks 1..spares; respawns hit the last rank (still on the main agent).
-    victims = [1 + i for i in range(spares)] + [world - 1] * respawns
+    # Spares pre-build as standby ranks 0, 1, ... (the agent gives each the lowest rank no other
+    # spare covers), so the spare cases kill those ranks: the spare then only receives bytes.
+    # Respawns hit the last rank (still on the main agent).
+    victims = list(range(spares)) + [world - 1] * respawns
     gap = 3
     pauses = [(victims[i], 4 + gap * i) for i in range(kills)]
     steps = pauses[-1][1] + 3 if pauses else 6
@@ -245,7 +247,8 @@ def run_ckptless(etcd_ep: str, size: int, world: int, spares: int, respawns: int
             ph = _phases(evs, t_kill, max(gens), victim)
             built = [json.loads(x) for x in (out / f"built_rank{victim}.jsonl").read_text().splitlines() if x.strip()]
             mine = [b for b in built if b["generation"] == max(gens)]
-            ph["repl_build"] = (mine[0]["t_built"] - mine[0]["t0"]) if mine else float("nan")
+            # Only the part of the build after the kill is on the critical path (a pre-built spare: 0).
+            ph["repl_build"] = max(0.0, mine[0]["t_built"] - max(mine[0]["t0"], t_kill)) if mine else float("nan")
             # The replacement builds its model + optimizer after it has its rank (ckptless.init()
             # blocks a spare until then) and before it can receive: split that out of "transfer".
             t_xfer = max(e["t_monotonic"] for e in evs if e["kind"] == "transfer_done" and e["generation"] == max(gens))
@@ -272,7 +275,10 @@ def run_ckptless(etcd_ep: str, size: int, world: int, spares: int, respawns: int
             try:
                 p.wait(5)
             except subprocess.TimeoutExpired:
-                log(f"  note: agent {p.pid} still running 5 s after the job ended; stopped (known agent bug)")
+                log(f"  BUG: agent {p.pid} still running 5 s after the job ended; stopped. Its log:")
+                idx = procs.index(p)
+                logs[idx].flush()
+                log((out / f"agent{idx}.log").read_text(errors="replace")[-4000:])
     except BaseException:
         for lf in logs:
             lf.flush()
