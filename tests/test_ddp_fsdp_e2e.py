@@ -211,7 +211,7 @@ def test_fsdp2_kill_survivor_side_rank_in_backward(module_etcd: EmbeddedEtcd, tm
 # --- init_process_group in a ported script ---------------------------------------------------------
 
 
-def _init_pg_job(etcd: EmbeddedEtcd, out: Path, mode: str) -> tuple[int, str]:
+def _init_pg_job(etcd: EmbeddedEtcd, out: Path, *mode: str) -> tuple[int, str]:
     out.mkdir(parents=True)
     env = child_env()
     env.update({"CKPTLESS_COLLECTIVE_TIMEOUT": "30", "CKPTLESS_RECOVERY_TIMEOUT": "60"})
@@ -219,18 +219,26 @@ def _init_pg_job(etcd: EmbeddedEtcd, out: Path, mode: str) -> tuple[int, str]:
     proc = subprocess.Popen(
         [PYTHON, "-m", "ckptless.launcher.main", "--nnodes", "1", "--nproc-per-node", "2",
          "--rdzv-id", f"initpg-{uuid.uuid4().hex[:6]}", "--rdzv-endpoint", etcd.endpoint, "--lease-ttl", "1",
-         INIT_PG_SCRIPT, str(out), mode],
+         INIT_PG_SCRIPT, str(out), *mode],
         env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT, text=True, start_new_session=True,
     )
-    code = wait_exit(proc, 180, f"the {mode} init_process_group job")
+    code = wait_exit(proc, 180, f"the {' '.join(mode)} init_process_group job")
     return code, log.read_text(errors="replace")
+
+
+def _failed_fast_as_user_error(code: int, log: str, out: Path) -> None:
+    assert code == 1, log[-4000:]
+    assert not list(out.glob("ok_rank*.json"))
+    assert "a user error" in log and "not restarted" in log, log[-4000:]
+    assert "respawning" not in log, log[-4000:]
 
 
 def test_init_process_group_after_ckptless_init(module_etcd: EmbeddedEtcd, tmp_path: Path) -> None:
     """The guarded idiom (``if not dist.is_initialized(): init_process_group(...)``) is a no-op and the
-    job trains; an unconditional second call fails fast as a user error (exit 1, no respawn) with the
-    cause in the log."""
-    code, log = _init_pg_job(module_etcd, tmp_path / "guarded", "guarded")
+    job trains, also keeping ``destroy_process_group()`` after ``job.close()``. An unconditional second
+    call is torch's ``ValueError`` ("trying to initialize the default process group twice!"): the job
+    fails fast as a user error (exit 1, no respawn) with that cause in the log."""
+    code, log = _init_pg_job(module_etcd, tmp_path / "guarded", "guarded", "destroy")
     assert code == 0, log[-4000:]
     for r in range(2):
         ok = json.loads((tmp_path / "guarded" / f"ok_rank{r}.json").read_text())
@@ -240,8 +248,13 @@ def test_init_process_group_after_ckptless_init(module_etcd: EmbeddedEtcd, tmp_p
     if code == 0:  # accepted (a library that tolerates the call): the job must have trained normally
         assert len(list((tmp_path / "always").glob("ok_rank*.json"))) == 2, log[-4000:]
         return
-    assert not list((tmp_path / "always").glob("ok_rank*.json"))
-    assert code == 1, log[-4000:]
-    assert ("init_process_group" in log) and ("twice" in log or "ckptless.init()" in log), log[-4000:]
-    assert "a user error" in log and "not restarted" in log, log[-4000:]
-    assert "respawn" not in log.lower(), log[-4000:]
+    _failed_fast_as_user_error(code, log, tmp_path / "always")
+    assert "init_process_group" in log and ("twice" in log or "ckptless.init()" in log), log[-4000:]
+
+
+@pytest.mark.slow
+def test_init_process_group_before_ckptless_init(module_etcd: EmbeddedEtcd, tmp_path: Path) -> None:
+    """The plain script's call left in place, before ``ckptless.init()``: a ConfigError that says to remove it."""
+    code, log = _init_pg_job(module_etcd, tmp_path / "before", "before")
+    _failed_fast_as_user_error(code, log, tmp_path / "before")
+    assert "ConfigError" in log and "remove the script's own init_process_group call" in log, log[-4000:]

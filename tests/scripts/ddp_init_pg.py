@@ -1,9 +1,12 @@
 """A ported DDP script that still calls ``init_process_group`` after ``ckptless.init()``.
 
-    ddp_init_pg.py OUT MODE
+    ddp_init_pg.py OUT MODE [destroy]
 MODE ``guarded``: ``if not dist.is_initialized(): dist.init_process_group("gloo")``
-(the common idiom); ``always``: an unconditional ``dist.init_process_group("gloo")``.
-Trains 3 DDP steps and writes OUT/ok_rank<R>.json (with the backend name torch reports).
+(the common idiom) after ``ckptless.init()``; ``always``: an unconditional
+``dist.init_process_group("gloo")`` after it; ``before``: the script's own call first,
+then ``ckptless.init()``. Trains 3 DDP steps and writes OUT/ok_rank<R>.json (with the
+backend name torch reports). ``destroy``: keep the plain script's
+``dist.destroy_process_group()`` after ``job.close()``.
 """
 
 from __future__ import annotations
@@ -21,13 +24,15 @@ import ckptless
 
 def main() -> None:
     out, mode = sys.argv[1], sys.argv[2]
+    if mode == "before":
+        dist.init_process_group("gloo")
     job = ckptless.init()
     if mode == "guarded":
         if not dist.is_initialized():
             dist.init_process_group("gloo")
     elif mode == "always":
         dist.init_process_group("gloo")
-    else:
+    elif mode != "before":
         raise SystemExit(f"unknown mode {mode!r}")
     torch.manual_seed(0)
     model = nn.parallel.DistributedDataParallel(nn.Linear(4, 2))
@@ -53,6 +58,8 @@ def main() -> None:
     with open(os.path.join(out, f"ok_rank{dist.get_rank()}.json"), "w") as f:
         json.dump({"backend": str(dist.get_backend()), "world": dist.get_world_size()}, f)
     job.close()
+    if sys.argv[3:] == ["destroy"]:
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
