@@ -44,7 +44,7 @@ from ckptless.state.registry import StateRegistry
 from ckptless.worker import actions, exit_file, exit_guard, groups
 from ckptless.worker.context import WorkerContext
 from ckptless.worker.control import WorkerControl
-from ckptless.worker.generation import Generation
+from ckptless.worker.generation import Generation, release_retired_buffers
 from ckptless.worker.heartbeat import Heartbeat
 from ckptless.worker.ledger import WorkerLedger
 from ckptless.worker.machine import (
@@ -105,7 +105,7 @@ class Job:
         self.recovery = bool(ctx.etcd_endpoint) and self.replicas > 0
         self.mirror_config = mirror_config or MirrorConfig.build(
             replicas=max(self.replicas, 1), mirror_every=ctx.mirror_every, placement=ctx.placement,
-            shm_dir=ctx.shm_dir, timeout_s=ctx.collective_timeout_s,
+            shm_dir=ctx.shm_dir, timeout_s=ctx.collective_timeout_s, pool_buffers=ctx.mirror_buffers,
         )
         self.heartbeat = Heartbeat(os.environ.get("CKPTLESS_HEARTBEAT_FILE"))
         self.ledger = WorkerLedger(ctx.goodput_dir, None if ctx.role == "spare" else ctx.rank)
@@ -322,6 +322,7 @@ class Job:
         if self.replicas == 0 or gen is None or gen.mirror_group is None:
             return None
         if gen.engine is None:
+            release_retired_buffers()  # before this engine allocates its own pool
             gen.engine = MirrorEngine(gen.mirror_group, self.ctx.job_id, self.mirror_config, generation=gen.number,
                                       node_of=gen.node_of, store=self.open_peer_store())
             exit_guard.watch(gen.engine.thread_alive, gen.engine.join)

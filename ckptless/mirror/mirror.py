@@ -354,6 +354,17 @@ class MirrorEngine:
     def thread_alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
+    def release_pool(self) -> None:
+        """Drop the engine's references to its capture buffers (a retired engine whose thread ended).
+
+        Why it is safe: a Gloo operation still in flight holds its own reference to
+        the tensors it reads or writes, and images handed out by :meth:`own_images`
+        hold theirs; what is dropped here is only the pool's. Without this, every
+        recovery left one to three S-sized buffers per rank alive for the rest of the job.
+        """
+        with self._cond:
+            self._pool = []
+
     def join(self, timeout: float) -> None:
         if self._thread is not None:
             self._thread.join(timeout)

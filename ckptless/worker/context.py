@@ -75,6 +75,7 @@ class WorkerContext:
     snapshot_dir: str | None = None
     snapshot_every: int = 0
     standby_rank: int | None = None  # a spare that builds the script's objects as this rank while it waits
+    mirror_buffers: int = 2  # owner capture buffers (MirrorConfig.pool_buffers); 1 = the (2 + 2K) x S memory budget
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> WorkerContext:
@@ -111,4 +112,5 @@ class WorkerContext:
             snapshot_dir=e.get("CKPTLESS_SNAPSHOT_DIR") or None,
             snapshot_every=_int(e, "CKPTLESS_SNAPSHOT_EVERY", 0),
             standby_rank=_standby(e, role, world),
+            mirror_buffers=_int(e, "CKPTLESS_MIRROR_BUFFERS", 2, low=1),
         )

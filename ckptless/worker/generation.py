@@ -26,9 +26,21 @@ from ckptless.worker import exit_guard, groups
 log = logging.getLogger(__name__)
 
 # Engines of failed generations are never freed: their unregistered mirror groups may still
-# have Gloo operations in flight on native threads, and freeing a group or a buffer under such
-# an operation aborts the process. Each holds a few sockets and threads.
+# have Gloo operations in flight on native threads, and freeing a group under such an operation
+# aborts the process. Each holds a few sockets and threads. Their capture buffers are released
+# once their thread has ended (see MirrorEngine.release_pool): the memory is S per buffer.
 _RETIRED_ENGINES: list[MirrorEngine] = []
+
+
+def release_retired_buffers() -> int:
+    """Release the pools of retired engines whose thread has ended; returns how many are still running."""
+    running = 0
+    for engine in _RETIRED_ENGINES:
+        if engine.thread_alive():
+            running += 1
+        else:
+            engine.release_pool()
+    return running
 
 
 @dataclass
@@ -82,4 +94,5 @@ class Generation:
         self.bound = False
         if engine is not None:
             engine.join(0.2)  # usually done at once: its peers are gone
+        release_retired_buffers()  # ``own`` keeps the images it needs alive
         return own
