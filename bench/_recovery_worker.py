@@ -26,6 +26,7 @@ import sys
 import time
 
 T_PROCESS = time.monotonic()  # before `import torch`
+RSS_BEFORE_STATE = 0
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -89,6 +90,8 @@ def run_ckptless(out: str) -> None:
     steps = int(os.environ.get("BENCH_STEPS", "20"))
     if os.environ.get("CKPTLESS_ROLE") == "spare":  # warm: torch and ckptless imported, about to wait
         _announce(os.path.join(out, f"spare_ready_{os.getpid()}.json"), {"pid": os.getpid(), "t": time.monotonic()})
+    global RSS_BEFORE_STATE
+    RSS_BEFORE_STATE = _memory()["rss"]  # torch + ckptless imported, nothing protected yet
     job = ckptless.init()
     t_init = time.monotonic()
     rank = dist.get_rank()  # a pre-built spare: its standby rank (it may be assigned another)
@@ -109,14 +112,34 @@ def run_ckptless(out: str) -> None:
             f.write(json.dumps({"pid": os.getpid(), "generation": job.generation, "t0": t0,
                                 "t_built": t_built}) + "\n")
 
+    trace: list[tuple[int, int, int, int]] = []  # (step, generation, peak RSS, RSS) before each step
+
     def train_step(step: int) -> None:
         if not recorded:
             record()
+        m = _memory()
+        trace.append((step, job.generation, m["peak_rss"], m["rss"]))
         _maybe_pause(out, job.rank, step)
         _step(model, opt, step)
 
     job.run(train_step, steps)
     job.close()
+    mem = _memory()
+    mem.update({"pid": os.getpid(), "rank": job.rank, "rss_before_state": RSS_BEFORE_STATE, "trace": trace,
+                "state_bytes": int(os.environ["BENCH_STATE_BYTES"])})
+    _announce(os.path.join(out, f"mem_rank{job.rank}_{os.getpid()}.json"), mem)
+
+
+def _memory() -> dict[str, int]:
+    """Peak and current resident memory of this process (bytes), from /proc/self/status."""
+    keys = {"VmHWM": "peak_rss", "VmRSS": "rss", "RssShmem": "rss_shmem"}
+    out: dict[str, int] = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            name, _, rest = line.partition(":")
+            if name in keys:
+                out[keys[name]] = int(rest.split()[0]) * 1024
+    return out
 
 
 def run_torchrun(out: str) -> None:

@@ -201,7 +201,7 @@ def run_ckptless(etcd_ep: str, size: int, world: int, spares: int, respawns: int
     env = _env({"BENCH_STATE_BYTES": str(size), "BENCH_STEPS": str(steps),
                 "BENCH_PAUSES": ",".join(f"{r}:{s}" for r, s in pauses),
                 "CKPTLESS_LOG_LEVEL": "WARNING", "CKPTLESS_COLLECTIVE_TIMEOUT": "60",
-                "CKPTLESS_RECOVERY_TIMEOUT": "120"})
+                "CKPTLESS_RECOVERY_TIMEOUT": "120", "CKPTLESS_MIRROR_BUFFERS": str(MIRROR_BUFFERS)})
     common = ["--rdzv-id", job, "--rdzv-endpoint", etcd_ep, "--lease-ttl", "1", "--goodput-dir", str(gdir)]
     procs: list[subprocess.Popen[bytes]] = []
     logs = []
@@ -279,6 +279,7 @@ def run_ckptless(etcd_ep: str, size: int, world: int, spares: int, respawns: int
                 idx = procs.index(p)
                 logs[idx].flush()
                 log((out / f"agent{idx}.log").read_text(errors="replace")[-4000:])
+        MEMORY.append(_memory_row(out, size, world))  # the workers wrote theirs when they ended
     except BaseException:
         for lf in logs:
             lf.flush()
@@ -291,6 +292,32 @@ def run_ckptless(etcd_ep: str, size: int, world: int, spares: int, respawns: int
         for lf in logs:
             lf.close()
     return results
+
+
+MIRROR_BUFFERS = 2  # --mirror-buffers
+MEMORY: list[dict[str, Any]] = []  # one row per ckptless case
+
+
+def _memory_row(out: Path, size: int, world: int) -> dict[str, Any]:
+    """Peak memory of every process that ran a rank (the workers write mem_rank*.json at close)."""
+    docs = [json.loads(p.read_text()) for p in sorted(out.glob("mem_rank*.json"))]
+    over = [(d["peak_rss"] - d["rss_before_state"]) / size for d in docs]
+    return {"size": size, "world": world, "buffers": MIRROR_BUFFERS, "processes": len(docs),
+            "peak_rss": max((d["peak_rss"] for d in docs), default=0),
+            "base_rss": max((d["rss_before_state"] for d in docs), default=0),
+            "peak_over_base_in_S": max(over, default=float("nan")),
+            "shmem": max((d.get("rss_shmem", 0) for d in docs), default=0),
+            "per_rank": {d["rank"]: round((d["peak_rss"] - d["rss_before_state"]) / size, 2) for d in docs}}
+
+
+def memory_table(rows: list[dict[str, Any]]) -> str:
+    lines = ["| state/rank S | world | pool buffers | processes | peak RSS (max over ranks) | RSS before state "
+             "| (peak - before) / S | target (2 + 2K) | shared mem |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['size'] // MIB} MiB | {r['world']} | {r['buffers']} | {r['processes']} "
+                     f"| {r['peak_rss'] / 2**30:.2f} GiB | {r['base_rss'] / 2**20:.0f} MiB "
+                     f"| {r['peak_over_base_in_S']:.2f} (by rank: {r['per_rank']}) | 4 | {r['shmem'] / 2**20:.0f} MiB |")
+    return "\n".join(lines)
 
 
 def _role_of(out: Path, rank: int, gen: int) -> str:
@@ -447,15 +474,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=2, help="recoveries per mode and case (default 2)")
     ap.add_argument("--world8", type=int, default=64, help="MiB/rank for the world-8 case (0: skip)")
     ap.add_argument("--json", type=str, default=None, help="also write raw results here")
+    ap.add_argument("--mirror-buffers", type=int, default=2, choices=(1, 2, 3),
+                    help="owner capture buffers (CKPTLESS_MIRROR_BUFFERS; 1 = the (2 + 2K) x S budget)")
+    ap.add_argument("--no-torchrun", action="store_true", help="skip the torchrun + DCP runs (memory runs)")
     ns = ap.parse_args(argv)
+    global MIRROR_BUFFERS
+    MIRROR_BUFFERS = ns.mirror_buffers
     sizes = [s * MIB for s in (ns.sizes or ([64] if ns.quick else [64, 256]))]
     reps = 1 if ns.quick else ns.reps
     cases = [(s, 4, reps) for s in sizes]
     if ns.world8 and not ns.quick:
         cases.append((ns.world8 * MIB, 8, 1))
-    if any(s >= 1024 * MIB for s, _, _ in cases):
-        print("note: 1 GiB/rank at world 4 needs ~6 x 1 GiB x 4 ranks for ckptless (state + 3 capture buffers "
-              "+ 2 peer-store slots per owner held) ~ 24 GiB: more than this machine has", file=sys.stderr)
+    if any(s >= 1024 * MIB for s, _, _ in cases) and ns.mirror_buffers > 1:
+        print("note: 1 GiB/rank at world 4 with 2 capture buffers needs ~5 x 1 GiB x 4 ranks + a spare: use "
+              "--mirror-buffers 1 ((2 + 2K) x S per rank) on a 24 GiB machine", file=sys.stderr)
 
     def log(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
@@ -476,13 +508,16 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for size, world, n in cases:
             ck += run_ckptless(etcd.endpoint, size, world, spares=n, respawns=n, workdir=work, log=log)
-            caches = ["cold", "warm"] * n
-            tr += run_torchrun(size, world, caches, work, log)
+            if not ns.no_torchrun:
+                tr += run_torchrun(size, world, caches=["cold", "warm"] * n, workdir=work, log=log)
     except BaseException:
         log(f"failed; logs kept in {work}")
         raise
     else:
-        shutil.rmtree(work, ignore_errors=True)
+        if os.environ.get("BENCH_KEEP"):
+            log(f"kept {work}")
+        else:
+            shutil.rmtree(work, ignore_errors=True)
     finally:
         etcd.close()
     wall = time.monotonic() - t0
@@ -491,13 +526,18 @@ def main(argv: list[str] | None = None) -> int:
           f"{os.getloadavg()[0]:.1f}. Cells with two values: min / median.")
     print("raw Gloo p2p (one pair): " + ", ".join(f"{s // MIB} MiB {b / 1e9:.2f} GB/s" for s, b in bw.items()))
     print()
-    print(table(ck, tr, bw))
+    if tr:
+        print(table(ck, tr, bw))
+        print()
+        print(torchrun_table(tr))
+    else:
+        print("\n".join(f"{r.mode} S={r.size // MIB} MiB W={r.world}: total {r.total:.2f} s" for r in ck))
     print()
-    print(torchrun_table(tr))
+    print(memory_table(MEMORY))
     if ns.json:
         with open(ns.json, "w") as f:
             json.dump({"bw": {str(k): v for k, v in bw.items()}, "ckptless": [r.__dict__ for r in ck],
-                       "torchrun": [r.__dict__ for r in tr], "wall_s": wall}, f, indent=1)
+                       "torchrun": [r.__dict__ for r in tr], "memory": MEMORY, "wall_s": wall}, f, indent=1)
     return 0
 
 
