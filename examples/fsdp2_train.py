@@ -89,7 +89,7 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
-    job = ckptless.init()  # creates the default process group: no init_process_group of our own
+    job = ckptless.init()  # creates the default process group
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = init_device_mesh("cpu", (world,))
     random.seed(0)  # every RNG stream seeded: a rerun draws the same numbers
@@ -120,8 +120,7 @@ def main() -> None:
             opt.step()
             sched.step()
             if rank == 0 and (step + 1) % len(loader) == 0:
-                print(f"[fsdp2_train] epoch {step // len(loader)} step {step + 1}/{steps} loss {loss.item():.4f}",
-                      flush=True)
+                print(f"epoch {step // len(loader)} loss {loss.item():.4f}", flush=True)
 
     if args.out:
         save_final_state(args.out, rank, model, opt, sched, loader, job.recoveries)
