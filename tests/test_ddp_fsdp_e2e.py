@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import uuid
@@ -258,3 +259,75 @@ def test_init_process_group_before_ckptless_init(module_etcd: EmbeddedEtcd, tmp_
     code, log = _init_pg_job(module_etcd, tmp_path / "before", "before")
     _failed_fast_as_user_error(code, log, tmp_path / "before")
     assert "ConfigError" in log and "remove the script's own init_process_group call" in log, log[-4000:]
+
+
+# --- docs/porting.md: the diffs are real --------------------------------------------------------------
+
+PORTING = REPO / "docs" / "porting.md"
+EXAMPLE_OF = {"ddp": DDP_SCRIPT, "fsdp": FSDP_SCRIPT}
+
+
+def _porting_block(kind: str, what: str) -> str:
+    """The fenced block after ``<!-- porting-check: KIND WHAT -->`` in docs/porting.md."""
+    m = re.search(rf"<!-- porting-check: {kind} {what} -->\n```\w+\n(.*?)^```$", PORTING.read_text(), re.S | re.M)
+    assert m is not None, f"docs/porting.md has no {kind} {what} block"
+    return m.group(1)
+
+
+def _apply_unified_diff(original: str, diff: str) -> str:
+    """Apply a one-file unified diff strictly: every context and removed line must match exactly."""
+    src, out, pos = original.splitlines(keepends=True), [], 0
+    lines = diff.splitlines(keepends=True)
+    assert lines[0].startswith("--- ") and lines[1].startswith("+++ "), "not a unified diff"
+    i = 2
+    while i < len(lines):
+        m = re.match(r"@@ -(\d+)(?:,(\d+))? \+(\d+)(?:,(\d+))? @@", lines[i])
+        assert m is not None, f"bad hunk header: {lines[i]!r}"
+        start = int(m.group(1)) - 1 if m.group(2) != "0" else int(m.group(1))
+        assert start >= pos, "hunks out of order"
+        out += src[pos:start]
+        pos = start
+        i += 1
+        while i < len(lines) and not lines[i].startswith("@@"):
+            tag, text = lines[i][0], lines[i][1:]
+            if tag in " -":
+                assert pos < len(src) and src[pos] == text, f"line {pos + 1} is {src[pos:pos + 1]!r}, diff says {text!r}"
+                pos += 1
+                if tag == " ":
+                    out.append(text)
+            else:
+                assert tag == "+", f"bad diff line {lines[i]!r}"
+                out.append(text)
+            i += 1
+    return "".join(out + src[pos:])
+
+
+@pytest.mark.parametrize("kind", ["ddp", "fsdp"])
+def test_porting_guide_diff_applies_to_its_original(kind: str, tmp_path: Path) -> None:
+    """The diff applies to the original printed beside it, the result compiles, and every line it adds
+    is in the example that the kill tests above run (the guide shows what is tested)."""
+    original, diff = _porting_block(kind, "original"), _porting_block(kind, "diff")
+    ported = _apply_unified_diff(original, diff)
+    compile(ported, f"{kind}_ported.py", "exec")
+    example = {line.strip() for line in Path(EXAMPLE_OF[kind]).read_text().splitlines()}
+    added = [line[1:].strip() for line in diff.splitlines()[2:] if line.startswith("+")]
+    missing = [a for a in added if a and not a.startswith('"""') and a not in example]
+    assert not missing, f"lines the {kind} diff adds but {EXAMPLE_OF[kind]} lacks: {missing}"
+    assert "init_process_group" not in ported and "ckptless.init()" in ported
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["ddp", "fsdp"])
+def test_porting_guide_ported_script_runs(kind: str, tmp_path: Path) -> None:
+    """The script the guide's diff produces trains to the end under ckptless-run (standalone, 2 workers)."""
+    script = tmp_path / f"{kind}_ported.py"
+    script.write_text(_apply_unified_diff(_porting_block(kind, "original"), _porting_block(kind, "diff")))
+    log = tmp_path / "run.log"
+    proc = subprocess.Popen(
+        [PYTHON, "-m", "ckptless.launcher.main", "--standalone", "--nproc-per-node", "2", str(script),
+         "--epochs", "1"],
+        env=child_env(), stdout=open(log, "w"), stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    code = wait_exit(proc, 240, f"the ported {kind} script")
+    text = log.read_text(errors="replace")
+    assert code == 0, text[-4000:]
+    assert "epoch 0 loss" in text, text[-4000:]
