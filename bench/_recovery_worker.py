@@ -126,8 +126,27 @@ def run_ckptless(out: str) -> None:
     job.close()
     mem = _memory()
     mem.update({"pid": os.getpid(), "rank": job.rank, "rss_before_state": RSS_BEFORE_STATE, "trace": trace,
+                "mappings": _big_mappings(),
                 "state_bytes": int(os.environ["BENCH_STATE_BYTES"])})
     _announce(os.path.join(out, f"mem_rank{job.rank}_{os.getpid()}.json"), mem)
+
+
+def _big_mappings(min_rss: int = 8 << 20) -> list[tuple[int, int, str]]:
+    """(size MiB, resident MiB, name) of every mapping with at least ``min_rss`` resident (smaps)."""
+    out: list[tuple[int, int, str]] = []
+    size, name = 0, ""
+    try:
+        with open("/proc/self/smaps") as f:
+            for line in f:
+                parts = line.split()
+                if "-" in parts[0] and len(parts) >= 5:
+                    lo, hi = (int(x, 16) for x in parts[0].split("-"))
+                    size, name = hi - lo, (parts[5] if len(parts) > 5 else "[anon]")
+                elif parts[0] == "Rss:" and int(parts[1]) * 1024 >= min_rss:
+                    out.append((size >> 20, int(parts[1]) >> 10, name))
+    except OSError:
+        pass
+    return out
 
 
 def _memory() -> dict[str, int]:
