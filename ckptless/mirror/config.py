@@ -26,6 +26,8 @@ class MirrorConfig(BaseModel):
     chunk_bytes: int = Field(default=DEFAULT_CHUNK_BYTES, ge=4096, description="checksum chunk size")
     wire_bytes: int = Field(default=64 << 20, ge=4096, description="bytes per p2p message (multiple of chunk_bytes)")
     shm_dir: str | None = Field(default=None, description="back the peer store with files here (e.g. /dev/shm)")
+    node_local: bool = Field(default=True, description="with shm_dir: keep this rank's own capture buffers there "
+                             "too, so a respawn on this node restores its committed image without the network")
     timeout_s: float = Field(default=60.0, gt=0, description="deadline of one mirror round")
     pool_buffers: int = Field(default=2, ge=1, description="owner capture buffers: 2 = committed + in flight; "
                               "1 = capture reuses the committed buffer (memory budget, see mirror.py)")

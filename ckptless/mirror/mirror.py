@@ -28,6 +28,13 @@ Buffer pool lifetime rules (``MirrorConfig.pool_buffers``):
   at v, this rank receives v from its holders (the planner does that for any
   rank that does not report v locally) instead of restoring it in place.
 
+Node-local tier (``config.shm_dir`` set and ``config.node_local``): the pool
+buffers are files in ``shm_dir`` and the committed one carries a manifest
+file beside it, so a respawn on this node can restore the committed image
+after this process died (:mod:`ckptless.mirror.ownimage`). The buffer states
+below decide when that manifest is written (on commit, before the older one
+is removed) and removed (before its buffer is captured into again).
+
 Rounds are collective: every rank must submit the same versions in the same
 order (use ``should_mirror(step)``), with the same ``pairs``. A partial round
 (``pairs``: see :mod:`ckptless.mirror.partial`) moves the payload only for the
@@ -55,6 +62,7 @@ from ckptless.errors import MirrorError, TransportError
 from ckptless.mirror.commit import RoundOutcome, decide, encode, round_ack
 from ckptless.mirror.config import MirrorConfig
 from ckptless.mirror.partial import MISSING, Pair, PairSpec, check_pairs, holdings_row, missing_from_rows, split
+from ckptless.mirror.ownimage import OwnImageFiles
 from ckptless.mirror.placement import Placement, compute_placement
 from ckptless.mirror.store import PeerStore, StoredImage
 from ckptless.mirror.transport import Deadline, MirrorTransport, RoundResult, wait_one
@@ -70,6 +78,7 @@ class _Buf:
     tensor: torch.Tensor
     state: str = FREE
     manifest: Manifest | None = None
+    path: str | None = None  # its file in shm_dir (node-local tier), None: anonymous memory
 
 
 @dataclass(frozen=True)
@@ -108,8 +117,12 @@ class MirrorEngine:
             self.world_size, self.config.replicas, self.config.placement, node_of)
         self.job_id, self.generation = job_id, generation
         # Files are keyed by this holder's rank and node: holders sharing a host never share a file.
-        self.store = store or PeerStore(job_id, generation, self.config.shm_dir, holder=self.rank,
-                                        node=None if node_of is None else str(node_of[self.rank]))
+        node = None if node_of is None else str(node_of[self.rank])
+        self.store = store or PeerStore(job_id, generation, self.config.shm_dir, holder=self.rank, node=node)
+        # The node-local tier: this rank's capture buffers live in shm_dir and survive its death.
+        self.own_files: OwnImageFiles | None = None
+        if self.config.shm_dir and self.config.node_local:
+            self.own_files = OwnImageFiles(self.config.shm_dir, job_id, node, self.rank)
         self.store.set_generation(generation)
         self.group = group
         self.transport = MirrorTransport(
@@ -152,15 +165,17 @@ class MirrorEngine:
                     buf = min(fit, key=lambda b: b.tensor.numel())
                 elif free:  # grow one (sizes changed): the only allocation after warm-up
                     buf = free[0]
-                    buf.tensor = torch.empty(nbytes, dtype=torch.uint8)
+                    self._regrow(buf, nbytes)
                 elif len(self._pool) < self.config.pool_buffers:
-                    buf = _Buf(torch.empty(nbytes, dtype=torch.uint8))
+                    tensor, path = self._allocate(nbytes)
+                    buf = _Buf(tensor, path=path)
                     self._pool.append(buf)
                 elif (reuse := self._reusable_committed()) is not None:
                     buf = reuse  # pool_buffers=1: the committed local copy is given up (module doc)
+                    if self.own_files is not None:
+                        self.own_files.retract(buf.path)  # before a byte of it is overwritten
                     if buf.tensor.numel() < nbytes:
-                        buf.tensor = torch.empty(0, dtype=torch.uint8)  # free the old one first
-                        buf.tensor = torch.empty(nbytes, dtype=torch.uint8)
+                        self._regrow(buf, nbytes)
                 else:
                     left = deadline - time.monotonic()
                     if left <= 0:
@@ -170,6 +185,17 @@ class MirrorEngine:
                     continue
                 buf.state, buf.manifest = CAPTURING, None
                 return buf.tensor
+
+    def _allocate(self, nbytes: int) -> tuple[torch.Tensor, str | None]:
+        if self.own_files is not None:
+            return self.own_files.allocate(nbytes)
+        return torch.empty(nbytes, dtype=torch.uint8), None
+
+    def _regrow(self, buf: _Buf, nbytes: int) -> None:
+        buf.tensor = torch.empty(0, dtype=torch.uint8)  # free the old one first
+        if self.own_files is not None:
+            self.own_files.release(buf.path)
+        buf.tensor, buf.path = self._allocate(nbytes)
 
     def _reusable_committed(self) -> _Buf | None:
         """With one buffer: the committed one, once no round is queued or in flight."""
@@ -296,10 +322,15 @@ class MirrorEngine:
                 entry.state = FREE
                 self._cond.notify_all()
             return
+        files = self.own_files if outcome.advanced and outcome.committed == manifest.version else None
+        if files is not None:
+            files.publish(entry.path, manifest)  # the newer manifest first: one always tells the truth
         with self._cond:
             if outcome.advanced:
                 for b in self._pool:
                     if b.state == COMMITTED:
+                        if self.own_files is not None:
+                            self.own_files.retract(b.path)
                         b.state = FREE
                 entry.state = COMMITTED
                 self.committed_version = outcome.committed
@@ -315,6 +346,8 @@ class MirrorEngine:
             if not outcome.in_step:
                 self.error = MirrorError(f"ranks are out of step in round v{manifest.version}")
             self._cond.notify_all()
+        if files is not None:
+            files.sweep_others()
         if outcome.advanced and self.on_commit is not None and outcome.committed is not None:
             self.on_commit(outcome.committed)
 
@@ -377,3 +410,5 @@ class MirrorEngine:
             if self._thread.is_alive():
                 raise TransportError(f"mirror thread of rank {self.rank} did not stop within {timeout}s")
             self._thread = None
+        if self.own_files is not None:
+            self.own_files.close()  # a clean end: nothing will be respawned from them

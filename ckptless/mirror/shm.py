@@ -20,7 +20,13 @@ Layout (``<job>`` = :func:`file_prefix`, ``<n>`` = 8 hex digits of the node id):
 
     ckptless-<job>-n<n>-o<owner>-h<holder>-s<slot>.bin    payload, written in place
     ckptless-<job>-n<n>-o<owner>-h<holder>-s<slot>.json   manifest, written last (tmp + rename)
+    ckptless-<job>-n<n>-r<rank>-own-<t>-b<i>.bin          rank's own capture buffer i (node-local tier)
+    ckptless-<job>-n<n>-r<rank>-own-<t>-b<i>.json         its manifest, only while it holds the committed image
     ckptless-<job>-n<n>.owner.json                         the agent that owns this group
+
+``<t>`` (8 hex digits) is random per mirror engine, so buffers of two engines
+(two generations of one process, or a rank's successive processes) never share
+a file; :mod:`ckptless.mirror.ownimage` writes and reads the own-image files.
 """
 
 from __future__ import annotations
@@ -58,6 +64,11 @@ def slot_path(shm_dir: str, job_id: str, node: str | None, owner: int, holder: i
     return os.path.join(shm_dir, f"{group_prefix(job_id, node)}-o{owner}-h{holder}-s{slot}.{ext}")
 
 
+def own_path(shm_dir: str, job_id: str, node: str | None, rank: int, token: str, index: int, ext: str) -> str:
+    """Path of a rank's own capture buffer (``bin``) or of its committed-image manifest (``json``)."""
+    return os.path.join(shm_dir, f"{group_prefix(job_id, node)}-r{rank}-own-{token}-b{index}.{ext}")
+
+
 def owner_record_path(shm_dir: str, job_id: str, node: str | None = None) -> str:
     return os.path.join(shm_dir, f"{group_prefix(job_id, node)}.owner.json")
 
@@ -67,14 +78,20 @@ def owner_record_path(shm_dir: str, job_id: str, node: str | None = None) -> str
 # node are the pre-issue-8 layout; they are parsed so cleanup can remove them.
 _FILE = re.compile(
     r"^(?P<job>ckptless-[A-Za-z0-9_.-]*?-[0-9a-f]{8})(?:-n(?P<node>[0-9a-f]{8}))?"
-    r"(?:-o(?P<owner>\d+)(?:-h(?P<holder>\d+))?-s(?P<slot>[01])\.(?P<ext>bin|json)|(?P<rec>\.owner\.json))"
+    r"(?:-o(?P<owner>\d+)(?:-h(?P<holder>\d+))?-s(?P<slot>[01])\.(?P<ext>bin|json)"
+    r"|-r(?P<rank>\d+)-own-(?P<token>[0-9a-f]{8})-b(?P<index>\d+)\.(?P<oext>bin|json)|(?P<rec>\.owner\.json))"
     r"(?P<tmp>\.tmp)?$"
 )
 
 
 @dataclass(frozen=True)
 class ShmFile:
-    """One parsed ckptless file name; ``kind`` is ``bin``, ``json`` or ``owner``."""
+    """One parsed ckptless file name.
+
+    ``kind``: ``bin``/``json`` (a held replica's slot), ``own_bin``/``own_json``
+    (a rank's own capture buffer and committed-image manifest: ``rank``,
+    ``token``, ``index`` set) or ``owner`` (the owner record).
+    """
 
     name: str
     job: str
@@ -84,6 +101,9 @@ class ShmFile:
     slot: int | None
     kind: str
     tmp: bool
+    rank: int | None = None
+    token: str | None = None
+    index: int | None = None
 
     @property
     def group(self) -> str:
@@ -99,6 +119,11 @@ def parse_name(name: str) -> ShmFile | None:
         if m.group("node") is None:
             return None
         return ShmFile(name, m.group("job"), m.group("node"), None, None, None, "owner", m.group("tmp") is not None)
+    if m.group("rank") is not None:
+        if m.group("node") is None:
+            return None  # own-image files always carry their node
+        return ShmFile(name, m.group("job"), m.group("node"), None, None, None, f"own_{m.group('oext')}",
+                       m.group("tmp") is not None, int(m.group("rank")), m.group("token"), int(m.group("index")))
     holder = m.group("holder")
     if (holder is None) != (m.group("node") is None):
         return None  # a holder always comes with a node; legacy names have neither
@@ -120,6 +145,13 @@ def holder_files(shm_dir: str, job_id: str, node: str | None, holder: int) -> li
     """The files one holder identity (job, node, holder) owns, temp files included."""
     job, tag = file_prefix(job_id), node_tag(node)
     return [f for f in list_files(shm_dir) if f.job == job and f.node == tag and f.holder == holder]
+
+
+def own_files(shm_dir: str, job_id: str, node: str | None, rank: int) -> list[ShmFile]:
+    """The own-image files of one rank on one node (every engine's, temp files included)."""
+    job, tag = file_prefix(job_id), node_tag(node)
+    return [f for f in list_files(shm_dir)
+            if f.job == job and f.node == tag and f.rank == rank and f.kind.startswith("own_")]
 
 
 def unlink_quiet(path: str) -> bool:
