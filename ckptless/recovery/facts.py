@@ -79,6 +79,30 @@ class ReplicaFact:
 
 
 @dataclass(frozen=True)
+class NodeLocalImage:
+    """A complete copy of ``rank``'s own image that survived its worker on ``node_id`` (node-local tier).
+
+    Reported by that node's agent in the dead worker's exit record, after it
+    checksummed every chunk: version ``version`` (captured in generation
+    ``generation``), ``n_chunks`` chunks. Only a worker started on the same
+    node can read it.
+    """
+
+    rank: int
+    node_id: str
+    version: int
+    n_chunks: int
+    generation: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("rank", "version", "n_chunks", "generation"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"node_local.{name}", getattr(self, name), "must be >= 0")
+        if not self.node_id:
+            raise ConfigError("node_local.node_id", self.node_id, "must be a non-empty string")
+
+
+@dataclass(frozen=True)
 class WorkerReport:
     """What one live worker says about the images it holds.
 
@@ -158,6 +182,10 @@ class PlanningFacts:
 
     ``dead_nodes`` are nodes known to be lost: ranks there cannot respawn and
     spares there are ignored.
+
+    ``node_local`` are the own images lost ranks left in node-local memory
+    (at most one per lost rank, on that rank's node): a respawn there can
+    restore from it instead of pulling it from peers.
     """
 
     job_id: str
@@ -170,6 +198,7 @@ class PlanningFacts:
     snapshot_step: int | None = None
     dead_nodes: frozenset[str] = frozenset()
     policy: PlanPolicy = PlanPolicy()
+    node_local: tuple[NodeLocalImage, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.job_id:
@@ -183,6 +212,7 @@ class PlanningFacts:
         self._check_members()
         self._check_reports()
         self._check_placement()
+        self._check_node_local()
 
     def _check_members(self) -> None:
         ranks = sorted(s.rank for s in self.members)
@@ -235,6 +265,21 @@ class PlanningFacts:
                 raise ConfigError(f"placement[{owner}]", holders, "holders must be distinct non-owners")
             if any(not 0 <= h < self.world_size for h in holders):
                 raise ConfigError(f"placement[{owner}]", holders, "holder outside world")
+
+    def _check_node_local(self) -> None:
+        seen: set[int] = set()
+        for img in self.node_local:
+            if not 0 <= img.rank < self.world_size:
+                raise ConfigError("node_local.rank", img.rank, "outside world")
+            if img.rank in seen:
+                raise ConfigError("node_local.rank", img.rank, "two node-local images of one rank")
+            seen.add(img.rank)
+            slot = self.slot(img.rank)
+            if slot.alive:
+                raise ConfigError("node_local.rank", img.rank, "only a lost rank's image is node-local")
+            if img.node_id != slot.worker.node_id:
+                raise ConfigError("node_local.node_id", img.node_id,
+                                  f"rank {img.rank} ran on node {slot.worker.node_id!r}")
 
     # --- derived views (cheap; the planner calls each once) --------------------
     def slot(self, rank: int) -> RankSlot:

@@ -18,6 +18,7 @@ from dataclasses import replace
 from ckptless.mirror.placement import compute_placement
 from ckptless.recovery.facts import (
     MAX_VERSIONS_PER_OWNER,
+    NodeLocalImage,
     PlanningFacts,
     PlanPolicy,
     RankSlot,
@@ -98,6 +99,31 @@ def sanitize_reports(
     return out
 
 
+def node_local_images(view: JobView, lost: frozenset[int], notes: list[str]) -> tuple[NodeLocalImage, ...]:
+    """The node-local own images lost ranks left, as their agents verified them (exit records).
+
+    Only the exit record of the worker that held the rank in this generation
+    counts: a replacement that failed to restore from its node-local image
+    is alive (not lost), and an older incarnation's record says nothing
+    about what is on that node now.
+    """
+    m = view.membership
+    assert m is not None
+    out = []
+    for rank in sorted(lost):
+        rec = view.current_exit(rank)
+        if rec is None or rec.local_image is None:
+            continue
+        img = rec.local_image
+        node = m.worker_of(rank).node_id
+        if img.rank != rank or img.node_id != node:
+            notes.append(f"rank {rank}: node-local image reported for rank {img.rank} on {img.node_id}, "
+                         f"but the rank ran on {node}; not using it")
+            continue
+        out.append(img)
+    return tuple(out)
+
+
 def build_facts(
     view: JobView,
     job_id: str,
@@ -135,6 +161,7 @@ def build_facts(
         snapshot_step=snapshot_step,
         dead_nodes=frozenset(n for n in dead_nodes if n not in alive_nodes_of_survivors),
         policy=policy or PlanPolicy(),
+        node_local=node_local_images(view, lost, notes),
     )
     return facts, notes
 

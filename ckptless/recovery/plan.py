@@ -14,7 +14,8 @@ R2  A lost rank goes to a warm spare or a respawn on its own (live) node,
     already built) comes first, then spares are scored to keep a rank off the
     nodes of its own mirror holders, then off nodes already running ranks.
 R3  avail(r) = versions r's own live worker holds locally, plus versions any
-    *other* live worker holds complete for owner r.
+    *other* live worker holds complete for owner r, plus (R8) the version of
+    the node-local image a lost r left, when r respawns on that node.
 R4  R = max of the intersection of avail(r) over all ranks (capped at the
     newest reported commit unless ``resume_beyond_committed``).
 R5  Ranks whose worker holds R locally and captured past R roll back.
@@ -30,6 +31,10 @@ R0  Before the first commit (no live worker reports a committed version and
     (its initial capture), and ranks without it start from the state their
     fresh process builds (``initial_ranks``), exactly as a full restart would.
     Preferred over a disk snapshot, which cannot exist before a commit.
+R8  Node-local tier: a lost rank assigned a respawn on its own node, whose
+    agent verified a node-local copy of its own image at R (``facts.node_local``),
+    restores R from that copy (a ``LocalRestore``); its holders send nothing
+    for it. A spare, or a worker on another node, never uses it.
 """
 
 from __future__ import annotations
@@ -38,7 +43,7 @@ from dataclasses import dataclass
 from typing import Literal, NoReturn, Union
 
 from ckptless.errors import UnrecoverableError
-from ckptless.recovery.facts import PlanningFacts, Worker
+from ckptless.recovery.facts import NodeLocalImage, PlanningFacts, Worker
 
 Source = Literal["survivor", "spare", "respawn"]
 
@@ -90,6 +95,19 @@ class Transfer:
 
 
 @dataclass(frozen=True)
+class LocalRestore:
+    """R8: rank ``rank``'s new worker (a respawn on ``node_id``) restores ``version`` from the
+    node-local image its predecessor left there (``n_chunks`` chunks, captured in ``generation``)."""
+
+    rank: int
+    worker_id: str
+    node_id: str
+    version: int
+    n_chunks: int
+    generation: int
+
+
+@dataclass(frozen=True)
 class Rollback:
     """A survivor that captured past R and must restore R from local memory."""
 
@@ -114,6 +132,7 @@ class RecoveryPlan:
     owners_below_k: tuple[int, ...]
     steps_lost: int
     initial_ranks: tuple[int, ...] = ()  # R0: these ranks start from their freshly built state
+    node_local: tuple[LocalRestore, ...] = ()  # R8: these ranks restore from node-local memory
 
     @property
     def resume_step(self) -> int:
@@ -174,8 +193,27 @@ Decision = Union[RecoveryPlan, DiskFallback, WaitForReplacement, Unrecoverable]
 
 
 # --- R3/R4: which version ----------------------------------------------------
-def available_versions(facts: PlanningFacts) -> dict[int, frozenset[int]]:
-    """R3: every version of each rank's image some live worker can provide."""
+def usable_node_local(facts: PlanningFacts, assignments: list[Assignment]) -> dict[int, NodeLocalImage]:
+    """R8: the node-local images the new worker of their rank can read: it respawns on that node."""
+    by_rank = {a.rank: a for a in assignments}
+    out: dict[int, NodeLocalImage] = {}
+    for img in facts.node_local:
+        a = by_rank.get(img.rank)
+        if (a is not None and a.source == "respawn" and a.node_id == img.node_id
+                and img.node_id not in facts.dead_nodes):
+            out[img.rank] = img
+    return out
+
+
+def available_versions(facts: PlanningFacts, assignments: list[Assignment] | None = None) -> dict[int, frozenset[int]]:
+    """R3: every version of each rank's image some live worker (or, R8, its node) can provide.
+
+    ``assignments``: the new rank map (default: :func:`assign_replacements`'s), which decides
+    whether a node-local image is usable.
+    """
+    if assignments is None:
+        assignments = assign_replacements(facts, facts.generation + 1)[0]
+    local = usable_node_local(facts, assignments)
     holders = _replica_index(facts)
     avail: dict[int, frozenset[int]] = {}
     for slot in facts.members:
@@ -183,6 +221,8 @@ def available_versions(facts: PlanningFacts) -> dict[int, frozenset[int]]:
         if slot.alive:
             rep = facts.report_of(slot.worker.worker_id)
             own = rep.local_versions if rep is not None else frozenset()
+        elif slot.rank in local:
+            own = frozenset({local[slot.rank].version})
         from_peers = {v for (owner, v) in holders if owner == slot.rank}
         avail[slot.rank] = own | from_peers
     return avail
@@ -196,9 +236,9 @@ def trusted_ceiling(facts: PlanningFacts) -> int | None:
     return max(commits, default=-1)
 
 
-def resume_version(facts: PlanningFacts) -> int | None:
+def resume_version(facts: PlanningFacts, assignments: list[Assignment] | None = None) -> int | None:
     """R4: newest version every rank can get, or None if there is none."""
-    avail = available_versions(facts)
+    avail = available_versions(facts, assignments)
     common = frozenset.intersection(*avail.values())
     cap = trusted_ceiling(facts)
     if cap is not None:
@@ -313,13 +353,14 @@ def plan_recovery(facts: PlanningFacts) -> Decision:
     """
     new_gen = facts.generation + 1
     lost = facts.lost_ranks
-    version = resume_version(facts)
+    # R1/R2 first: whether a node-local image (R8) is usable depends on who takes its rank.
+    assignments, unassigned = assign_replacements(facts, new_gen)
+    version = resume_version(facts, assignments)
     newest_seen = max((r.newest_captured for r in facts.reports if r.newest_captured is not None),
                       default=None)
     if version is None and facts.snapshot_step is None:
         initial = _initial_restart(facts)
         if initial is not None:
-            assignments, unassigned = assign_replacements(facts, new_gen)
             if unassigned:
                 return WaitForReplacement(facts.job_id, facts.generation, tuple(sorted(unassigned)), "memory",
                                           f"no live spare and no live node to respawn ranks {sorted(unassigned)} on")
@@ -330,13 +371,12 @@ def plan_recovery(facts: PlanningFacts) -> Decision:
                 owners_below_k=_owners_below_k(facts),
                 steps_lost=max(0, (newest_seen if newest_seen is not None else v0) - v0), initial_ranks=fresh)
     if version is None:
-        missing = _ranks_without_replica(facts)
+        missing = _ranks_without_replica(facts, assignments)
         if facts.snapshot_step is None:
             return Unrecoverable(facts.job_id, facts.generation,
                                  "no version is available for every rank in memory and no disk "
                                  f"snapshot exists; ranks without a usable image: {list(missing)}",
                                  missing)
-    assignments, unassigned = assign_replacements(facts, new_gen)
     if unassigned:
         return WaitForReplacement(
             facts.job_id, facts.generation, tuple(sorted(unassigned)),
@@ -344,7 +384,7 @@ def plan_recovery(facts: PlanningFacts) -> Decision:
             f"no live spare and no live node to respawn ranks {sorted(unassigned)} on")
     if version is None:
         assert facts.snapshot_step is not None
-        missing = _ranks_without_replica(facts)
+        missing = _ranks_without_replica(facts, assignments)
         lost_steps = max(0, (newest_seen if newest_seen is not None else facts.snapshot_step)
                          - facts.snapshot_step)
         return DiskFallback(
@@ -359,8 +399,10 @@ def _memory_plan(facts: PlanningFacts, new_gen: int, assignments: list[Assignmen
                  version: int, newest_seen: int | None) -> RecoveryPlan:
     index = _replica_index(facts)
     worker_of = {a.rank: a.worker_id for a in assignments}
+    local = usable_node_local(facts, assignments)
     rollbacks: list[Rollback] = []
     transfers: list[Transfer] = []
+    node_local: list[LocalRestore] = []
     for rank in range(facts.world_size):
         slot = facts.slot(rank)
         rep = facts.report_of(slot.worker.worker_id) if slot.alive else None
@@ -368,6 +410,10 @@ def _memory_plan(facts: PlanningFacts, new_gen: int, assignments: list[Assignmen
             assert rep.newest_captured is not None
             if rep.newest_captured > version:
                 rollbacks.append(Rollback(rank, rep.worker_id, rep.newest_captured, version))
+            continue
+        img = local.get(rank)
+        if img is not None and img.version == version:  # R8: from this node's memory, not the network
+            node_local.append(LocalRestore(rank, worker_of[rank], img.node_id, version, img.n_chunks, img.generation))
             continue
         entries = index[(rank, version)]
         holders = tuple(w for (_, w, _) in entries)
@@ -381,7 +427,7 @@ def _memory_plan(facts: PlanningFacts, new_gen: int, assignments: list[Assignmen
         job_id=facts.job_id, generation=new_gen, assignments=tuple(assignments),
         lost_ranks=lost, resume_version=version, rollbacks=tuple(rollbacks),
         transfers=tuple(transfers), replace_mirrors=bool(lost or below_k or transfers),
-        owners_below_k=below_k, steps_lost=steps_lost)
+        owners_below_k=below_k, steps_lost=steps_lost, node_local=tuple(node_local))
 
 
 def _initial_restart(facts: PlanningFacts) -> tuple[int, tuple[int, ...]] | None:
@@ -416,7 +462,7 @@ def _owners_below_k(facts: PlanningFacts) -> tuple[int, ...]:
     return tuple(sorted(o for o, hs in facts.placement.items() if lost & set(hs) or o in lost))
 
 
-def _ranks_without_replica(facts: PlanningFacts) -> tuple[int, ...]:
+def _ranks_without_replica(facts: PlanningFacts, assignments: list[Assignment] | None = None) -> tuple[int, ...]:
     """Explain a missing common version (R7).
 
     C = versions every rank with a local image can provide. Listed: ranks
@@ -424,7 +470,7 @@ def _ranks_without_replica(facts: PlanningFacts) -> tuple[int, ...]:
     if there are none (the sets merely fail to overlap jointly, or C is empty),
     every rank needing an image is listed.
     """
-    avail = available_versions(facts)
+    avail = available_versions(facts, assignments)
     cap = trusted_ceiling(facts)
     if cap is not None:
         avail = {r: frozenset(v for v in vs if v <= cap) for r, vs in avail.items()}

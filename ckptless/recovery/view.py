@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from ckptless.errors import CkptlessError, RecoveryError
-from ckptless.recovery.facts import Worker, WorkerReport
+from ckptless.recovery.facts import NodeLocalImage, Worker, WorkerReport
 from ckptless.recovery.wire import Membership, report_from_json, spare_from_json
 
 ExitKind = Literal["user_error", "fault", "internal", "job_ended", "fenced", "reexec"]
@@ -79,6 +79,9 @@ class ExitRecord:
     requested: bool = False
     kind: ExitKind | None = None
     error: ErrorSummary | None = None
+    # The node-local tier: the dead worker's own committed image, found intact (every chunk
+    # checksummed) in this node's shm dir by its agent; None: none, not checked, or corrupt.
+    local_image: NodeLocalImage | None = None
 
     @property
     def outcome(self) -> Outcome:
@@ -94,6 +97,9 @@ class ExitRecord:
             "rank": self.rank, "worker_id": self.worker_id, "node_id": self.node_id, "pid": self.pid,
             "exitcode": self.exitcode, "signal": self.signal, "time": self.time, "requested": self.requested,
             "kind": self.kind, "error": None if self.error is None else self.error.to_doc(),
+            "local_image": None if self.local_image is None else {
+                "version": self.local_image.version, "n_chunks": self.local_image.n_chunks,
+                "generation": self.local_image.generation},
         }).encode()
 
     @classmethod
@@ -103,16 +109,29 @@ class ExitRecord:
             kind = doc.get("kind")
             if kind is not None and kind not in EXIT_KINDS:
                 raise RecoveryError(f"exit record: unknown kind {kind!r}")
+            rank, node_id = int(doc["rank"]), str(doc.get("node_id", ""))
+            local = _local_image(doc.get("local_image"), rank, node_id)
             return cls(
-                rank=int(doc["rank"]), worker_id=str(doc["worker_id"]), node_id=str(doc.get("node_id", "")),
+                rank=rank, worker_id=str(doc["worker_id"]), node_id=node_id,
                 pid=int(doc.get("pid", -1)),
                 exitcode=None if doc.get("exitcode") is None else int(doc["exitcode"]),
                 signal=None if doc.get("signal") is None else int(doc["signal"]),
                 time=float(doc.get("time", 0.0)), requested=bool(doc.get("requested", False)),
-                kind=kind, error=ErrorSummary.from_doc(doc.get("error")),
+                kind=kind, error=ErrorSummary.from_doc(doc.get("error")), local_image=local,
             )
         except (ValueError, TypeError, KeyError) as exc:
             raise RecoveryError(f"exit record is malformed: {raw[:200]!r}") from exc
+
+
+def _local_image(doc: Any, rank: int, node_id: str) -> NodeLocalImage | None:
+    """The record's node-local image; None when absent (an older agent) or malformed (never trusted,
+    and never a reason to drop the exit itself: the image is then pulled from peers)."""
+    if doc is None:
+        return None
+    try:
+        return NodeLocalImage(rank, node_id, int(doc["version"]), int(doc["n_chunks"]), int(doc.get("generation", 0)))
+    except (ValueError, TypeError, KeyError, AttributeError):
+        return None
 
 
 def exit_outcome(rec: ExitRecord) -> Outcome:

@@ -17,6 +17,7 @@ from ckptless.recovery.plan import (
     Assignment,
     Decision,
     DiskFallback,
+    LocalRestore,
     RecoveryPlan,
     Rollback,
     Stripe,
@@ -118,6 +119,8 @@ def decision_to_doc(d: Decision) -> dict[str, Any]:
             ],
             "replace_mirrors": d.replace_mirrors, "owners_below_k": list(d.owners_below_k), "steps_lost": d.steps_lost,
             "initial_ranks": list(d.initial_ranks),
+            "node_local": [[x.rank, x.worker_id, x.node_id, x.version, x.n_chunks, x.generation]
+                           for x in d.node_local],
         }
     if isinstance(d, DiskFallback):
         return {
@@ -154,6 +157,8 @@ def decision_from_doc(doc: dict[str, Any]) -> Decision:
                 owners_below_k=tuple(int(r) for r in doc["owners_below_k"]),
                 steps_lost=int(doc["steps_lost"]),
                 initial_ranks=tuple(int(r) for r in doc.get("initial_ranks", ())),
+                node_local=tuple(LocalRestore(int(r), str(w), str(n), int(v), int(c), int(g))
+                                 for r, w, n, v, c, g in doc.get("node_local", ())),
             )
         if kind == "disk":
             return DiskFallback(
