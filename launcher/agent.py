@@ -32,7 +32,9 @@ import tempfile
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from contextlib import ExitStack
+from dataclasses import replace
 from types import FrameType
 
 from ckptless.coordinator.client import Compare, EtcdClient, Put, WatchEvent
@@ -48,7 +50,7 @@ from ckptless.launcher.slots import Slot, SlotTable
 from ckptless.launcher.summary import render_failure
 from ckptless.launcher.worker_env import WorkerLayout, build_command, worker_env
 from ckptless.launcher.workers import WorkerExit, WorkerGroup
-from ckptless.recovery.facts import Worker
+from ckptless.recovery.facts import NodeLocalImage, Worker
 from ckptless.recovery.leader import RecoveryLeader, write_initial_membership
 from ckptless.recovery.leader_machine import LeaderConfig
 from ckptless.recovery.plan import Assignment, DiskFallback
@@ -134,7 +136,25 @@ class NodeAgent:
                          pid=ex.pid, exitcode=ex.exitcode, signal=ex.signal, time=ex.wall,
                          requested=ex.requested, kind=kind, error=error)
         self.slots.exited(ex.local_rank, ex.succeeded)
-        if slot.rank is not None:
+        if slot.rank is not None and self.cfg.shm_dir and self.recovery and rec.outcome == "fault":
+            # The node-local tier: checksum the own image the worker left in shm (off the reaper
+            # thread, ~25 ms per 256 MiB) and record the version found intact with its exit.
+            shm, rank = self.cfg.shm_dir, slot.rank
+
+            def with_local_image() -> bytes:
+                from ckptless.mirror.ownimage import newest_verified
+
+                try:
+                    m = newest_verified(shm, self.cfg.run_id, self.node_id, rank)
+                except Exception:  # never lose an exit record to a failed look at shm: peers have it
+                    log.exception("rank %d: checking its node-local image failed", rank)
+                    m = None
+                img = None if m is None else NodeLocalImage(rank, self.node_id, m.version, len(m.chunk_checksums),
+                                                            m.generation)
+                return replace(rec, local_image=img).to_json()
+
+            self._send(self.keyspace.worker_exit(rank), with_local_image, f"the exit of rank {rank}")
+        elif slot.rank is not None:
             self._send(self.keyspace.worker_exit(slot.rank), rec.to_json(), f"the exit of rank {slot.rank}")
         else:  # a spare that died is never assigned: it leaves the pool at once
             self._send_delete(self._spare_key(slot.worker_id), f"spare {slot.worker_id}")
@@ -147,14 +167,16 @@ class NodeAgent:
                 self._send_status(JobStatus("failed", rec.describe(), rec))
         self._wake.set()
 
-    def _send(self, key: str, value: bytes, what: str) -> None:
-        """Put with retries while etcd is away (bounded); never blocks the reaper."""
+    def _send(self, key: str, value: bytes | Callable[[], bytes], what: str) -> None:
+        """Put with retries while etcd is away (bounded); never blocks the reaper (a callable
+        value is built on the sending thread)."""
         def run() -> None:
             deadline = time.monotonic() + EXIT_RECORD_RETRY_S
+            raw = value() if callable(value) else value
             while True:
                 try:
                     assert self._client is not None
-                    self._client.put(key, value)
+                    self._client.put(key, raw)
                     return
                 except CoordinatorError as exc:
                     if time.monotonic() >= deadline or self._stopping.is_set():

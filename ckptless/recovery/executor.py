@@ -16,10 +16,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from ckptless import chaos_hooks
 from ckptless.errors import RecoveryError, SnapshotError, UnrecoverableError
+from ckptless.mirror import ownimage
 from ckptless.mirror.store import PeerStore, StoredImage
 from ckptless.recovery.facts import ReplicaFact, WorkerReport
-from ckptless.recovery.plan import Decision, DiskFallback, RecoveryPlan
+from ckptless.recovery.plan import Decision, DiskFallback, LocalRestore, RecoveryPlan
 from ckptless.recovery.transfer import execute_transfers
 from ckptless.recovery.wire import Membership
 from ckptless.state.capture import StateImage, restore
@@ -51,6 +53,9 @@ class RestoreInputs:
     # How an image is loaded into the objects (the job wraps it so that state replaying a
     # collective, e.g. a DDP reducer's bucket rebuild, stays local); default: plain restore.
     restore_fn: Callable[[StateRegistry, StateImage], None] | None = None
+    # The node-local tier: this node's shm dir and the node id its files are named by.
+    shm_dir: str | None = None
+    node_id: str | None = None
 
     @property
     def rank(self) -> int:
@@ -63,7 +68,8 @@ class RestoreInputs:
 @dataclass(frozen=True)
 class RestoreOutcome:
     resume_step: int
-    source: str  # "local" (own image), "peers" (striped transfer), "disk", "initial" (fresh state)
+    source: str  # "local" (own image), "peers" (striped transfer), "node-local" (own image the
+    # predecessor left in this node's shm dir), "disk", "initial" (fresh state)
     bytes_received: int = 0
     steps_lost: int = 0
 
@@ -119,10 +125,15 @@ def apply_decision(decision: Decision, inputs: RestoreInputs) -> RestoreOutcome:
 
 
 def _from_memory(plan: RecoveryPlan, inputs: RestoreInputs) -> RestoreOutcome:
-    received = execute_transfers(plan, inputs.membership, inputs.worker_id, inputs.peer_store, inputs.timeout_s)
     version = plan.resume_version
     rank = inputs.rank
-    if received is not None:
+    local = next((x for x in plan.node_local if x.worker_id == inputs.worker_id), None)
+    if local is not None:  # before the collective transfers: a bad copy fails this generation at once
+        _restore_node_local(local, inputs)
+    received = execute_transfers(plan, inputs.membership, inputs.worker_id, inputs.peer_store, inputs.timeout_s)
+    if local is not None:
+        source, nbytes = "node-local", 0
+    elif received is not None:
         _restore(inputs, StateImage(received.manifest, received.buffer))
         source, nbytes = "peers", received.manifest.total_bytes
     elif rank in plan.initial_ranks:
@@ -133,7 +144,40 @@ def _from_memory(plan: RecoveryPlan, inputs: RestoreInputs) -> RestoreOutcome:
         source, nbytes = "local", 0
     if inputs.peer_store is not None:
         inputs.peer_store.discard_newer(version)
+    _discard_newer_own(inputs, version)
     return RestoreOutcome(version, source, nbytes, plan.steps_lost)
+
+
+def _restore_node_local(local: LocalRestore, inputs: RestoreInputs) -> None:
+    """R8: load the own image the predecessor left on this node, re-verifying every chunk first.
+
+    Raises :class:`ckptless.mirror.ownimage.NodeLocalImageError` (an
+    ``IntegrityError``) when it is gone, differs from what the agent
+    reported, or a checksum fails: the worker reports a failed restore, and
+    since it is then a live replacement (not a lost rank with a node-local
+    image) the re-plan pulls its image from peers.
+    """
+    if local.rank != inputs.rank:
+        raise RecoveryError(f"the plan restores rank {local.rank} from node-local memory into rank {inputs.rank}")
+    if not inputs.shm_dir:
+        raise ownimage.NodeLocalImageError("the plan restores from node-local memory, but this worker has no shm dir")
+    chaos_hooks.pause_point(f"restore:node-local:r{local.rank}", rank=local.rank)
+    manifest, buf = ownimage.open_verified(inputs.shm_dir, inputs.job_id, inputs.node_id, local.rank,
+                                           local.version, local.n_chunks, local.generation)
+    # No other process writes the file (its writer is dead, this process writes it only after its
+    # own first commit): what was verified is what is restored.
+    _restore(inputs, StateImage(manifest, buf))
+    log.info("rank %d: restored v%d from node-local memory (%d bytes, no transfer)",
+             local.rank, local.version, manifest.total_bytes)
+
+
+def _discard_newer_own(inputs: RestoreInputs, version: int) -> None:
+    """Own images newer than the resume point belong to a timeline being replayed: never offer them."""
+    if inputs.shm_dir:
+        try:
+            ownimage.discard_newer(inputs.shm_dir, inputs.job_id, inputs.node_id, inputs.rank, version)
+        except OSError as exc:
+            log.warning("rank %d: could not discard newer node-local images: %s", inputs.rank, exc)
 
 
 def _from_disk(decision: DiskFallback, inputs: RestoreInputs) -> RestoreOutcome:
@@ -158,6 +202,7 @@ def _from_disk(decision: DiskFallback, inputs: RestoreInputs) -> RestoreOutcome:
                 shutil.rmtree(Path(path), ignore_errors=True)
     if inputs.peer_store is not None:
         inputs.peer_store.discard_newer(loaded)
+    _discard_newer_own(inputs, loaded)
     log.warning("rank %d: restored disk snapshot of step %d (%d steps lost: %s)",
                 inputs.rank, loaded, decision.steps_lost, decision.reason)
     return RestoreOutcome(loaded, "disk", 0, decision.steps_lost)

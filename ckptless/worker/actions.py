@@ -164,7 +164,9 @@ def _restore(job: Job, a: RestoreState) -> Event:
     assert gen is not None and gen.decision is not None
     inputs = RestoreInputs(gen.membership, job.worker_id, job.registry, job.own_images, job.peer_store,
                            job.ctx.collective_timeout_s, job.ctx.job_id, job.ctx.snapshot_dir,
-                           restore_fn=_restore_locally)
+                           restore_fn=_restore_locally,
+                           shm_dir=job.ctx.shm_dir if job.mirror_config.node_local else None,
+                           node_id=job.ctx.node_id)
     reason, internal = "", ""
     try:
         if isinstance(gen.decision, DiskFallback):
