@@ -44,7 +44,7 @@ REPO = Path(__file__).resolve().parent.parent
 DEMO_SCRIPT = REPO / "examples" / "train_demo.py"
 # Every process of a job started here carries this variable (value: the run's output dir), so
 # leftovers are found even when the script's command line does not name the output dir.
-RUN_MARK = "CKPTLESS_CHAOS_RUN"
+RUN_MARK = "CHAOS_RUN"
 
 
 class ChaosTimeout(CkptlessError):

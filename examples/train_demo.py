@@ -1,6 +1,8 @@
 """The demo job: a tiny transformer classifier on synthetic tokens, protected by ckptless.
 
-Run it under ``ckptless-run`` (``ckptless-chaos demo`` does, with faults):
+Run it under ``ckptless-run`` (``ckptless-chaos demo`` does, with faults, as any user script:
+``run --script``, faults at exact steps through the library's pause points, verdict from the
+library's digests):
 
     ckptless-run --standalone --nproc-per-node 4 examples/train_demo.py OUT_DIR
 
@@ -13,7 +15,7 @@ hand (DDP is not rebound after a recovery); after a recovery the default
 Environment knobs (the chaos runner sets them):
   DEMO_STEPS     number of steps (default 30)
   DEMO_WIDTH     model width (default 32)
-  CHAOS_PAUSES   ``tag:rank:step,...``: that rank, about to run that step,
+  CHAOS_PAUSES   (the chaos matrix) ``tag:rank:step,...``: that rank, about to run that step,
                  writes ``OUT/chaos/paused_<tag>.json`` ({pid, rank, step}) and
                  holds until ``OUT/chaos/release_<tag>`` exists (bounded) -- so
                  the runner's real signal lands at an exact step. Each pause
@@ -132,6 +134,7 @@ def main() -> None:
     job.protect(model=model, optimizer=opt, scheduler=sched, data=loader)
     pauses = _pauses(out)
     params = list(model.parameters())
+    every = max(10, steps // 10)  # ~10 progress lines per run
 
     def train_step(step: int) -> None:
         record_pid()
@@ -157,7 +160,7 @@ def main() -> None:
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         sched.step()
-        if rank == 0 and (step + 1) % 10 == 0:
+        if rank == 0 and (step + 1) % every == 0:
             print(f"[train_demo] step {step + 1}/{steps} loss {loss.item():.4f} gen {job.generation}", flush=True)
 
     result = job.run(train_step, steps)

@@ -142,3 +142,29 @@ def test_bad_input_is_exit_2_without_running(tmp_path: Path, capsys: pytest.Capt
     code, text = _run(capsys, "list", "--", "x")
     assert code == 2 and "--script" in text
     assert not any(tmp_path.glob("*/logs"))  # nothing was started
+
+
+def test_demo_plan_fits_its_spares() -> None:
+    """The node loss comes first: it needs both warm spares (a dead node cannot respawn its ranks)."""
+    from ckptless.chaos.main import demo_faults, demo_job
+
+    job = demo_job(1000)
+    faults = demo_faults(1000)
+    assert [f.kind for f in faults] == [FaultKind.KILL_AGENT, FaultKind.KILL_WORKER, FaultKind.HANG_WORKER]
+    assert [f.step for f in faults] == sorted({f.step for f in faults}) and 0 < faults[0].step
+    assert job.spares >= job.nproc_per_node and job.hang_timeout
+    assert faults[0].targets[0] // job.nproc_per_node == 1  # node 1 is lost; the later victims live on node 0
+    assert all(f.targets[0] // job.nproc_per_node == 0 for f in faults[1:])
+    with pytest.raises(ConfigError):
+        demo_job(10)
+
+
+@pytest.mark.xfail(strict=False, reason="library bug (ckptless/state/digest.py): a 0-dim tensor such as "
+                                        "Adam/AdamW's state['step'] cannot be viewed as uint8; the digest raises "
+                                        "at job.close(), so any Adam script fails under the chaos runner")
+def test_digest_of_a_zero_dim_tensor() -> None:
+    import torch
+
+    from ckptless.state.digest import object_digest
+
+    assert object_digest({"step": torch.tensor(3.0)}) != object_digest({"step": torch.tensor(4.0)})
