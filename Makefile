@@ -30,7 +30,9 @@ browser:
 	  || { $(SUDO) apt-get update && $(SUDO) apt-get install -y --no-install-recommends chromium chromium-driver; }; \
 	fi
 
-# The main job: a fault-injected training run on the embedded etcd, ending in a goodput report.
+# The main job: a fault-injected training run on the embedded etcd, ending in a goodput report
+# (2 agents x 2 workers + a spare node; a node loss, a worker kill and a hang; ~3-4 min on 2 cores;
+# docs/chaos.md, "The demo").
 demo: $(STAMP)
 	$(VENV)/bin/ckptless-chaos demo
 
