@@ -136,7 +136,7 @@ class LocalCluster:
     """Start, observe and tear down one job. Use as a context manager: teardown is in ``__exit__``."""
 
     def __init__(self, spec: ClusterSpec, out: Path, name: str, etcd_endpoint: str | None = None,
-                 pauses: str = "", points: str = "") -> None:
+                 pauses: str = "", points: str = "", digest: bool = False) -> None:
         spec.validate()
         self.spec = spec
         self.out = out
@@ -147,6 +147,7 @@ class LocalCluster:
         self._endpoint = etcd_endpoint
         self._pauses = pauses  # the demo script's own CHAOS_PAUSES (tag:rank:step)
         self._points = points  # the library's CKPTLESS_CHAOS_POINTS (tag=step:r<R>:<S>), any script
+        self._digest = digest  # ask every rank for its library digest at close() (CKPTLESS_DIGEST_DIR)
         self._client: EtcdClient | None = None
         self.net: NetTopology | None = None
         self._timers: list[threading.Timer] = []
@@ -223,8 +224,9 @@ class LocalCluster:
         if s.node_grace is not None:
             args += ["--node-grace", str(s.node_grace)]
         extra = {"DEMO_STEPS": str(s.steps), "DEMO_WIDTH": str(s.width)} if s.script_args is None else {}
-        extra.update({"CHAOS_PAUSES": self._pauses, "CKPTLESS_DIGEST_DIR": str(self.digest_dir),
-                      RUN_MARK: str(self.out)})
+        extra.update({"CHAOS_PAUSES": self._pauses, RUN_MARK: str(self.out)})
+        if self._digest:
+            extra["CKPTLESS_DIGEST_DIR"] = str(self.digest_dir)
         if self._points:
             extra.update({"CKPTLESS_CHAOS_DIR": str(self.out / "chaos"), "CKPTLESS_CHAOS_POINTS": self._points})
         env = child_env({**extra, **s.env})

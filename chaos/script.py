@@ -238,7 +238,7 @@ def run_job(spec: ClusterSpec, out: Path, name: str, faults: Sequence[Fault] = (
     for a failing job: its problems are in the result."""
     t0 = time.monotonic()
     run = JobRun(out, {}, {}, 0.0)
-    with LocalCluster(spec, out, name, points=points_spec(faults)) as c:
+    with LocalCluster(spec, out, name, points=points_spec(faults), digest=True) as c:
         try:
             c.start()
             by_step: dict[int, list[tuple[int, Fault]]] = {}
