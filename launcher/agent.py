@@ -136,10 +136,12 @@ class NodeAgent:
                          pid=ex.pid, exitcode=ex.exitcode, signal=ex.signal, time=ex.wall,
                          requested=ex.requested, kind=kind, error=error)
         self.slots.exited(ex.local_rank, ex.succeeded)
-        if slot.rank is not None and self.cfg.shm_dir and self.recovery and rec.outcome == "fault":
-            # The node-local tier: checksum the own image the worker left in shm (off the reaper
-            # thread, ~25 ms per 256 MiB) and record the version found intact with its exit.
-            shm, rank = self.cfg.shm_dir, slot.rank
+        # The node-local tier: checksum the own image the worker left in its shm dir (--shm-dir, else
+        # the CKPTLESS_SHM_DIR it inherited) off the reaper thread (~25 ms per 256 MiB), and record
+        # the version found intact with its exit.
+        shm = self.cfg.shm_dir or os.environ.get("CKPTLESS_SHM_DIR")
+        if slot.rank is not None and shm and self.recovery and rec.outcome == "fault":
+            rank = slot.rank
 
             def with_local_image() -> bytes:
                 from ckptless.mirror.ownimage import newest_verified

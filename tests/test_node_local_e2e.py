@@ -1,0 +1,197 @@
+"""The node-local tier end to end (issue 9): a worker respawned on its node restores its own image
+from the node's shared memory, not from its peers. Real etcd, real launcher, real SIGKILL.
+
+Reference job: tests/scripts/train_ref.py, 2 agents x 2 workers, K = 1, ``--shm-dir`` in a private
+directory under /dev/shm. Rank 1 holds before step 5; the test waits until the committed v5 of its own
+image is recorded in that directory (its manifest beside the buffer), then SIGKILLs it. Every run must
+end ``torch.equal`` to the fault-free run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import tempfile
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from ckptless.coordinator.embedded import EmbeddedEtcd
+from ckptless.recovery.plan import RecoveryPlan
+
+from .recovery_harness import Cluster, assert_bitwise_equal, flip_byte, wait_membership
+from .waiting import wait_json, wait_until
+
+Finals = dict[int, dict[str, object]]
+VICTIM, STEP = 1, 5
+
+
+@pytest.fixture(scope="module")
+def module_etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedEtcd]:
+    d = tmp_path_factory.mktemp("etcd")
+    with EmbeddedEtcd(data_dir=d / "data", log_path=d / "etcd.log") as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def baseline(module_etcd: EmbeddedEtcd, tmp_path_factory: pytest.TempPathFactory) -> Finals:
+    """The same job without faults (and without shm: how state is protected never changes what is trained)."""
+    out = tmp_path_factory.mktemp("base")
+    c = Cluster(module_etcd.endpoint, out, f"nlbase-{uuid.uuid4().hex[:6]}")
+    try:
+        c.start_agent()
+        c.start_agent()
+        c.wait()
+    finally:
+        c.kill_all()
+    finals = c.finals()
+    assert all(int(f["recoveries"]) == 0 for f in finals.values())  # type: ignore[call-overload]
+    return finals
+
+
+@pytest.fixture
+def shm_dir() -> Iterator[Path]:
+    if not os.access("/dev/shm", os.W_OK):
+        pytest.skip("/dev/shm is not writable here")
+    d = Path(tempfile.mkdtemp(prefix="ckptless-nl-", dir="/dev/shm"))
+    try:
+        yield d
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def _cluster(etcd: EmbeddedEtcd, tmp_path: Path, shm: Path, name: str, **env: str) -> Cluster:
+    out = tmp_path / name
+    out.mkdir()
+    (out / "goodput").mkdir()
+    return Cluster(etcd.endpoint, out, f"{name}-{uuid.uuid4().hex[:6]}",
+                   env={"REF_PAUSE_RANK": str(VICTIM), "REF_PAUSE_STEP": str(STEP), **env})
+
+
+def _start(c: Cluster, shm: Path) -> int:
+    """Both agents up; returns the victim's pid once it holds before STEP."""
+    for _ in range(2):
+        c.start_agent("--shm-dir", str(shm), "--goodput-dir", str(c.out / "goodput"))
+    return c.paused_pid(VICTIM)
+
+
+def _committed_own_image(shm: Path, version: int) -> tuple[Path, dict[str, object]]:
+    """Wait until the victim's own image of ``version`` is committed in ``shm``: (payload, manifest)."""
+    found: list[tuple[Path, dict[str, object]]] = []
+
+    def ready() -> bool:
+        for j in shm.glob(f"*-r{VICTIM}-own-*.json"):
+            try:
+                doc = json.loads(j.read_bytes())
+            except (OSError, ValueError):
+                continue
+            if doc.get("version") == version and doc.get("owner") == VICTIM:
+                found.append((j.with_suffix(".bin"), doc))
+                return True
+        return False
+
+    wait_until(ready, 120, f"rank {VICTIM}'s committed own image v{version} in {shm}", interval_s=0.02)
+    return found[-1]
+
+
+def _ledger(c: Cluster, rank: int) -> list[dict[str, object]]:
+    path = c.out / "goodput" / f"rank{rank}.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _restores(c: Cluster, rank: int) -> list[tuple[int, str, int]]:
+    """(generation, source, bytes received) of every recovery this rank went through, in order."""
+    evs = _ledger(c, rank)
+    got = []
+    for e in evs:
+        if e["kind"] == "rollback_done":
+            g = int(e["generation"])  # type: ignore[call-overload]
+            nbytes = [int(x["attrs"]["bytes"]) for x in evs  # type: ignore[call-overload, index]
+                      if x["kind"] == "transfer_done" and x["generation"] == g]
+            got.append((g, str(e["attrs"]["source"]), nbytes[-1] if nbytes else -1))  # type: ignore[index]
+    return got
+
+
+def test_respawn_restores_its_own_image_from_node_local_memory(module_etcd: EmbeddedEtcd, tmp_path: Path,
+                                                               shm_dir: Path, baseline: Finals) -> None:
+    c = _cluster(module_etcd, tmp_path, shm_dir, "nlocal")
+    try:
+        victim = _start(c, shm_dir)
+        _, manifest = _committed_own_image(shm_dir, STEP)
+        os.kill(victim, signal.SIGKILL)
+        m = wait_membership(c, 1)
+        rec = c.exit_record(VICTIM)
+        c.wait()
+    finally:
+        c.kill_all()
+    assert rec is not None and rec.signal == signal.SIGKILL and rec.local_image is not None, rec
+    assert (rec.local_image.version, rec.local_image.n_chunks) == (STEP, len(manifest["chunk_checksums"]))  # type: ignore[arg-type]
+    d = m.decision
+    assert isinstance(d, RecoveryPlan) and d.resume_version == STEP, d
+    assert [(x.rank, x.version) for x in d.node_local] == [(VICTIM, STEP)], d
+    assert not d.transfers, f"holders sent stripes of an image the node kept: {d.transfers}"
+    assert m.worker_of(VICTIM).source == "respawn" and m.worker_of(VICTIM).node_id == rec.node_id
+    assert _restores(c, VICTIM) == [(1, "node-local", 0)], _ledger(c, VICTIM)
+    assert f"resumed at step {STEP} in generation 1 (node-local)" in c.log_text()
+    assert_bitwise_equal(c.finals(), baseline)
+    assert c.pids(VICTIM)[-1]["role"] == "replacement"
+    assert sorted(os.listdir(shm_dir)) == [], "files left in the shm dir after the job"
+
+
+def test_own_image_corrupt_at_rest_is_not_offered_and_peers_send_it(module_etcd: EmbeddedEtcd, tmp_path: Path,
+                                                                     shm_dir: Path, baseline: Finals) -> None:
+    """A byte of the committed own image flips before the worker dies: its agent's checksum finds it,
+    the exit record carries no node-local image, and the holder sends the image as before."""
+    c = _cluster(module_etcd, tmp_path, shm_dir, "nlrot")
+    try:
+        victim = _start(c, shm_dir)
+        payload, manifest = _committed_own_image(shm_dir, STEP)
+        flip_byte(payload, int(manifest["total_bytes"]) // 2)  # type: ignore[call-overload]
+        os.kill(victim, signal.SIGKILL)
+        m = wait_membership(c, 1)
+        rec = c.exit_record(VICTIM)
+        c.wait()
+    finally:
+        c.kill_all()
+    assert rec is not None and rec.local_image is None, rec
+    d = m.decision
+    assert isinstance(d, RecoveryPlan) and not d.node_local and [t.owner for t in d.transfers] == [VICTIM], d
+    ((gen, source, nbytes),) = _restores(c, VICTIM)
+    assert (gen, source) == (1, "peers") and nbytes == int(manifest["total_bytes"]), _ledger(c, VICTIM)  # type: ignore[call-overload]
+    assert "corrupt chunk" in c.log_text()
+    assert_bitwise_equal(c.finals(), baseline)
+
+
+def test_own_image_corrupted_after_the_agent_checked_it_falls_back_to_peers(
+        module_etcd: EmbeddedEtcd, tmp_path: Path, shm_dir: Path, baseline: Finals) -> None:
+    """The byte flips after the agent verified the image and the plan chose it: the respawn's own
+    re-check fails, it reports a failed restore, and the next plan pulls its image from the holder."""
+    chaos = tmp_path / "chaos"
+    c = _cluster(module_etcd, tmp_path, shm_dir, "nllate", CKPTLESS_CHAOS_DIR=str(chaos),
+                 CKPTLESS_CHAOS_POINTS=f"nl=restore:node-local:r{VICTIM}")
+    try:
+        victim = _start(c, shm_dir)
+        payload, manifest = _committed_own_image(shm_dir, STEP)
+        os.kill(victim, signal.SIGKILL)
+        wait_json(chaos / "paused_nl.json", 120)  # the respawn is about to read the image the plan named
+        m1 = c.membership()
+        rec = c.exit_record(VICTIM)
+        flip_byte(payload, int(manifest["total_bytes"]) // 2)  # type: ignore[call-overload]
+        (chaos / "release_nl").write_text("go")
+        m2 = wait_membership(c, 2)
+        c.wait()
+    finally:
+        c.kill_all()
+    assert rec is not None and rec.local_image is not None and rec.local_image.version == STEP, rec
+    assert m1 is not None and isinstance(m1.decision, RecoveryPlan) and m1.decision.node_local, m1
+    d2 = m2.decision
+    assert isinstance(d2, RecoveryPlan) and not d2.node_local, d2
+    assert [t.owner for t in d2.transfers] == [VICTIM] and d2.resume_version == STEP, d2
+    assert [(g, s) for g, s, _ in _restores(c, VICTIM)] == [(m2.generation, "peers")], _ledger(c, VICTIM)
+    assert "corrupt chunk" in c.log_text()
+    assert len(c.pids(VICTIM)) == 2, "the respawn whose node-local copy was bad must stay (not be killed)"
+    assert_bitwise_equal(c.finals(), baseline)
