@@ -36,7 +36,8 @@ def object_digest(state: Any) -> str:
             local = local.cpu()
         h.update(str(local.dtype).encode())
         h.update(str(tuple(local.shape)).encode())
-        h.update(local.contiguous().view(torch.uint8).numpy().tobytes() if local.numel() else b"")
+        # reshape(-1): a 0-dim tensor (an optimizer's `step`) cannot be viewed as bytes directly
+        h.update(local.reshape(-1).contiguous().view(torch.uint8).numpy().tobytes() if local.numel() else b"")
     return h.hexdigest()
 
 
