@@ -17,6 +17,7 @@ import tempfile
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -79,9 +80,9 @@ def _start(c: Cluster, shm: Path) -> int:
     return c.paused_pid(VICTIM)
 
 
-def _committed_own_image(shm: Path, version: int) -> tuple[Path, dict[str, object]]:
+def _committed_own_image(shm: Path, version: int) -> tuple[Path, dict[str, Any]]:
     """Wait until the victim's own image of ``version`` is committed in ``shm``: (payload, manifest)."""
-    found: list[tuple[Path, dict[str, object]]] = []
+    found: list[tuple[Path, dict[str, Any]]] = []
 
     def ready() -> bool:
         for j in shm.glob(f"*-r{VICTIM}-own-*.json"):
@@ -98,7 +99,7 @@ def _committed_own_image(shm: Path, version: int) -> tuple[Path, dict[str, objec
     return found[-1]
 
 
-def _ledger(c: Cluster, rank: int) -> list[dict[str, object]]:
+def _ledger(c: Cluster, rank: int) -> list[dict[str, Any]]:
     path = c.out / "goodput" / f"rank{rank}.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
@@ -109,10 +110,10 @@ def _restores(c: Cluster, rank: int) -> list[tuple[int, str, int]]:
     got = []
     for e in evs:
         if e["kind"] == "rollback_done":
-            g = int(e["generation"])  # type: ignore[call-overload]
-            nbytes = [int(x["attrs"]["bytes"]) for x in evs  # type: ignore[call-overload, index]
+            g = int(e["generation"])
+            nbytes = [int(x["attrs"]["bytes"]) for x in evs
                       if x["kind"] == "transfer_done" and x["generation"] == g]
-            got.append((g, str(e["attrs"]["source"]), nbytes[-1] if nbytes else -1))  # type: ignore[index]
+            got.append((g, str(e["attrs"]["source"]), nbytes[-1] if nbytes else -1))
     return got
 
 
@@ -129,7 +130,7 @@ def test_respawn_restores_its_own_image_from_node_local_memory(module_etcd: Embe
     finally:
         c.kill_all()
     assert rec is not None and rec.signal == signal.SIGKILL and rec.local_image is not None, rec
-    assert (rec.local_image.version, rec.local_image.n_chunks) == (STEP, len(manifest["chunk_checksums"]))  # type: ignore[arg-type]
+    assert (rec.local_image.version, rec.local_image.n_chunks) == (STEP, len(manifest["chunk_checksums"]))
     d = m.decision
     assert isinstance(d, RecoveryPlan) and d.resume_version == STEP, d
     assert [(x.rank, x.version) for x in d.node_local] == [(VICTIM, STEP)], d
@@ -150,7 +151,7 @@ def test_own_image_corrupt_at_rest_is_not_offered_and_peers_send_it(module_etcd:
     try:
         victim = _start(c, shm_dir)
         payload, manifest = _committed_own_image(shm_dir, STEP)
-        flip_byte(payload, int(manifest["total_bytes"]) // 2)  # type: ignore[call-overload]
+        flip_byte(payload, int(manifest["total_bytes"]) // 2)
         os.kill(victim, signal.SIGKILL)
         m = wait_membership(c, 1)
         rec = c.exit_record(VICTIM)
@@ -161,7 +162,7 @@ def test_own_image_corrupt_at_rest_is_not_offered_and_peers_send_it(module_etcd:
     d = m.decision
     assert isinstance(d, RecoveryPlan) and not d.node_local and [t.owner for t in d.transfers] == [VICTIM], d
     ((gen, source, nbytes),) = _restores(c, VICTIM)
-    assert (gen, source) == (1, "peers") and nbytes == int(manifest["total_bytes"]), _ledger(c, VICTIM)  # type: ignore[call-overload]
+    assert (gen, source) == (1, "peers") and nbytes == int(manifest["total_bytes"]), _ledger(c, VICTIM)
     assert "corrupt chunk" in c.log_text()
     assert_bitwise_equal(c.finals(), baseline)
 
@@ -180,7 +181,7 @@ def test_own_image_corrupted_after_the_agent_checked_it_falls_back_to_peers(
         wait_json(chaos / "paused_nl.json", 120)  # the respawn is about to read the image the plan named
         m1 = c.membership()
         rec = c.exit_record(VICTIM)
-        flip_byte(payload, int(manifest["total_bytes"]) // 2)  # type: ignore[call-overload]
+        flip_byte(payload, int(manifest["total_bytes"]) // 2)
         (chaos / "release_nl").write_text("go")
         m2 = wait_membership(c, 2)
         c.wait()
