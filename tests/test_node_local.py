@@ -383,3 +383,79 @@ def test_respawn_refuses_a_copy_that_went_bad_after_the_agent_checked_it(shm_dir
     with pytest.raises(NodeLocalImageError, match="no shm dir"):
         apply_decision(plan, replace(inputs, shm_dir=None))
 
+
+
+# --- a real engine: the manifest follows the committed buffer -------------------------------------------
+def _engine_worker(rank: int, world: int, tmp: str, shm_dir: str, pool: int, rounds: int) -> None:
+    import signal
+    import traceback
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from ckptless.mirror import MirrorConfig, MirrorEngine
+
+    out: dict[str, object] = {"obs": [], "error": None}
+    obs: list[list[object]] = []
+    try:
+        dist.init_process_group("gloo", store=dist.FileStore(os.path.join(tmp, "store"), world), rank=rank,
+                                world_size=world, timeout=timedelta(seconds=60))
+        cfg = MirrorConfig.build(replicas=1, chunk_bytes=CHUNK, wire_bytes=4 * CHUNK, timeout_s=30.0,
+                                 shm_dir=shm_dir, pool_buffers=pool)
+        eng = MirrorEngine(dist.new_group(backend="gloo"), JOB, cfg, generation=2, node_of=["host"] * world)
+
+        def committed() -> list[int]:
+            return [c.manifest.version for c in ownimage.candidates(shm_dir, JOB, "host", rank)]
+
+        for v in range(1, rounds + 1):
+            m, data = _image(v, nbytes=20_000 + 4096 * v, rank=rank)  # grows: buffers are regrown too
+            b = eng.acquire_buffer(m.total_bytes, timeout=30)
+            obs.append(["acquired", v, committed()])
+            b[: m.total_bytes].copy_(data)
+            eng.submit(m, b)
+            eng.wait_idle(30)
+            newest = ownimage.newest_verified(shm_dir, JOB, "host", rank)
+            obs.append(["committed", v, committed(), None if newest is None else newest.version])
+        out["obs"] = obs
+        out["committed"] = eng.committed_version
+    except Exception:
+        out["error"] = traceback.format_exc()
+    with open(os.path.join(tmp, f"rank{rank}.json"), "w") as f:
+        json.dump(out, f)
+    if rank == 0:
+        os.kill(os.getpid(), signal.SIGKILL)  # its committed image must outlive it
+    eng.close()
+    os._exit(0)
+
+
+@pytest.mark.parametrize("pool", [1, 2])
+def test_engine_keeps_exactly_the_committed_image_in_shm_and_it_outlives_sigkill(tmp_path: Path, shm_dir: str,
+                                                                                 pool: int) -> None:
+    import multiprocessing as mp
+
+    world, rounds = 2, 6
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_engine_worker, args=(r, world, str(tmp_path), shm_dir, pool, rounds))
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+        if p.is_alive():
+            p.kill()
+    for r in range(world):
+        res = json.loads((tmp_path / f"rank{r}.json").read_text())
+        assert res["error"] is None, res["error"]
+        assert res["committed"] == rounds
+        for kind, v, *rest in res["obs"]:
+            if kind == "committed":  # one manifest, the committed version's, and it verifies
+                assert rest == [[v], v], (pool, res["obs"])
+            elif v > 1:  # capturing v: with one buffer the committed copy is given up first
+                assert rest == ([[]] if pool == 1 else [[v - 1]]), (pool, res["obs"])
+    assert procs[0].exitcode == -9 and procs[1].exitcode == 0
+    m = ownimage.newest_verified(shm_dir, JOB, "host", 0)
+    assert m is not None and m.version == rounds
+    got_m, got = ownimage.open_verified(shm_dir, JOB, "host", 0, rounds, len(m.chunk_checksums), m.generation)
+    assert torch.equal(got, _image(rounds, nbytes=20_000 + 4096 * rounds, rank=0)[1])
+    assert own_files(shm_dir, JOB, "host", 1) == [], "a clean close removes the engine's own files"
+    assert sorted(f.kind for f in own_files(shm_dir, JOB, "host", 0)) == ["own_bin"] * pool + ["own_json"]
