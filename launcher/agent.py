@@ -136,10 +136,9 @@ class NodeAgent:
                          pid=ex.pid, exitcode=ex.exitcode, signal=ex.signal, time=ex.wall,
                          requested=ex.requested, kind=kind, error=error)
         self.slots.exited(ex.local_rank, ex.succeeded)
-        # The node-local tier: checksum the own image the worker left in its shm dir (--shm-dir, else
-        # the CKPTLESS_SHM_DIR it inherited) off the reaper thread (~25 ms per 256 MiB), and record
-        # the version found intact with its exit.
-        shm = self.cfg.shm_dir or os.environ.get("CKPTLESS_SHM_DIR")
+        # The node-local tier: checksum the own image the worker left in --shm-dir off the reaper
+        # thread (~25 ms per 256 MiB), and record the version found intact with its exit.
+        shm = self.cfg.shm_dir
         if slot.rank is not None and shm and self.recovery and rec.outcome == "fault":
             rank = slot.rank
 
