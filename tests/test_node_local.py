@@ -1,4 +1,4 @@
-"""The node-local tier (issue 9), unit level: the planner rule R8 (pure, hypothesis), its facts and
+"""The node-local tier (issue 9), unit level: the planner rule R9 (pure, hypothesis), its facts and
 wire records, the own-image files in shm (writer and readers), and the respawn's restore from them.
 
 End to end (real launcher, SIGKILL, bitwise equal): tests/test_node_local_e2e.py.
@@ -81,7 +81,7 @@ def _avail_with_local(f: PlanningFacts, assignments: tuple[Assignment, ...]) -> 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(worlds_with_local())
-def test_r8_plan_matches_oracle(f: PlanningFacts) -> None:
+def test_r9_plan_matches_oracle(f: PlanningFacts) -> None:
     d = plan_recovery(f)
     d0 = plan_recovery(replace(f, node_local=()))
     event(f"{type(d0).__name__} -> {type(d).__name__}")
@@ -92,7 +92,7 @@ def test_r8_plan_matches_oracle(f: PlanningFacts) -> None:
         assert isinstance(d0, Unrecoverable), "a node-local image never makes a recoverable loss unrecoverable"
         return
     assert not isinstance(d0, WaitForReplacement)
-    assert d.assignments == getattr(d0, "assignments", d.assignments), "who takes a rank does not depend on R8"
+    assert d.assignments == getattr(d0, "assignments", d.assignments), "who takes a rank does not depend on R9"
     avail, usable = _avail_with_local(f, d.assignments)
     common = set.intersection(*avail.values())
     if isinstance(d, DiskFallback):
@@ -127,7 +127,7 @@ def test_r8_plan_matches_oracle(f: PlanningFacts) -> None:
 
 @SETTINGS
 @given(worlds_with_local(), st.integers(0, 2**32))
-def test_r8_deterministic_and_order_independent(f: PlanningFacts, seed: int) -> None:
+def test_r9_deterministic_and_order_independent(f: PlanningFacts, seed: int) -> None:
     imgs = list(f.node_local)
     random.Random(seed).shuffle(imgs)
     assert plan_recovery(f) == plan_recovery(replace(f, node_local=tuple(imgs)))

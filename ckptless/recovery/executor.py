@@ -149,7 +149,7 @@ def _from_memory(plan: RecoveryPlan, inputs: RestoreInputs) -> RestoreOutcome:
 
 
 def _restore_node_local(local: LocalRestore, inputs: RestoreInputs) -> None:
-    """R8: load the own image the predecessor left on this node, re-verifying every chunk first.
+    """R9: load the own image the predecessor left on this node, re-verifying every chunk first.
 
     Raises :class:`ckptless.mirror.ownimage.NodeLocalImageError` (an
     ``IntegrityError``) when it is gone, differs from what the agent

@@ -14,7 +14,7 @@ R2  A lost rank goes to a warm spare or a respawn on its own (live) node,
     already built) comes first, then spares are scored to keep a rank off the
     nodes of its own mirror holders, then off nodes already running ranks.
 R3  avail(r) = versions r's own live worker holds locally, plus versions any
-    *other* live worker holds complete for owner r, plus (R8) the version of
+    *other* live worker holds complete for owner r, plus (R9) the version of
     the node-local image a lost r left, when r respawns on that node.
 R4  R = max of the intersection of avail(r) over all ranks (capped at the
     newest reported commit unless ``resume_beyond_committed``).
@@ -31,7 +31,7 @@ R0  Before the first commit (no live worker reports a committed version and
     (its initial capture), and ranks without it start from the state their
     fresh process builds (``initial_ranks``), exactly as a full restart would.
     Preferred over a disk snapshot, which cannot exist before a commit.
-R8  Node-local tier: a lost rank assigned a respawn on its own node, whose
+R9  Node-local tier: a lost rank assigned a respawn on its own node, whose
     agent verified a node-local copy of its own image at R (``facts.node_local``),
     restores R from that copy (a ``LocalRestore``); its holders send nothing
     for it. A spare, or a worker on another node, never uses it.
@@ -96,7 +96,7 @@ class Transfer:
 
 @dataclass(frozen=True)
 class LocalRestore:
-    """R8: rank ``rank``'s new worker (a respawn on ``node_id``) restores ``version`` from the
+    """R9: rank ``rank``'s new worker (a respawn on ``node_id``) restores ``version`` from the
     node-local image its predecessor left there (``n_chunks`` chunks, captured in ``generation``)."""
 
     rank: int
@@ -132,7 +132,7 @@ class RecoveryPlan:
     owners_below_k: tuple[int, ...]
     steps_lost: int
     initial_ranks: tuple[int, ...] = ()  # R0: these ranks start from their freshly built state
-    node_local: tuple[LocalRestore, ...] = ()  # R8: these ranks restore from node-local memory
+    node_local: tuple[LocalRestore, ...] = ()  # R9: these ranks restore from node-local memory
 
     @property
     def resume_step(self) -> int:
@@ -194,7 +194,7 @@ Decision = Union[RecoveryPlan, DiskFallback, WaitForReplacement, Unrecoverable]
 
 # --- R3/R4: which version ----------------------------------------------------
 def usable_node_local(facts: PlanningFacts, assignments: list[Assignment]) -> dict[int, NodeLocalImage]:
-    """R8: the node-local images the new worker of their rank can read: it respawns on that node."""
+    """R9: the node-local images the new worker of their rank can read: it respawns on that node."""
     by_rank = {a.rank: a for a in assignments}
     out: dict[int, NodeLocalImage] = {}
     for img in facts.node_local:
@@ -206,7 +206,7 @@ def usable_node_local(facts: PlanningFacts, assignments: list[Assignment]) -> di
 
 
 def available_versions(facts: PlanningFacts, assignments: list[Assignment] | None = None) -> dict[int, frozenset[int]]:
-    """R3: every version of each rank's image some live worker (or, R8, its node) can provide.
+    """R3: every version of each rank's image some live worker (or, R9, its node) can provide.
 
     ``assignments``: the new rank map (default: :func:`assign_replacements`'s), which decides
     whether a node-local image is usable.
@@ -353,7 +353,7 @@ def plan_recovery(facts: PlanningFacts) -> Decision:
     """
     new_gen = facts.generation + 1
     lost = facts.lost_ranks
-    # R1/R2 first: whether a node-local image (R8) is usable depends on who takes its rank.
+    # R1/R2 first: whether a node-local image (R9) is usable depends on who takes its rank.
     assignments, unassigned = assign_replacements(facts, new_gen)
     version = resume_version(facts, assignments)
     newest_seen = max((r.newest_captured for r in facts.reports if r.newest_captured is not None),
@@ -412,7 +412,7 @@ def _memory_plan(facts: PlanningFacts, new_gen: int, assignments: list[Assignmen
                 rollbacks.append(Rollback(rank, rep.worker_id, rep.newest_captured, version))
             continue
         img = local.get(rank)
-        if img is not None and img.version == version:  # R8: from this node's memory, not the network
+        if img is not None and img.version == version:  # R9: from this node's memory, not the network
             node_local.append(LocalRestore(rank, worker_of[rank], img.node_id, version, img.n_chunks, img.generation))
             continue
         entries = index[(rank, version)]
