@@ -343,8 +343,8 @@ def run_script(name: str, job: ScriptJob, out: Path, rank: int | None = None, at
     world = job.world_size
     if base.problems or len(base.digests) != world:
         why = "; ".join(base.problems) or f"{len(base.digests)} of {world} ranks wrote a digest at job.close()"
-        hint = ("" if base.digests else " -- does the script call job.close() (or use `with ckptless.init() as "
-                "job:`) after training with ckptless.init/protect/run?")
+        hint = ("" if base.digests or base.problems else " -- does the script call job.close() (or use `with "
+                "ckptless.init() as job:`) after training with ckptless.init/protect/run?")
         raise CkptlessError(f"the fault-free run failed: {why}{hint}\n{base.tail}")
     steps = int(base.digests[0]["step"])
     plan = faults(steps) if faults is not None else plan_faults(name, job, steps, rank, at)

@@ -1,6 +1,6 @@
 """A user's training script written the way the README says (for ``ckptless-chaos run --script``).
 
-Nothing in it knows about chaos testing: it protects its model, optimizer,
+Nothing in it knows about chaos testing: it protects its model, optimizer (AdamW),
 LR schedule and data position, and closes the job. Dropout draws from the
 global torch RNG and the noise level from ``random`` (both protected by the
 library). ``ckptless-chaos run kill-worker --script THIS -- --steps 30`` must
@@ -35,7 +35,7 @@ def main() -> None:
     model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Dropout(0.1), torch.nn.Linear(32, 1))
     torch.manual_seed(100 + rank)  # per-rank dropout masks
     random.seed(7 + rank)
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)  # its state holds 0-dim `step` tensors
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=10, gamma=0.5)
     g = torch.Generator().manual_seed(3)
     x = torch.randn(256, 8, generator=g)
