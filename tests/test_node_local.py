@@ -85,8 +85,9 @@ def test_r9_plan_matches_oracle(f: PlanningFacts) -> None:
     d = plan_recovery(f)
     d0 = plan_recovery(replace(f, node_local=()))
     event(f"{type(d0).__name__} -> {type(d).__name__}")
-    if isinstance(d, WaitForReplacement):
-        assert isinstance(d0, WaitForReplacement) and d.unassigned_ranks == d0.unassigned_ranks
+    if isinstance(d, WaitForReplacement):  # the same ranks lack a worker (R9 may have made it recoverable)
+        assert isinstance(d0, (WaitForReplacement, Unrecoverable))
+        assert not isinstance(d0, WaitForReplacement) or d.unassigned_ranks == d0.unassigned_ranks
         return
     if isinstance(d, Unrecoverable):
         assert isinstance(d0, Unrecoverable), "a node-local image never makes a recoverable loss unrecoverable"
