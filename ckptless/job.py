@@ -44,6 +44,7 @@ from ckptless.state.registry import StateRegistry
 from ckptless.worker import actions, exit_file, exit_guard, groups
 from ckptless.worker.context import WorkerContext
 from ckptless.worker.control import WorkerControl
+from ckptless.worker.faults import is_fault
 from ckptless.worker.generation import Generation, release_retired_buffers
 from ckptless.worker.heartbeat import Heartbeat
 from ckptless.worker.ledger import WorkerLedger
@@ -134,6 +135,7 @@ class Job:
         self._closed = False
         self._guard_outcome: Any = _UNSET
         self.ledger.emit(EventKind.JOB_START, generation=ctx.generation, role=ctx.role)
+        exit_guard.on_uncaught(self._record_uncaught)
         self.prebuilt = self.recovery and ctx.standby_rank is not None
         if self.prebuilt:
             # A warm spare builds the script's objects as its standby rank before it has a rank:
@@ -216,6 +218,17 @@ class Job:
                 self.feed(event)
         if isinstance(self._state, Failed):
             self._raise_failure(self._state)
+
+    def _record_uncaught(self, exc: BaseException) -> None:
+        """An exception escaped the script outside run()/guard() (its setup, say): record it as the
+        user's error, so the launcher's summary shows its traceback and nobody respawns into it;
+        one caused by a failed peer or collective stays a fault (no record: the rank is recovered)."""
+        if exit_file.written() or isinstance(exc, (KeyboardInterrupt, SystemExit)):
+            return
+        c = self.control
+        if self.recovery and is_fault(exc, self.generation, c.incident if c is not None else None):
+            return
+        exit_file.write("user_error", exit_file.summarize(exc))
 
     def _raise_failure(self, st: Failed) -> None:
         """Leave the way the failure calls for; the agent reads how from the exit file."""

@@ -180,7 +180,10 @@ class NodeAgent:
                     self._client.put(key, raw)
                     return
                 except CoordinatorError as exc:
-                    if time.monotonic() >= deadline or self._stopping.is_set():
+                    if self._stopping.is_set():  # shutting down (a private etcd may already be gone)
+                        log.info("did not record %s in etcd while stopping: %s", what, exc)
+                        return
+                    if time.monotonic() >= deadline:
                         log.error("could not record %s in etcd: %s", what, exc)
                         return
                     self._stopping.wait(1.0)

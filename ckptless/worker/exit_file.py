@@ -42,6 +42,15 @@ def write(kind: ExitKind, error: ErrorSummary | None = None, path: str | None = 
         pass
 
 
+def written() -> bool:
+    """Has this process already recorded how it ends (a record with its own pid)?"""
+    target = os.environ.get(ENV)
+    if not target:
+        return False
+    kind, _ = read(target, pid=os.getpid())
+    return kind is not None
+
+
 def read(path: str, pid: int | None = None) -> tuple[ExitKind | None, ErrorSummary | None]:
     """What the worker wrote (``(None, None)`` if nothing usable, or if it names another process)."""
     try:

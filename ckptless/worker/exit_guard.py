@@ -40,6 +40,16 @@ def install() -> None:
     _install()
 
 
+_uncaught: list[Callable[[BaseException], None]] = []  # see on_uncaught
+
+
+def on_uncaught(handler: Callable[[BaseException], None]) -> None:
+    """Run ``handler(exc)`` for an exception nobody caught (e.g. raised in the script's setup,
+    after ``ckptless.init()`` and before ``run()``), before Python prints it and exits 1."""
+    _install()
+    _uncaught.append(handler)
+
+
 def set_exit_code(code: int) -> None:
     """The code the process is about to exit with (a ``SystemExit`` raised, not called, bypasses the hook)."""
     global _exit_code
@@ -58,6 +68,11 @@ def _install() -> None:
     def excepthook(t: type[BaseException], v: BaseException, tb: TracebackType | None) -> None:
         global _exit_code
         _exit_code = 1
+        for handler in _uncaught:
+            try:
+                handler(v)
+            except Exception:  # never let the record hide the user's traceback
+                pass
         previous_hook(t, v, tb)
 
     def exit_(code: Any = 0) -> None:

@@ -94,6 +94,26 @@ def ensure_default_group(store: dist.Store, rank: int, world_size: int, timeout_
         _live.update(store=None, generation=None)
     dist.init_process_group(PLUGIN, store=dist.PrefixStore("ckptless/init/", store), rank=rank,
                             world_size=world_size, timeout=timedelta(seconds=timeout_s))
+    dist.init_process_group = _guarded_init_process_group
+    dist.distributed_c10d.init_process_group = _guarded_init_process_group
+
+
+_torch_init_process_group = dist.init_process_group
+
+
+def _guarded_init_process_group(*args: Any, **kwargs: Any) -> None:
+    """torch's ``init_process_group``, with a clear error when ckptless already made the default group.
+
+    Why: a ported torchrun script often still calls it after ``ckptless.init()``; torch's own
+    message ("trying to initialize the default process group twice!") does not say what to do.
+    """
+    if dist.is_initialized() and isinstance(dist.distributed_c10d._get_default_group(), RebindableGroup):
+        backend = kwargs.get("backend", args[0] if args else None)
+        raise ConfigError("init_process_group", backend,
+                          "ckptless.init() already created the default process group (same rank and world size, "
+                          "kept valid across recoveries): remove this call, or guard it with "
+                          "`if not dist.is_initialized():`")
+    _torch_init_process_group(*args, **kwargs)
 
 
 @contextmanager
