@@ -137,6 +137,8 @@ def test_respawn_restores_its_own_image_from_node_local_memory(module_etcd: Embe
     assert not d.transfers, f"holders sent stripes of an image the node kept: {d.transfers}"
     assert m.worker_of(VICTIM).source == "respawn" and m.worker_of(VICTIM).node_id == rec.node_id
     assert _restores(c, VICTIM) == [(1, "node-local", 0)], _ledger(c, VICTIM)
+    for r in range(4):  # the partial re-protection round (MISSING) after the recovery committed everywhere
+        assert any(e["kind"] == "reprotect_done" and e["generation"] == 1 for e in _ledger(c, r)), _ledger(c, r)
     assert f"resumed at step {STEP} in generation 1 (node-local)" in c.log_text()
     assert_bitwise_equal(c.finals(), baseline)
     assert c.pids(VICTIM)[-1]["role"] == "replacement"
