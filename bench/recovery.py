@@ -203,6 +203,10 @@ def run_ckptless(etcd_ep: str, size: int, world: int, spares: int, respawns: int
                 "CKPTLESS_LOG_LEVEL": "WARNING", "CKPTLESS_COLLECTIVE_TIMEOUT": "60",
                 "CKPTLESS_RECOVERY_TIMEOUT": "120", "CKPTLESS_MIRROR_BUFFERS": str(MIRROR_BUFFERS)})
     common = ["--rdzv-id", job, "--rdzv-endpoint", etcd_ep, "--lease-ttl", "1", "--goodput-dir", str(gdir)]
+    if SHM_ROOT:  # the node-local tier: a respawn restores its own image from this node's shm
+        shm = Path(SHM_ROOT) / job
+        shm.mkdir(parents=True)
+        common += ["--shm-dir", str(shm)]
     procs: list[subprocess.Popen[bytes]] = []
     logs = []
 
@@ -256,7 +260,7 @@ def run_ckptless(etcd_ep: str, size: int, world: int, spares: int, respawns: int
                 else ph["transfer"]
             ph["load1"] = os.getloadavg()[0]
             role = _role_of(out, victim, max(gens))
-            mode = "spare" if role == "spare" else "respawn"
+            mode = "spare" if role == "spare" else ("respawn (node-local)" if SHM_ROOT else "respawn")
             results.append(Recovery(size, world, mode, ph["total"], ph["detect"], ph["reform"], ph["transfer"],
                                     ph["rollback"], ph["reprotect_step"], ph["repl"], role, ph))
             log(f"  ckptless S={size // MIB} MiB W={world} kill {i} (rank {victim}, step {step}) -> {role}: "
@@ -295,6 +299,7 @@ def run_ckptless(etcd_ep: str, size: int, world: int, spares: int, respawns: int
 
 
 MIRROR_BUFFERS = 2  # --mirror-buffers
+SHM_ROOT = ""  # --shm-dir
 MEMORY: list[dict[str, Any]] = []  # one row per ckptless case
 
 
@@ -477,9 +482,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mirror-buffers", type=int, default=2, choices=(1, 2, 3),
                     help="owner capture buffers (CKPTLESS_MIRROR_BUFFERS; 1 = the (2 + 2K) x S budget)")
     ap.add_argument("--no-torchrun", action="store_true", help="skip the torchrun + DCP runs (memory runs)")
+    ap.add_argument("--shm-dir", default="", help="give the agents --shm-dir under this root (e.g. /dev/shm): "
+                    "the respawn rows then restore from the node-local tier")
     ns = ap.parse_args(argv)
-    global MIRROR_BUFFERS
+    global MIRROR_BUFFERS, SHM_ROOT
     MIRROR_BUFFERS = ns.mirror_buffers
+    SHM_ROOT = ns.shm_dir
     sizes = [s * MIB for s in (ns.sizes or ([64] if ns.quick else [64, 256]))]
     reps = 1 if ns.quick else ns.reps
     cases = [(s, 4, reps) for s in sizes]

@@ -258,7 +258,8 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
     add("--metrics-port", action=env, type=int, default=None,
         help="Serve Prometheus metrics on this port (0: any free port; default: off).")
     add("--shm-dir", action=env, type=str, default=None,
-        help="Keep peer replicas in files here (e.g. /dev/shm): they survive a worker's death on this node.")
+        help="Keep peer replicas and each rank's own committed image in files here (e.g. /dev/shm): they "
+             "survive a worker's death, and a rank respawned on this node restores its own image from them.")
     add("--no-warm-respawn", dest="warm_respawn", action="store_false",
         help="Respawn failed workers cold (a fresh python) instead of from this agent's warm fork server.")
     add("--no-spare-prebuild", dest="spare_prebuild", action="store_false",
