@@ -67,8 +67,10 @@ def hold_tag(fault_index: int, rank: int) -> str:
 def pause_spec(faults: tuple[Fault, ...], steps: int | None = None, world_size: int = 0) -> str:
     """``CHAOS_PAUSES`` for the training script: one pause per (fault, target rank), plus a
     partition's backstop hold on every rank ``HOLD_BEFORE_END`` steps before ``steps``
-    (only when that step comes after the fault's)."""
-    items = [f"{pause_tag(i, r)}:{r}:{f.step}" for i, f in enumerate(faults) for r in f.targets]
+    (only when that step comes after the fault's). A kill during recovery pauses nobody at its step:
+    it waits for the leader's hold instead (:func:`leader_points`)."""
+    items = [f"{pause_tag(i, r)}:{r}:{f.step}" for i, f in enumerate(faults) for r in f.targets
+             if f.kind is not FaultKind.KILL_IN_RECOVERY]
     for i, f in enumerate(faults):
         if f.kind.is_partition and steps is not None and steps - HOLD_BEFORE_END > f.step:
             items += [f"{hold_tag(i, r)}:{r}:{steps - HOLD_BEFORE_END}" for r in range(world_size)]
@@ -77,6 +79,53 @@ def pause_spec(faults: tuple[Fault, ...], steps: int | None = None, world_size: 
 
 def _chaos_dir(out: Path) -> Path:
     return out / "chaos"
+
+
+# --- the leader's hold (a kill during recovery) -------------------------------------------------
+#
+# The library's pause point ``leader:before_publish`` (ckptless/chaos_hooks.py) holds the leading
+# agent after it planned a recovery and before it publishes it, if CKPTLESS_CHAOS_POINTS names it.
+# Its marker file is its latch ("fires once per job"): while ``paused_<tag>.json`` exists nobody
+# pauses there. So the runner creates the marker before the job starts (disarmed), and arms the hold
+# for ONE chosen incident by deleting it (and the old release file) just before that incident's
+# fault: the next plan any leader publishes -- that incident's -- holds until released. Disarmed
+# again by the marker the leader itself writes. Re-arming is safe once training went on past that
+# incident (the held leader has left its loop: it published).
+LEADER_TAG = "lead"
+
+
+def leader_points() -> str:
+    """``CKPTLESS_CHAOS_POINTS`` for a cluster whose schedule has kills during recovery."""
+    return f"{LEADER_TAG}=leader:before_publish"
+
+
+def disarm_leader_hold(out: Path) -> None:
+    d = _chaos_dir(out)
+    d.mkdir(parents=True, exist_ok=True)
+    (d / f"paused_{LEADER_TAG}.json").write_text(json.dumps({"disarmed": True}))
+
+
+def arm_leader_hold(out: Path) -> None:
+    d = _chaos_dir(out)
+    (d / f"release_{LEADER_TAG}").unlink(missing_ok=True)
+    (d / f"paused_{LEADER_TAG}.json").unlink(missing_ok=True)
+
+
+def wait_leader_held(out: Path, timeout_s: float, alive: Callable[[], bool] | None = None) -> dict[str, object]:
+    """The leader's marker once it holds before publishing: {pid, point, generation, t_wall}."""
+    marker = _chaos_dir(out) / f"paused_{LEADER_TAG}.json"
+
+    def held() -> bool:
+        try:
+            return "pid" in json.loads(marker.read_text())
+        except (OSError, ValueError):
+            return False
+    wait_for(lambda: held() or (alive is not None and not alive()), timeout_s,
+             f"the leader to hold before publishing ({marker})")
+    if not held():
+        raise ChaosTimeout("the job ended before its leader held before publishing a recovery")
+    doc = json.loads(marker.read_text())
+    return dict(doc)
 
 
 def wait_paused(out: Path, tag: str, timeout_s: float = PAUSE_TIMEOUT_S,
@@ -171,24 +220,70 @@ def inject_step(cluster: LocalCluster, indexed: list[tuple[int, Fault]], snapsho
     def alive() -> bool:
         return any(a.proc.poll() is None for a in cluster.agents)
 
+    in_recovery = [(i, f) for i, f in indexed if f.kind is FaultKind.KILL_IN_RECOVERY]
+    indexed = [(i, f) for i, f in indexed if f.kind is not FaultKind.KILL_IN_RECOVERY]
     held = {(i, r): wait_paused(cluster.out, pause_tag(i, r), pause_timeout_s, alive)
             for i, f in indexed for r in f.targets}
     if cluster.spec.snapshot_every:
         wait_for(lambda: any(cluster.snapshot_dir.rglob("COMPLETE.json")), snapshot_wait_s, "a complete snapshot")
+    if in_recovery:
+        arm_leader_hold(cluster.out)  # this incident's plan is the next one any leader publishes
     done: list[Injection] = []
     try:
-        for i, f in indexed:
-            pids = tuple(held[(i, r)]["pid"] for r in f.targets)
-            if f.kind.is_partition:
-                done.append(_partition(cluster, i, f, pids))
-            else:
-                done.append(_inject_one(cluster, f, pids, whole_node))
+        try:
+            for i, f in indexed:
+                pids = tuple(held[(i, r)]["pid"] for r in f.targets)
+                if f.kind.is_partition:
+                    done.append(_partition(cluster, i, f, pids))
+                else:
+                    done.append(_inject_one(cluster, f, pids, whole_node))
+                record_injection(cluster, done[-1])
+        finally:
+            for i, f in indexed:
+                for r in f.targets:
+                    release(cluster.out, pause_tag(i, r))
+        for _, f in in_recovery:
+            done.append(_kill_in_recovery(cluster, f, pause_timeout_s, alive))
             record_injection(cluster, done[-1])
     finally:
-        for i, f in indexed:
-            for r in f.targets:
-                release(cluster.out, pause_tag(i, r))
+        if in_recovery:
+            release(cluster.out, LEADER_TAG)  # never leave a leader held (its own bound is 120 s)
     return done
+
+
+EXIT_RECORD_WAIT_S = 30.0
+
+
+def _kill_in_recovery(cluster: LocalCluster, f: Fault, timeout_s: float, alive: Callable[[], bool]) -> Injection:
+    """Wait until the leader holds before publishing the recovery, SIGKILL ``f.targets[0]`` (a survivor
+    waiting for the new membership), wait until its agent recorded the exit in etcd (so the leader
+    publishes a plan that is already stale), then release the leader."""
+    doc = wait_leader_held(cluster.out, timeout_s, alive)
+    rank = f.targets[0]
+    recs = cluster.pids(rank)
+    if not recs:
+        raise ChaosTimeout(f"rank {rank}: no pids_rank{rank}.jsonl record to find its process by")
+    pid = int(str(recs[-1]["pid"]))
+    t = time.monotonic()
+    kill_worker(pid)
+    key = cluster.keyspace.worker_exit(rank)
+
+    def recorded() -> bool:
+        kv = cluster.client().get(key)
+        try:
+            return kv is not None and int(json.loads(kv.value).get("pid", -1)) == pid
+        except (ValueError, TypeError, AttributeError):
+            return False
+    try:
+        waited = f"its exit recorded after {wait_for(recorded, EXIT_RECORD_WAIT_S, f'the exit of rank {rank}'):.2f}s"
+    except ChaosTimeout:
+        waited = f"no exit record within {EXIT_RECORD_WAIT_S:g}s"
+    cluster.note(f"kill during recovery: SIGKILL rank {rank} (pid {pid}) while the leader (pid {doc.get('pid')}) "
+                 f"held before publishing generation {doc.get('generation')}; {waited}")
+    release(cluster.out, LEADER_TAG)
+    return Injection(f, t, (pid,), (), (rank,),
+                     f"SIGKILL worker while the leader held before publishing generation {doc.get('generation')}; "
+                     + waited)
 
 
 def _inject_one(cluster: LocalCluster, f: Fault, pids: tuple[int, ...], whole_node: bool = False) -> Injection:
@@ -220,6 +315,10 @@ def _inject_one(cluster: LocalCluster, f: Fault, pids: tuple[int, ...], whole_no
         agent = cluster.leader()
         lost = cluster.ranks_of(agent)
         t = time.monotonic()
+        if whole_node:
+            killed = kill_node(agent)
+            return Injection(f, t, (), (agent.index,), lost, f"SIGKILL node of the leader: agent{agent.index} "
+                             f"and {len(killed) - 1} processes under it")
         kill_agent(agent)
         return Injection(f, t, (), (agent.index,), lost, f"SIGKILL leader agent{agent.index}")
     if f.kind is FaultKind.RESTART_ETCD:

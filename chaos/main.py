@@ -5,6 +5,7 @@
     ckptless-chaos demo   [--out DIR] [--steps N]
     ckptless-chaos list
     ckptless-chaos run    NAME [--seed S] [--out DIR]     (NAME from `list`, or `random`: the matrix's demo job)
+    ckptless-chaos run    long [--seed S] [--faults N] [--spares N] [--out DIR]   (>= 20 seeded faults in ONE job)
     ckptless-chaos matrix [--only a,b] [--seeds 1,2] [--out DIR]
 
 Why one entry point for the demo and the matrix: the demo *is* a chaos
@@ -24,12 +25,15 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ckptless.chaos.cluster import DEMO_SCRIPT, ClusterSpec
-from ckptless.chaos.scenario import BaselineCache, Scenario, Verdict, render_table, run_scenario
+from ckptless.chaos.scenario import (
+    BaselineCache, Scenario, Verdict, render_fault_table, render_table, run_scenario,
+)
 from ckptless.chaos.script import (
     DEFAULT_HANG_TIMEOUT_S, SCRIPT_SCENARIOS, ScriptJob, describe, render_details, run_script,
 )
 from ckptless.chaos.schedule import (
-    RANK_KINDS, Fault, FaultKind, ScheduleConfig, explicit_schedule, holders, independent, make_schedule,
+    RANK_KINDS, Fault, FaultKind, LongConfig, ScheduleConfig, explicit_schedule, holders, independent,
+    make_long_schedule, make_schedule,
 )
 from ckptless.errors import CkptlessError, ConfigError
 
@@ -106,6 +110,30 @@ def random_scenario(seed: int, faults: int = 2, steps: int = STEPS) -> Scenario:
     desc = "; ".join(f.describe() for f in sched.faults)
     return Scenario(f"random-s{seed}", desc, "every fault recovered from memory; bitwise equal",
                     ClusterSpec(steps=steps, hang_timeout=2.0), sched)
+
+
+LONG_SEED = 1
+LONG_HANG_TIMEOUT_S = 3.0
+
+
+def long_config(faults: int = LongConfig.faults, spares: int = LongConfig.spares) -> LongConfig:
+    """2 nodes x 2 workers + one spare-only node with 4 warm spares (one per rank: the node loss and
+    the leader loss need them all; see LongConfig); ~10 steps per incident."""
+    steps = max(LongConfig.steps, LongConfig.first_step + 10 * faults)
+    return LongConfig(steps=steps, faults=faults, spares=spares)
+
+
+def long_scenario(seed: int = LONG_SEED, faults: int = LongConfig.faults, spares: int = LongConfig.spares) -> Scenario:
+    """ONE job, ``faults`` seeded faults: kills, hangs, two concurrent kills, a node loss, a leader
+    loss and a kill during recovery (docs/chaos.md, "The long run")."""
+    cfg = long_config(faults, spares)
+    sched = make_long_schedule(cfg, seed)
+    kinds = sorted({f.kind.value for f in sched.faults})
+    spec = ClusterSpec(steps=cfg.steps, hang_timeout=LONG_HANG_TIMEOUT_S, spare_nodes=1,
+                       spares_per_spare_node=cfg.spares)
+    return Scenario(f"long-s{seed}", f"{len(sched.faults)} seeded faults in one job ({', '.join(kinds)})",
+                    "every fault recovered (spares, respawns); bitwise equal", spec, sched,
+                    run_timeout_s=600.0, whole_node=True)
 
 
 def catalogue() -> dict[str, Scenario]:
@@ -217,6 +245,28 @@ def _demo(args: argparse.Namespace) -> int:
     return 0 if v.passed else 1
 
 
+def _long(args: argparse.Namespace) -> int:
+    """``run long [--seed S] [--faults N]``: the schedule first, then the run, the per-fault table,
+    wall time and load average."""
+    seed = _seed(args.seed if args.seed != "0" else str(LONG_SEED))
+    sc = long_scenario(seed, args.faults or LongConfig.faults, LongConfig.spares if args.spares is None else args.spares)
+    out = _out_dir(args.out, "long")
+    spec = sc.spec
+    print(f"ckptless-chaos long run, seed {seed}: {spec.nodes} nodes x {spec.nproc_per_node} workers + a spare node "
+          f"with {spec.spares_per_spare_node} warm spares, {spec.steps} steps, --hang-timeout {spec.hang_timeout:g}; "
+          f"output {out}", flush=True)
+    for f, e in zip(sc.schedule.faults, sc.schedule.expect):
+        print(f"  {f.describe()}  -> model: ranks {list(e.lost)} to {'/'.join(e.to)}", flush=True)
+    t0 = time.monotonic()
+    v = _run_all([sc], out)[0]
+    print(render_table([v]), end="")
+    print(render_fault_table(v), end="")
+    load = ", ".join(f"{x:.1f}" for x in v.load)
+    print(f"wall {time.monotonic() - t0:.0f}s (faulty run {v.faulty_s:.0f}s); 1-min load average {load} "
+          f"(start, after each fault step, end); final generation {v.generation}", flush=True)
+    return 0 if v.passed else 1
+
+
 def _env_pairs(items: list[str]) -> dict[str, str]:
     env: dict[str, str] = {}
     for item in items:
@@ -290,7 +340,8 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--nnodes", type=int, default=2, help="agents (nodes) running workers (default 2)")
     r.add_argument("--nproc-per-node", type=int, default=2, help="workers per node (default 2)")
     r.add_argument("--spares", type=int, default=None,
-                   help="warm spares on one extra spare-only node (default 0; kill-node: --nproc-per-node)")
+                   help="warm spares on one extra spare-only node (default 0; kill-node: --nproc-per-node; "
+                        f"`long`: {LongConfig.spares})")
     r.add_argument("--env", action="append", metavar="KEY=VALUE",
                    help="environment of the script in both runs (repeatable), e.g. its step count")
     r.add_argument("--rank", type=int, default=None, help="victim rank (default: the last rank)")
@@ -301,7 +352,10 @@ def _parser() -> argparse.ArgumentParser:
                         "hang-worker, else off)")
     r.add_argument("--timeout", type=float, default=None,
                    help="seconds a run may take (default: 4x the fault-free run, >= 300)")
-    r.add_argument("--seed", default="0", help="seed of `random` (default 0; matrix scenarios only)")
+    r.add_argument("--seed", default="0", help=f"seed of `random` (default 0) or `long` (default {LONG_SEED}); "
+                                               "matrix scenarios only")
+    r.add_argument("--faults", type=int, default=None,
+                   help=f"`long` only: number of faults (default {LongConfig.faults})")
     r.add_argument("--out", help="output directory")
     m = sub.add_parser("matrix", help="run the chaos matrix; non-zero exit if any scenario fails")
     m.add_argument("--only", help="comma-separated scenario names")
@@ -336,9 +390,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             for sc in catalogue().values():
                 print(f"  {sc.name:14} {sc.fault}  ->  {sc.expected}")
             print(f"  {'random':14} seeded kills/hangs (--seed S)")
+            print(f"  {'long':14} {LongConfig.faults} seeded faults in one job: kills, hangs, node loss, leader loss, "
+                  f"a kill during recovery (--seed S, --faults N)")
             return 0
         if args.command == "run" and args.script:
             return _run_script(args, script_args)
+        if args.command == "run" and args.name == "long":
+            return _long(args)
         if args.command == "run":
             scs = [random_scenario(_seed(args.seed))] if args.name == "random" else _pick(args.name, None)
             verdicts = _run_all(scs, _out_dir(args.out, args.name))

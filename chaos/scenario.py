@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import re
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -26,7 +28,7 @@ from typing import Any
 import torch
 
 from ckptless.chaos.cluster import ClusterSpec, LocalCluster, wait_gone
-from ckptless.chaos.faults import Injection, inject_step, pause_spec
+from ckptless.chaos.faults import Injection, disarm_leader_hold, inject_step, leader_points, pause_spec
 from ckptless.chaos.schedule import Fault, FaultKind, Schedule
 from ckptless.errors import CkptlessError
 
@@ -48,6 +50,9 @@ class Scenario:
     # status reason must contain one of these phrases (the cause, named) -- see _check_end.
     end_causes: tuple[str, ...] = ()
     run_timeout_s: float = RUN_TIMEOUT_S
+    # A node or leader loss kills the node's whole process tree (agent, workers, spares, fork
+    # server) instead of the agent alone (its workers then die by PDEATHSIG).
+    whole_node: bool = False
 
 
 @dataclass
@@ -64,6 +69,9 @@ class Verdict:
     goodput: float | None = None
     wall_s: float = 0.0
     out: Path | None = None
+    incidents: list[Any] = field(default_factory=list)  # the goodput model's incidents of the faulty run
+    load: list[float] = field(default_factory=list)  # 1-min load average: start, at each injection, end
+    faulty_s: float = 0.0  # the faulty run alone (start of the cluster to its teardown)
 
 
 def _flatten(obj: object, prefix: str = "") -> dict[str, object]:
@@ -163,16 +171,23 @@ def run_scenario(sc: Scenario, root: Path, baselines: BaselineCache,
     shutil.rmtree(out, ignore_errors=True)
     v.out = out
     log(f"[{sc.name}] {sc.fault}; logs in {out / 'logs'}")
-    with LocalCluster(sc.spec, out, sc.name, pauses=pause_spec(sc.schedule.faults, sc.spec.steps, sc.spec.world_size)) as c:
+    hold = any(f.kind is FaultKind.KILL_IN_RECOVERY for f in sc.schedule.faults)
+    t1 = time.monotonic()
+    v.load.append(os.getloadavg()[0])
+    with LocalCluster(sc.spec, out, sc.name, pauses=pause_spec(sc.schedule.faults, sc.spec.steps, sc.spec.world_size),
+                      points=leader_points() if hold else "") as c:
+        if hold:
+            disarm_leader_hold(out)  # armed for its incident only (faults.py, "the leader's hold")
         try:
             c.start()
             by_step: dict[int, list[tuple[int, Fault]]] = {}
             for i, f in enumerate(sc.schedule.faults):
                 by_step.setdefault(f.step, []).append((i, f))
             for step in sorted(by_step):
-                for inj in inject_step(c, by_step[step]):
+                for inj in inject_step(c, by_step[step], whole_node=sc.whole_node):
                     v.injections.append(inj)
                     log(f"[{sc.name}]   injected {inj.fault.describe()} ({inj.note})")
+                v.load.append(os.getloadavg()[0])
             codes = c.wait(sc.run_timeout_s)
         except CkptlessError as exc:
             v.reasons.append(f"run aborted: {exc}")
@@ -184,10 +199,14 @@ def run_scenario(sc: Scenario, root: Path, baselines: BaselineCache,
             _check_end(c, sc, v, codes)
         else:
             _check_health(c, sc, v, codes)
+    v.faulty_s = time.monotonic() - t1
+    v.load.append(os.getloadavg()[0])
     if v.ended is None:
         got = load_finals(out, sc.spec.world_size)
         v.reasons += bitwise_diff(got, want)[:8]
     _measure(v, out)
+    if not v.reasons and sc.schedule.expect:
+        v.notes += [f"fault {r.index}: {r.note}" for r in fault_rows(v) if r.note]
     v.passed = not v.reasons
     v.wall_s = time.monotonic() - t0
     return v
@@ -291,6 +310,7 @@ def _measure(v: Verdict, out: Path) -> None:
     except CkptlessError as exc:
         v.reasons.append(f"goodput ledger unreadable: {exc}")
         return
+    v.incidents = list(incidents)
     v.downtimes_s = [round(i.downtime_s, 3) for i in incidents]
     for inj in v.injections:
         if not inj.fault.kind.loses_ranks and not inj.fault.kind.is_partition:
@@ -321,4 +341,99 @@ def render_table(verdicts: list[Verdict]) -> str:
             lines.append(f"  {v.scenario.name}: note: {note}")
         for reason in v.reasons:
             lines.append(f"  {v.scenario.name}: {reason}")
+    return "\n".join(lines) + "\n"
+
+
+# --- one row per fault (long runs) ---------------------------------------------------------------
+@dataclass(frozen=True)
+class FaultRow:
+    """One injected fault as the docs' table shows it."""
+
+    index: int
+    step: int
+    kind: str
+    target: str
+    outcome: str
+    kill_to_step_s: float | None
+    generation: str
+    note: str = ""  # the observed outcome differs from the layout model's expectation
+
+
+def _pid_records(out: Path, world: int) -> dict[int, list[dict[str, Any]]]:
+    found: dict[int, list[dict[str, Any]]] = {}
+    for r in range(world):
+        p = out / f"pids_rank{r}.jsonl"
+        found[r] = [json.loads(x) for x in p.read_text().splitlines() if x.strip()] if p.exists() else []
+    return found
+
+
+_ROLE = {"spare": "warm spare", "replacement": "respawn", "member": "member"}
+_KIND = {"kill_worker": "kill", "hang_worker": "hang (SIGSTOP)", "kill_agent": "node loss",
+         "kill_leader": "leader loss", "kill_in_recovery": "kill during recovery"}
+
+
+def fault_rows(v: Verdict) -> list[FaultRow]:
+    """Per injection: what replaced each lost rank (the n-th loss of rank r is answered by the n+1-th
+    process in ``pids_rank<r>.jsonl``: its role and the generation of its first step), kill -> first
+    step (to the end of the first incident after the injection that no further failure interrupted,
+    from rank 0's ledger) and the generation training resumed in (the replacements' first step)."""
+    assert v.out is not None
+    pids = _pid_records(v.out, v.scenario.spec.world_size)
+    seen: dict[int, int] = {}
+    incidents = sorted(v.incidents, key=lambda i: i.detected_at)
+    faults = list(v.scenario.schedule.faults)
+    expect = v.scenario.schedule.expect
+    rows: list[FaultRow] = []
+    for n, inj in enumerate(v.injections):
+        f = inj.fault
+        parts, roles, gens = [], [], []
+        for r in inj.lost:
+            k = seen.get(r, 0) + 1
+            seen[r] = k
+            rec = pids[r][k] if k < len(pids[r]) else None
+            role = None if rec is None else str(rec.get("role"))
+            roles.append(role)
+            if rec is not None and isinstance(rec.get("generation"), int):
+                gens.append(int(rec["generation"]))
+            parts.append(f"r{r}: " + ("never replaced" if rec is None else
+                                       f"{_ROLE.get(str(role), role)} (pid {rec.get('pid')}, g{rec.get('generation')})"))
+        if f.kind is FaultKind.HANG_WORKER:
+            parts.insert(0, "watchdog SIGKILLed it;")
+        chain = []
+        for i in incidents:
+            if i.ended_at >= inj.t_monotonic:
+                chain.append(i)
+                if not i.interrupted:
+                    break
+        k2s = round(chain[-1].ended_at - inj.t_monotonic, 2) if chain else None
+        gen = str(max(gens)) if gens else "-"
+        stale = [(m.group(1), other.fault.targets[0]) for other in v.injections if other.fault.step == f.step
+                 for m in [re.search(r"before publishing generation (\d+)", other.note)] if m]
+        if stale and gens:
+            gen += f" (g{stale[0][0]} was published with rank {stale[0][1]} already dead)"
+        note = ""
+        if expect and f in faults:
+            e = expect[faults.index(f)]
+            want = ["spare" if t == "spare" else "replacement" for t in e.to]
+            if tuple(sorted(inj.lost)) != tuple(sorted(e.lost)):
+                note = f"lost ranks {list(inj.lost)}, the model expected {list(e.lost)}"
+            elif roles != [want[e.lost.index(r)] for r in inj.lost]:
+                note = f"replaced by {roles}, the model expected {want}"
+        target = ",".join(map(str, f.targets))
+        if inj.agents_killed:
+            target = f"agent{inj.agents_killed[0]} (ranks {','.join(map(str, inj.lost))})"
+        else:
+            target = f"rank {target}"
+        rows.append(FaultRow(n, f.step, _KIND.get(f.kind.value, f.kind.value), target, " ".join(parts), k2s, gen,
+                             note))
+    return rows
+
+
+def render_fault_table(v: Verdict) -> str:
+    """The per-fault table (markdown), as docs/chaos.md holds it."""
+    lines = ["| # | step | fault | target | outcome | kill -> first step s | generation |",
+             "|---|---|---|---|---|---|---|"]
+    for r in fault_rows(v):
+        k2s = "-" if r.kill_to_step_s is None else f"{r.kill_to_step_s:.2f}"
+        lines.append(f"| {r.index} | {r.step} | {r.kind} | {r.target} | {r.outcome} | {k2s} | {r.generation} |")
     return "\n".join(lines) + "\n"
