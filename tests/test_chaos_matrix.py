@@ -17,8 +17,8 @@ import os
 import pytest
 
 from ckptless.chaos.faults import HOLD_BEFORE_END, pause_spec
-from ckptless.chaos.main import catalogue, partition_scenarios, random_scenario
-from ckptless.chaos.scenario import BaselineCache, Scenario, render_table, run_scenario
+from ckptless.chaos.main import catalogue, long_scenario, partition_scenarios, random_scenario
+from ckptless.chaos.scenario import BaselineCache, Scenario, render_fault_table, render_table, run_scenario
 from ckptless.chaos.schedule import Fault, FaultKind, ScheduleConfig, explicit_schedule
 from ckptless.errors import ConfigError
 
@@ -125,3 +125,35 @@ def test_partition_schedule_validation_and_pauses() -> None:
     hold = 40 - HOLD_BEFORE_END
     assert pause_spec(sched.faults, 40, 4) == f"f0r1:1:5,f0r2:2:5,h0r0:0:{hold},h0r1:1:{hold},h0r2:2:{hold},h0r3:3:{hold}"
     assert pause_spec(sched.faults) == "f0r1:1:5,f0r2:2:5"
+
+
+LONG_SEED = 1
+
+
+def test_long_scenario_is_well_formed() -> None:
+    """Fast: the long run has >= 20 faults of every kind, warm spares for both lost nodes, a watchdog
+    for the hangs, whole-node kills, and its model agrees with the schedule."""
+    sc = long_scenario(LONG_SEED)
+    kinds = {f.kind for f in sc.schedule.faults}
+    assert len(sc.schedule.faults) >= 20
+    assert kinds == {FaultKind.KILL_WORKER, FaultKind.HANG_WORKER, FaultKind.KILL_AGENT, FaultKind.KILL_LEADER,
+                     FaultKind.KILL_IN_RECOVERY}
+    assert sc.spec.hang_timeout and sc.whole_node and sc.spec.spare_nodes == 1
+    lost_nodes = sum(1 for f in sc.schedule.faults if f.kind.loses_node)
+    assert sc.spec.spares_per_spare_node >= lost_nodes * sc.spec.nproc_per_node
+    assert len(sc.schedule.expect) == len(sc.schedule.faults)
+    assert sc.schedule.faults[-1].step < sc.spec.steps
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_long_run_ends_bitwise_equal(baselines: BaselineCache) -> None:
+    """ONE job, >= 20 seeded faults (kills, hangs, two at once, a node loss, a leader loss, a kill while
+    the leader holds before publishing a recovery): bitwise equal to the fault-free run (~5-10 min)."""
+    sc = long_scenario(LONG_SEED)
+    v = run_scenario(sc, baselines.root, baselines, log=lambda _line: None)
+    assert v.passed, render_table([v]) + render_fault_table(v)
+    assert len(v.injections) == len(sc.schedule.faults) >= 20
+    in_recovery = [i for i in v.injections if i.fault.kind is FaultKind.KILL_IN_RECOVERY]
+    assert in_recovery and all("held before publishing" in i.note for i in in_recovery)
+    assert v.generation is not None and v.generation >= len({f.step for f in sc.schedule.faults})
