@@ -156,6 +156,7 @@ def test_ddp_default_kill_survivor_side_rank_in_backward(module_etcd: EmbeddedEt
     _kill_and_check(module_etcd, tmp_path / "ddp_r3_bwd", DDP_SCRIPT, (), 3, 5, "backward", ddp_baseline)
 
 
+@pytest.mark.slow  # CI budget: CI kills DDP (default) and FSDP2; this variant runs in the slow tier
 def test_ddp_bucket_view_kill_rank0_in_backward(module_etcd: EmbeddedEtcd, tmp_path: Path,
                                                 ddp_baseline: dict) -> None:
     """gradient_as_bucket_view=True; rank 0 (the rank whose bucket order DDP broadcasts) dies in backward."""

@@ -145,6 +145,7 @@ def test_respawn_restores_its_own_image_from_node_local_memory(module_etcd: Embe
     assert sorted(os.listdir(shm_dir)) == [], "files left in the shm dir after the job"
 
 
+@pytest.mark.slow  # CI budget: the fallback to peers runs in CI through the corrupted-after-check case
 def test_own_image_corrupt_at_rest_is_not_offered_and_peers_send_it(module_etcd: EmbeddedEtcd, tmp_path: Path,
                                                                      shm_dir: Path, baseline: Finals) -> None:
     """A byte of the committed own image flips before the worker dies: its agent's checksum finds it,

@@ -167,6 +167,7 @@ def test_second_failure_while_recovering(module_etcd: EmbeddedEtcd, tmp_path: Pa
     _survivors_kept_pids(c, {a, b})
 
 
+@pytest.mark.slow  # CI budget: leader loss is also covered by test_leader_killed_mid_publish, the loop API by the DDP/FSDP2 e2e
 def test_leader_agent_killed(module_etcd: EmbeddedEtcd, tmp_path: Path, baseline: dict) -> None:
     c = _cluster(module_etcd, tmp_path, "leader", REF_PAUSE_RANK="0", REF_PAUSE_STEP="6")
     try:
@@ -238,6 +239,7 @@ def test_leader_killed_mid_publish(module_etcd: EmbeddedEtcd, tmp_path: Path, ba
     assert m is not None and m.generation == 1, "published once, by the new leader"
 
 
+@pytest.mark.slow  # CI budget: leader loss is also covered by test_leader_killed_mid_publish, the loop API by the DDP/FSDP2 e2e
 def test_loop_api_survives_a_kill(module_etcd: EmbeddedEtcd, tmp_path: Path, baseline: dict) -> None:
     """``for step in job.steps(n): with job.guard(): ...`` recovers like run(): bitwise equal."""
     c = _cluster(module_etcd, tmp_path, "loop", REF_PAUSE_RANK="2", REF_PAUSE_STEP="5", REF_LOOP_API="1")
