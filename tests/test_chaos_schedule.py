@@ -136,6 +136,10 @@ def test_long_schedule_is_deterministic_and_has_every_kind(seed: int) -> None:
     assert kinds.count(FaultKind.KILL_LEADER) == cfg.leader_losses
     assert kinds.count(FaultKind.KILL_IN_RECOVERY) == cfg.recovery_kills
     assert simulate(cfg, sched.faults) == sched.expect  # feasible as drawn
+    # One spare per rank, each rank takes exactly one: the spare pre-built as its standby rank, in
+    # its own slot (a rank taking a second spare trips a launcher bug, docs/chaos.md Findings).
+    took = [r for e in sched.expect for r, to in zip(e.lost, e.to) if to == "spare"]
+    assert sorted(took) == list(range(cfg.world_size)) == list(range(cfg.spares))
 
 
 @settings(max_examples=60, deadline=None)
