@@ -23,6 +23,7 @@ class Slot:
     failed: bool = False
     spare: bool = False  # started without a rank, waiting to be assigned one
     ever_ranked: bool = False
+    last_rank: int | None = None  # the rank it ran before it was unassigned (where that rank respawns)
 
 
 class SlotTable:
@@ -53,6 +54,8 @@ class SlotTable:
     def assign(self, local_rank: int, rank: int | None) -> None:
         with self._lock:
             s = self._slots[local_rank]
+            if rank is None and s.rank is not None:
+                s.last_rank = s.rank
             s.rank = rank
             if rank is not None:
                 s.spare, s.ever_ranked = False, True
@@ -65,13 +68,27 @@ class SlotTable:
             s.spare, s.ever_ranked = False, True
 
     def for_rank_slot(self, rank: int, rank_offset: int) -> Slot | None:
-        """The slot that ran ``rank`` here: its current holder, else the slot of its local index."""
+        """Where ``rank`` respawns here: the slot holding it, else an unassigned slot that last ran
+        it, else its local index if that slot runs no other rank, else any unassigned dead slot.
+
+        Why not simply the local index: a rank that a warm spare adopted runs in the spare's
+        slot; once that slot is unassigned, the local index may run another rank (which the
+        respawn must never wait on or replace).
+        """
         with self._lock:
-            for s in self._slots.values():
+            slots = list(self._slots.values())
+            for s in slots:
                 if s.rank == rank:
                     return Slot(**vars(s))
+            unassigned = [s for s in slots if s.rank is None and not (s.spare and s.alive)]
+            for s in unassigned:
+                if s.last_rank == rank:
+                    return Slot(**vars(s))
             s2 = self._slots.get(rank - rank_offset)
-            return None if s2 is None else Slot(**vars(s2))
+            if s2 is not None and s2.rank is None:
+                return Slot(**vars(s2))
+            dead = [s for s in unassigned if not s.alive]
+            return Slot(**vars(dead[0])) if dead else None
 
     def ever_ranked(self) -> bool:
         """Some slot of this node held a rank at some point (a spare-only node: never)."""

@@ -164,10 +164,6 @@ def test_long_run_ends_bitwise_equal(baselines: BaselineCache) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-@pytest.mark.xfail(reason="launcher: a rank that took a spare in another slot than local index `rank` is respawned "
-                          "into slot `rank` (SlotTable.for_rank_slot after _apply_membership unassigned the dead "
-                          "slot); that slot runs another rank: 'did not exit; not respawning' (docs/chaos.md)",
-                   strict=False)
 def test_respawn_of_a_rank_that_took_a_second_spare(tmp_path_factory: pytest.TempPathFactory) -> None:
     """1 node x 2 workers + a spare node with 3 spares (standby ranks 0, 1, 0). Kill rank 1 (spare1 takes
     it), rank 1 again (spare0 re-execs as rank 1), rank 0 (spare2 takes it: none left), rank 0 again: a
