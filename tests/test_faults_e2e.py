@@ -299,6 +299,7 @@ def test_corrupt_newest_snapshot_then_beyond_k_loss(module_etcd: EmbeddedEtcd, t
 
 
 # --- 6./7. the /dev/shm peer store --------------------------------------------------------------
+@pytest.mark.slow  # CI budget: kill recovery and K=2 shm naming are also exercised by CI's other e2e tests
 def test_shm_k2_single_host_clean_run(module_etcd: EmbeddedEtcd, tmp_path: Path, shm_dir: Path, baseline: Run) -> None:
     """--nnodes 1 --nproc-per-node 4 --replicas 2 with CKPTLESS_SHM_DIR: holders of one owner share /dev/shm.
     Was: ENOENT on a .json.tmp -> unrecoverable; files left in /dev/shm."""
@@ -537,6 +538,7 @@ def test_user_exception_fails_fast_without_respawn(module_etcd: EmbeddedEtcd, tm
     assert "Exception in thread" not in text, text
 
 
+@pytest.mark.slow  # CI budget: kill recovery and K=2 shm naming are also exercised by CI's other e2e tests
 def test_sigkill_at_the_same_step_is_recovered(module_etcd: EmbeddedEtcd, tmp_path: Path, baseline: Run) -> None:
     """The fault twin of the test above: SIGKILL of rank 1 at step 3 is recovered, bitwise equal."""
     c = _cluster(module_etcd.endpoint, tmp_path, "kill3", REF_PAUSE_RANK="1", REF_PAUSE_STEP="3")

@@ -170,6 +170,7 @@ def test_own_image_corrupt_at_rest_is_not_offered_and_peers_send_it(module_etcd:
     assert_bitwise_equal(c.finals(), baseline)
 
 
+@pytest.mark.slow  # CI budget: CI runs the node-local restore itself; the fallbacks run in the slow tier
 def test_own_image_corrupted_after_the_agent_checked_it_falls_back_to_peers(
         module_etcd: EmbeddedEtcd, tmp_path: Path, shm_dir: Path, baseline: Finals) -> None:
     """The byte flips after the agent verified the image and the plan chose it: the respawn's own
