@@ -172,8 +172,8 @@ def test_sigterm_is_forwarded_and_nothing_is_left(etcd: EmbeddedEtcd, tmp_path: 
     )
     ready = {r: wait_json(tmp_path / f"ready_rank{r}.json", 90) for r in range(2)}
     agent.send_signal(signal.SIGTERM)
-    code, _ = _finish(agent, 60)
-    assert code == 128 + signal.SIGTERM
+    code, err = _finish(agent, 60)
+    assert code == 128 + signal.SIGTERM, err[-4000:]
     for r in range(2):
         assert not _alive(int(ready[r]["pid"]))
     with EtcdClient(EtcdConfig((etcd.endpoint,))) as c:
