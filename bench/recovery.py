@@ -295,6 +295,8 @@ def run_ckptless(etcd_ep: str, size: int, world: int, spares: int, respawns: int
             _kill_group(p)
         for lf in logs:
             lf.close()
+        if SHM_ROOT:
+            shutil.rmtree(Path(SHM_ROOT) / job, ignore_errors=True)
     return results
 
 
