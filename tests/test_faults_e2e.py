@@ -89,17 +89,6 @@ def baseline(module_etcd: EmbeddedEtcd, tmp_path_factory: pytest.TempPathFactory
 
 
 @pytest.fixture
-def own_etcd(tmp_path: Path) -> Iterator[EmbeddedEtcd]:
-    """An etcd this test alone may reconfigure or kill."""
-    server = EmbeddedEtcd(data_dir=tmp_path / "etcd", log_path=tmp_path / "etcd.log")
-    server.start()
-    try:
-        yield server
-    finally:
-        server.close()
-
-
-@pytest.fixture
 def shm_dir() -> Iterator[Path]:
     if not os.access("/dev/shm", os.W_OK):
         pytest.skip("/dev/shm is not writable here")
@@ -170,14 +159,14 @@ def test_second_failure_at_same_committed_version(module_etcd: EmbeddedEtcd, tmp
 
 
 # --- 2. etcd with authentication ----------------------------------------------------------------
-def test_etcd_auth_job_runs_and_recovers(own_etcd: EmbeddedEtcd, tmp_path: Path, baseline: Run) -> None:
+def test_etcd_auth_job_runs_and_recovers(etcd: EmbeddedEtcd, tmp_path: Path, baseline: Run) -> None:
     """Correct CKPTLESS_ETCD_USER/PASSWORD: agents *and* workers authenticate. Was: workers died with
     ``etcdserver: user name is empty``."""
-    _etcdctl(own_etcd.endpoint, "user", "add", "root", "--new-user-password=s3cret")
-    _etcdctl(own_etcd.endpoint, "role", "add", "root")
-    _etcdctl(own_etcd.endpoint, "user", "grant-role", "root", "root")
-    _etcdctl(own_etcd.endpoint, "auth", "enable")
-    c = _cluster(own_etcd.endpoint, tmp_path, "auth", REF_PAUSE_RANK="1", REF_PAUSE_STEP="5")
+    _etcdctl(etcd.endpoint, "user", "add", "root", "--new-user-password=s3cret")
+    _etcdctl(etcd.endpoint, "role", "add", "root")
+    _etcdctl(etcd.endpoint, "user", "grant-role", "root", "root")
+    _etcdctl(etcd.endpoint, "auth", "enable")
+    c = _cluster(etcd.endpoint, tmp_path, "auth", REF_PAUSE_RANK="1", REF_PAUSE_STEP="5")
     c.user, c.password = "root", "s3cret"
     try:
         c.start_agent()
@@ -383,17 +372,17 @@ def test_sys_exit_in_step_ends_job_with_that_code(module_etcd: EmbeddedEtcd, tmp
 
 # --- 9. etcd gone for good in the middle of a run ------------------------------------------------
 @pytest.mark.slow  # the fault is a 12 s outage, on top of a full job
-def test_etcd_lost_mid_run_healthy_job_finishes(own_etcd: EmbeddedEtcd, tmp_path: Path, baseline: Run) -> None:
+def test_etcd_lost_mid_run_healthy_job_finishes(etcd: EmbeddedEtcd, tmp_path: Path, baseline: Run) -> None:
     """etcd is killed after step 4 and never comes back; the job is held 12 s into the outage (past the 10 s
     etcd call deadline), then released: the healthy workers finish, agents exit 0. Was: agents gave up 11 s
     later and killed healthy workers."""
-    c = _cluster(own_etcd.endpoint, tmp_path, "etcdgone", REF_PAUSE_RANK="0", REF_PAUSE_STEP="4",
+    c = _cluster(etcd.endpoint, tmp_path, "etcdgone", REF_PAUSE_RANK="0", REF_PAUSE_STEP="4",
                  REF_PAUSE_RELEASE="release")
     try:
         c.start_agent()
         c.start_agent()
         c.paused_pid(0)
-        own_etcd.kill()
+        etcd.kill()
         _hold(12.0, c, "the etcd outage")
         c.release()
         c.wait(timeout=90)
