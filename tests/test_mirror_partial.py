@@ -9,6 +9,7 @@ version with the new generation number.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import multiprocessing as mp
 import os
@@ -187,7 +188,42 @@ def _rss() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+def sc_adopt(world: int, rank: int) -> dict[str, Any]:
+    """What a recovery does since worker/reuse.py: rank 2 lost at v2. Survivors mirror their own
+    committed image of v2 as is (manifest re-stamped to generation 1); the replacement mirrors the
+    image it received (here: the same bytes in a fresh buffer). Then the old engine's free buffer
+    goes to the new pool, and the next capture reuses it instead of allocating."""
+    old = engine(0)
+    for v in (1, 2):
+        old.submit(*capture(old, v))
+        assert old.wait_committed(v, timeout=20)
+    own = old.local_image(2)
+    assert own is not None
+    old.close()
+    if rank == 2:
+        buf = pattern(2, 2).clone()
+        m = Manifest(JOB, 2, 2, 0, N, CHUNK, tuple(chunk_checksums(buf, CHUNK, N)), extra={"v": 2})
+        new, image = engine(1, PeerStore(JOB, 1)), (m, buf)
+    else:
+        new, image = engine(1, old.store), (own.manifest, own.buffer)
+    new.submit(dataclasses.replace(image[0], generation=1), image[1], pairs=MISSING)
+    assert new.wait_idle(timeout=20)
+    out: dict[str, Any] = {"partial": last(new) | {"holds": holds(new, 2)},
+                           "adopted": image[1].data_ptr() in new.pool_ptrs()}
+    old_ptrs = set(old.pool_ptrs())
+    out["donated"] = new.donate([t for t in old.take_pool() if t.data_ptr() != image[1].data_ptr()])
+    assert new.wait_committed(2, timeout=20)
+    nm, nb = capture(new, 3)
+    out["reused"] = nb.data_ptr() in old_ptrs
+    new.submit(nm, nb)
+    assert new.wait_committed(3, timeout=20)
+    out["after"] = last(new) | {"holds": holds(new, 3), "pool": len(new.pool_ptrs())}
+    new.close()
+    return out
+
+
 SCENARIOS: dict[str, Callable[[int, int], dict[str, Any]]] = {
+    "adopt": sc_adopt,
     "partial": sc_partial, "lacking": sc_lacking, "mismatch": sc_mismatch, "pool1": sc_pool1, "rate": sc_rate,
 }
 
@@ -240,7 +276,7 @@ def _spawn(world: int, names: list[str], tmp: Path, timeout: float = 120) -> lis
 @pytest.fixture(scope="module")
 def four(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     # "mismatch" last: it leaves a broken round's operations behind on its group
-    return _spawn(4, ["partial", "lacking", "pool1", "rate", "mismatch"], tmp_path_factory.mktemp("partial4"))
+    return _spawn(4, ["partial", "adopt", "lacking", "pool1", "rate", "mismatch"], tmp_path_factory.mktemp("partial4"))
 
 
 # --- protocol tests ------------------------------------------------------------------------------
@@ -274,6 +310,23 @@ def test_missing_mode_moves_only_what_the_replacement_lacks(four: list[dict[str,
         a = res["partial"]["auto"]
         assert a["pairs"] == want and a["committed"] == 3 and all(a["holds"].values())
         assert a["sent"] == (N if r == want[0][0] else 0) and a["received"] == (N if r == 0 else 0)
+
+
+def test_restored_image_mirrored_as_is_and_old_buffers_reused(four: list[dict[str, Any]]) -> None:
+    """The survivors' own images and the replacement's received one are adopted, not re-captured:
+    only the image the lost rank held for its owner moves; the old pool's free buffer is reused."""
+    pl = compute_placement(4, 1, "ring")
+    want = [[pl.owners_held_by(2)[0], 2]]
+    for r, res in enumerate(four):
+        a = res["adopt"]
+        p = a["partial"]
+        assert p["pairs"] == want and p["committed"] == 2 and all(p["holds"].values()), (r, p)
+        assert p["sent"] == (N if r == want[0][0] else 0) and p["received"] == (N if r == 2 else 0)
+        assert a["adopted"]
+        if r != 2:  # survivors had a second, free buffer in the old pool
+            assert a["donated"] == 1 and a["reused"], (r, a)
+        assert a["after"]["committed"] == 3 and all(a["after"]["holds"].values())
+        assert a["after"]["pool"] <= 2
 
 
 def test_holder_lacking_the_version_blocks_the_commit(four: list[dict[str, Any]]) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import random
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -248,6 +249,32 @@ def test_in_place_equals_clone_path_hypothesis(width: int, depth: int, opt_name:
         _rollback_case("_h", opt_name, k=k, ahead=ahead, after=2)
     finally:
         del MODELS["_h"]
+
+
+# --- the restored-from image is a capture of the restored state (worker/reuse.py) ---------
+
+
+def _assert_capture_is(img: StateImage, registry: StateRegistry) -> None:
+    """Capturing right after the restore gives the image back, byte for byte and manifest for manifest
+    (the generation aside): what lets a recovery mirror the image instead of capturing again."""
+    m = img.manifest
+    again = Capturer(registry, m.job_id, m.owner, chunk_bytes=m.chunk_bytes).capture(m.version, m.generation + 1)
+    assert dataclasses.replace(again.manifest, generation=m.generation) == m
+    assert torch.equal(again.buffer[: m.total_bytes], img.buffer[: m.total_bytes])
+
+
+@pytest.mark.parametrize("opt_name", sorted(OPTIMIZERS))
+@pytest.mark.parametrize("model_name", sorted(MODELS))
+def test_capture_after_restore_is_the_image(model_name: str, opt_name: str) -> None:
+    survivor, replacement = Trainer(model_name, opt_name), Trainer(model_name, opt_name, init_seed=9)
+    survivor.train(4)
+    img = Capturer(survivor.registry, "job", 2, chunk_bytes=4096).capture(version=4, generation=3)
+    img = StateImage(img.manifest, img.buffer.clone())
+    survivor.train(2)  # the steps a rollback undoes
+    for t in (survivor, replacement):  # in place (a survivor), and a fresh replacement (falls back)
+        RNGState().load_state_dict(t.rng)
+        t.restore(img)
+        _assert_capture_is(img, t.registry)
 
 
 # --- replacements and mismatches: per-object fallback -----------------------------------

@@ -398,6 +398,37 @@ class MirrorEngine:
         with self._cond:
             self._pool = []
 
+    def take_pool(self) -> list[torch.Tensor]:
+        """Hand over the pool's plain-memory buffers and forget them (a retired engine whose thread ended).
+
+        File-backed buffers (node-local tier) stay with their files and are not handed out.
+        """
+        with self._cond:
+            pool, self._pool = self._pool, []
+        return [b.tensor for b in pool if b.path is None]
+
+    def donate(self, tensors: Sequence[torch.Tensor]) -> int:
+        """Add FREE buffers to the pool, up to ``pool_buffers``; returns how many were taken.
+
+        Why: buffers of the previous generation's engine are already faulted in;
+        reusing them keeps page faults off the first captures after a recovery.
+        Not for the node-local tier, whose pool buffers are files.
+        """
+        taken = 0
+        with self._cond:
+            if self.own_files is not None:
+                return 0
+            for t in tensors:
+                if len(self._pool) >= self.config.pool_buffers:
+                    break
+                if t.dtype != torch.uint8 or t.dim() != 1 or not t.is_contiguous() or self._entry(t) is not None:
+                    continue
+                self._pool.append(_Buf(t))
+                taken += 1
+            if taken:
+                self._cond.notify_all()
+        return taken
+
     def join(self, timeout: float) -> None:
         if self._thread is not None:
             self._thread.join(timeout)

@@ -16,6 +16,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from ckptless import chaos_hooks
 from ckptless.errors import RecoveryError, SnapshotError, UnrecoverableError
 from ckptless.mirror import ownimage
@@ -52,10 +54,15 @@ class RestoreInputs:
     snapshot_dir: str | None = None
     # How an image is loaded into the objects (the job wraps it so that state replaying a
     # collective, e.g. a DDP reducer's bucket rebuild, stays local); default: plain restore.
-    restore_fn: Callable[[StateRegistry, StateImage], None] | None = None
+    restore_fn: Callable[[StateRegistry, StateImage, bool], None] | None = None
     # The node-local tier: this node's shm dir and the node id its files are named by.
     shm_dir: str | None = None
     node_id: str | None = None
+    # A buffer (already faulted in) to receive this rank's image into, when it is a receiver.
+    into: torch.Tensor | None = None
+    # Own images live in this process's anonymous memory (captured and checksummed here): as trusted
+    # as the live state, so a local rollback does not re-read their checksums. False: shm files.
+    own_images_trusted: bool = False
 
     @property
     def rank(self) -> int:
@@ -72,10 +79,28 @@ class RestoreOutcome:
     # predecessor left in this node's shm dir), "disk", "initial" (fresh state)
     bytes_received: int = 0
     steps_lost: int = 0
+    # The image the state was loaded from, byte for byte (anonymous memory): the caller can mirror
+    # it as the resume version instead of capturing the state again. None: capture (disk, initial,
+    # node-local files).
+    image: StateImage | None = None
 
 
-def build_report(worker_id: str, own: list[StoredImage], store: PeerStore | None, committed: int | None) -> WorkerReport:
-    """The facts this worker contributes to planning: what it holds, each (owner, version) once."""
+#: How old a replica's checksum verdict may be and still be reported without re-reading it.
+#: Every replica is verified when it lands (and its shm file's stat is compared on each check), so
+#: a fresh verdict only misses rot in anonymous memory within this window. The receiver checks every
+#: stripe again on arrival; after a failed restore the next report re-reads everything (``recheck``).
+REPORT_VERDICT_MAX_AGE_S = 60.0
+
+
+def build_report(worker_id: str, own: list[StoredImage], store: PeerStore | None, committed: int | None,
+                 recheck: bool = False) -> WorkerReport:
+    """The facts this worker contributes to planning: what it holds, each (owner, version) once.
+
+    ``recheck``: re-read every replica (the last restore failed, maybe on a replica that rotted);
+    otherwise verdicts younger than :data:`REPORT_VERDICT_MAX_AGE_S` are trusted. Why not always
+    re-read: K x S of checksums on every survivor, on 2 cores about 0.1-0.2 s at 256 MiB, sat
+    between the failure and the plan of every recovery.
+    """
     local = {img.manifest.version for img in own}
     if committed is not None and committed not in local:
         committed = None  # we no longer hold it: do not claim it
@@ -83,9 +108,7 @@ def build_report(worker_id: str, own: list[StoredImage], store: PeerStore | None
         local = {v for v in local if v >= committed}
     replicas: dict[tuple[int, int], ReplicaFact] = {}
     if store is not None:
-        # Re-verified now (a corrupt replica at rest is dropped, never offered to the planner):
-        # a full check of 256 MiB of replicas costs ~26 ms here, once per incident.
-        at_rest = store.check_at_rest(max_age_s=0)
+        at_rest = store.check_at_rest(max_age_s=0 if recheck else REPORT_VERDICT_MAX_AGE_S)
         for owner, version, bad in at_rest.corrupt:
             log.warning("replica of rank %d v%d is corrupt at rest (chunks %s): dropped", owner, version, bad[:8])
             store.drop(owner, version)
@@ -108,11 +131,12 @@ def _own_image(own: list[StoredImage], version: int) -> StoredImage:
     return max(hits, key=lambda img: img.manifest.generation)
 
 
-def _restore(inputs: RestoreInputs, image: StateImage) -> None:
+def _restore(inputs: RestoreInputs, image: StateImage, verify: bool = True) -> None:
+    """Load ``image``; ``verify=False`` only for bytes whose every chunk was just checked on arrival."""
     if inputs.restore_fn is not None:
-        inputs.restore_fn(inputs.registry, image)
+        inputs.restore_fn(inputs.registry, image, verify)
     else:
-        restore(inputs.registry, image)
+        restore(inputs.registry, image, verify=verify)
 
 
 def apply_decision(decision: Decision, inputs: RestoreInputs) -> RestoreOutcome:
@@ -130,22 +154,26 @@ def _from_memory(plan: RecoveryPlan, inputs: RestoreInputs) -> RestoreOutcome:
     local = next((x for x in plan.node_local if x.worker_id == inputs.worker_id), None)
     if local is not None:  # before the collective transfers: a bad copy fails this generation at once
         _restore_node_local(local, inputs)
-    received = execute_transfers(plan, inputs.membership, inputs.worker_id, inputs.peer_store, inputs.timeout_s)
+    received = execute_transfers(plan, inputs.membership, inputs.worker_id, inputs.peer_store, inputs.timeout_s,
+                                 into=inputs.into)
+    image: StateImage | None = None
     if local is not None:
         source, nbytes = "node-local", 0
     elif received is not None:
-        _restore(inputs, StateImage(received.manifest, received.buffer))
+        image = StateImage(received.manifest, received.buffer)
+        _restore(inputs, image, verify=False)  # every stripe was checked against its chunk CRCs on arrival
         source, nbytes = "peers", received.manifest.total_bytes
     elif rank in plan.initial_ranks:
         source, nbytes = "initial", 0  # R0: the state this process built is the initial state
     else:
         img = _own_image(inputs.own_images, version)
-        _restore(inputs, StateImage(img.manifest, img.buffer))
+        image = StateImage(img.manifest, img.buffer)
+        _restore(inputs, image, verify=not inputs.own_images_trusted)
         source, nbytes = "local", 0
     if inputs.peer_store is not None:
         inputs.peer_store.discard_newer(version)
     _discard_newer_own(inputs, version)
-    return RestoreOutcome(version, source, nbytes, plan.steps_lost)
+    return RestoreOutcome(version, source, nbytes, plan.steps_lost, image)
 
 
 def _restore_node_local(local: LocalRestore, inputs: RestoreInputs) -> None:

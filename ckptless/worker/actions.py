@@ -34,7 +34,7 @@ from ckptless.recovery.executor import RestoreInputs, SnapshotLoadFailed, apply_
 from ckptless.recovery.plan import DiskFallback
 from ckptless.state.capture import StateImage, restore
 from ckptless.state.registry import StateRegistry
-from ckptless.worker import groups
+from ckptless.worker import groups, reuse
 from ckptless.worker.control import JobEndedError
 from ckptless.worker.faults import is_fault
 from ckptless.worker.generation import Generation
@@ -166,7 +166,8 @@ def _restore(job: Job, a: RestoreState) -> Event:
                            job.ctx.collective_timeout_s, job.ctx.job_id, job.ctx.snapshot_dir,
                            restore_fn=_restore_locally,
                            shm_dir=job.ctx.shm_dir if job.mirror_config.node_local else None,
-                           node_id=job.ctx.node_id)
+                           node_id=job.ctx.node_id, into=job.standby_buffers[0] if job.standby_buffers else None,
+                           own_images_trusted=engine_pool_in_memory(job))
     reason, internal = "", ""
     try:
         if isinstance(gen.decision, DiskFallback):
@@ -183,6 +184,7 @@ def _restore(job: Job, a: RestoreState) -> Event:
         internal = f"cannot restore generation {a.generation}'s state: {type(exc).__name__}: {exc}"
     if internal:
         return Internal(internal)
+    job.restore_failed = bool(reason)
     if reason:
         return RestoreFailed(reason)
     g = a.generation
@@ -197,25 +199,38 @@ def _restore(job: Job, a: RestoreState) -> Event:
         job.ledger.emit(EventKind.TRANSFER_DONE, generation=g, bytes=out.bytes_received)
         job.ledger.emit(EventKind.ROLLBACK_DONE, step=out.resume_step, generation=g, source=out.source)
     job.recoveries += 1
-    job.own_images = []
     job.bad_snapshot = None
     job.resume_version = out.resume_step
     job.first_after_recovery = True
     # Re-protect the resume version under the new membership, in the background, moving only
     # the images a holder lacks (the replacement's own, and those the lost rank held): until it
     # commits, a further failure is planned from the replicas the previous generation left.
-    failed = _protect(job, out.resume_step, MISSING)
+    # The image just restored from is that version already: mirrored as is, not captured again.
+    failed = _protect(job, out.resume_step, MISSING, restored=out.image)
+    job.own_images = []  # restored from, now mirrored or dropped: their buffers may go to the new engine
+    engine = job.engine()
+    if engine is not None:
+        reuse.donate_retired(job, engine)
+        if job.standby_buffers:  # a pre-built spare: the rest of its pool was faulted in while it waited
+            engine.donate(job.standby_buffers)
+    job.standby_buffers = []
     if failed is not None:
         return failed
     log.warning("rank %d: resumed at step %d in generation %d (%s)", job.rank, out.resume_step, g, out.source)
     return Restored(out.resume_step)
 
 
-def _restore_locally(registry: StateRegistry, image: StateImage) -> None:
+def engine_pool_in_memory(job: Job) -> bool:
+    """The own images are this process's anonymous memory (not node-local shm files another process
+    could write): as trusted as the live state, restored without re-reading their checksums."""
+    return not (job.ctx.shm_dir and job.mirror_config.node_local)
+
+
+def _restore_locally(registry: StateRegistry, image: StateImage, verify: bool = True) -> None:
     """Load an image with every group answering locally: state that replays a collective (a DDP
     reducer's bucket rebuild) computes the same answer on every rank from the same captured facts."""
     with groups.local_only():
-        restore(registry, image)
+        restore(registry, image, verify=verify)
 
 
 def _leave(job: Job, a: LeaveGroups) -> Event:
@@ -241,7 +256,7 @@ def _leave(job: Job, a: LeaveGroups) -> Event:
 
 def _report(job: Job, a: Report) -> Event:
     assert job.control is not None and job.seen is not None
-    rep = build_report(job.worker_id, job.own_images, job.peer_store, job.committed)
+    rep = build_report(job.worker_id, job.own_images, job.peer_store, job.committed, recheck=job.restore_failed)
     try:
         job.control.report(a.generation, job.rank, rep, a.reason, job.bad_snapshot)
     except CoordinatorUnavailable as exc:
@@ -250,11 +265,13 @@ def _report(job: Job, a: Report) -> Event:
 
 
 # --- training ------------------------------------------------------------------------------------------
-def _protect(job: Job, version: int, pairs: PairSpec = None) -> Event | None:
-    """Capture ``version`` and hand it to the mirror engine; a broken engine is a fault."""
+def _protect(job: Job, version: int, pairs: PairSpec = None, restored: StateImage | None = None) -> Event | None:
+    """Capture ``version`` (or mirror the image just ``restored``) and hand it to the mirror engine;
+    a broken engine is a fault."""
     reason = ""
     try:
-        job.capture_and_mirror(version, pairs)
+        if not reuse.mirror_restored(job, version, restored, pairs):
+            job.capture_and_mirror(version, pairs)
     except (MirrorError, TransportError) as exc:
         reason = f"{type(exc).__name__}: {exc}"
     except StateError as exc:  # the script's state cannot be captured: the user's to fix
