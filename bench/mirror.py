@@ -87,7 +87,9 @@ def _make_step(mode: str, target_s: float, a: torch.Tensor, per_iter: float) -> 
 
 def _capture(engine: Any, state: torch.Tensor, version: int, waited: list[float] | None = None
              ) -> tuple[Any, torch.Tensor]:
-    """What the job's capture does: a pool buffer (``waited`` gets the back-pressure), copy, CRC32C."""
+    """What the job's capture does (Job.capture_and_mirror): a pool buffer (``waited`` gets the
+    back-pressure) and the copy; the CRC32C is left to the engine's thread (no checksums in the
+    manifest), unless BENCH_CAPTURE_CRC=1 (the capture before that change: copy + CRC here)."""
     from ckptless.state.checksum import chunk_checksums
     from ckptless.state.manifest import Manifest
 
@@ -96,8 +98,10 @@ def _capture(engine: Any, state: torch.Tensor, version: int, waited: list[float]
     if waited is not None:
         waited.append(time.perf_counter() - t0)
     buf[: state.numel()].copy_(state)
+    sums = (tuple(chunk_checksums(buf, engine.config.chunk_bytes, state.numel()))
+            if os.environ.get("BENCH_CAPTURE_CRC") == "1" else ())
     return Manifest("bench", engine.rank, version, engine.generation, state.numel(), engine.config.chunk_bytes,
-                    tuple(chunk_checksums(buf, engine.config.chunk_bytes, state.numel()))), buf
+                    sums), buf
 
 
 def _steps(n: int, step: Callable[[], None], engine: Any, state: torch.Tensor, start_version: int) -> dict[str, Any]:

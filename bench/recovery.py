@@ -31,6 +31,9 @@ torchrun   `torchrun --standalone --nproc-per-node W --max-restarts R` with
            cold: before the kill the bench fsyncs the checkpoint files and drops them
            from the page cache (os.posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED), checked
            with fincore), as a replacement node would read them; warm: left cached.
+resumed    (second table) t_kill -> every rank holds the resume state and starts its first step:
+           ckptless the last rollback_done, torchrun the last rank's DCP load done; next to it
+           the same for the first step done, and each system's first step's own duration.
 reference  detect + reform (of that ckptless recovery) + S / raw Gloo p2p bandwidth
            (one pair, isend/irecv of S bytes, measured in this run).
 """
@@ -465,6 +468,37 @@ def table(ck: list[Recovery], tr: list[Restart], bw: dict[int, float]) -> str:
     return "\n".join(lines)
 
 
+def resumed_table(ck: list[Recovery], tr: list[Restart]) -> str:
+    """Both ends of a recovery, for both systems, measured the same way (one clock, same kill).
+
+    resumed: t_kill -> every rank holds the resume state and starts its first step (ckptless: the
+    last rollback_done; torchrun: the last rank's DCP load done). first step: -> the last rank's
+    first step after the failure is done. The step itself (AdamW over S bytes, 4 ranks on the
+    machine's cores) is in the second column for both.
+    """
+    lines = ["| state/rank | world | mode | ckptless resumed s | torchrun+DCP cold resumed s | ratio "
+             "| ckptless first step done s | torchrun+DCP cold first step done s | ratio "
+             "| first step's own duration: ckptless / torchrun s |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    keys = sorted({(r.size, r.world) for r in ck}, key=lambda k: (k[1], k[0]))
+    for size, world in keys:
+        cold = [r for r in tr if (r.size, r.world, r.cache) == (size, world, "cold")]
+        for mode in ("spare", "respawn"):
+            rs = [r for r in ck if (r.size, r.world, r.mode) == (size, world, mode)]
+            if not rs:
+                continue
+            res = [r.total - r.reprotect_step for r in rs]
+            tot = [r.total for r in rs]
+            t_res = [r.load for r in cold]
+            t_tot = [r.total for r in cold]
+            r1 = f"{statistics.median(t_res) / statistics.median(res):.1f}x" if cold else "-"
+            r2 = f"{statistics.median(t_tot) / statistics.median(tot):.1f}x" if cold else "-"
+            own = f"{_mm([r.reprotect_step for r in rs])} / {_mm([r.total - r.load for r in cold])}"
+            lines.append(f"| {size // MIB} MiB | {world} | {mode} | {_mm(res)} | {_mm(t_res)} | {r1} "
+                         f"| {_mm(tot)} | {_mm(t_tot)} | {r2} | {own} |")
+    return "\n".join(lines)
+
+
 def torchrun_table(tr: list[Restart]) -> str:
     lines = ["| state/rank | world | cache | kill -> all ranks init'd s | -> DCP loaded s | -> first step s "
              "| ckpt bytes cached at kill | DCP save s (inc 0) |", "|---|---|---|---|---|---|---|---|"]
@@ -483,6 +517,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=str, default=None, help="also write raw results here")
     ap.add_argument("--mirror-buffers", type=int, default=2, choices=(1, 2, 3),
                     help="owner capture buffers (CKPTLESS_MIRROR_BUFFERS; 1 = the (2 + 2K) x S budget)")
+    ap.add_argument("--modes", nargs="+", choices=("spare", "respawn"), default=["spare", "respawn"],
+                    help="which recoveries to run (respawn only: no pre-built spare's memory, e.g. at 1 GiB)")
     ap.add_argument("--no-torchrun", action="store_true", help="skip the torchrun + DCP runs (memory runs)")
     ap.add_argument("--shm-dir", default="", help="give the agents --shm-dir under this root (e.g. /dev/shm): "
                     "the respawn rows then restore from the node-local tier")
@@ -517,7 +553,8 @@ def main(argv: list[str] | None = None) -> int:
     etcd.start()
     try:
         for size, world, n in cases:
-            ck += run_ckptless(etcd.endpoint, size, world, spares=n, respawns=n, workdir=work, log=log)
+            ck += run_ckptless(etcd.endpoint, size, world, spares=n if "spare" in ns.modes else 0,
+                               respawns=n if "respawn" in ns.modes else 0, workdir=work, log=log)
             if not ns.no_torchrun:
                 tr += run_torchrun(size, world, caches=["cold", "warm"] * n, workdir=work, log=log)
     except BaseException:
@@ -538,6 +575,8 @@ def main(argv: list[str] | None = None) -> int:
     print()
     if tr:
         print(table(ck, tr, bw))
+        print()
+        print(resumed_table(ck, tr))
         print()
         print(torchrun_table(tr))
     else:

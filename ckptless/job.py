@@ -346,7 +346,8 @@ class Job:
         return gen.engine
 
     def capture_and_mirror(self, version: int, pairs: PairSpec = None) -> StateImage:
-        """Capture the protected state as ``version`` and hand it to the mirror engine.
+        """Capture the protected state as ``version`` and hand it to the mirror engine (which fills in
+        the returned image's checksums on its thread).
 
         ``pairs``: None for a full round; ``MISSING`` after a recovery, so that only the
         (owner, holder) pairs whose holder lacks this very image move bytes.
@@ -356,7 +357,8 @@ class Job:
             return self.capturer.capture(version, self.generation)
         reuse.donate_retired(self, engine)  # before acquiring: a retired engine's buffer is faulted in
         buf = engine.acquire_buffer(self.capturer.required_bytes())
-        image = self.capturer.capture(version, self.generation, out=buf)
+        # The training thread waits for the copy only; the engine's thread checksums it.
+        image = self.capturer.capture(version, self.generation, out=buf, checksum_now=False)
         engine.submit(image.manifest, image.buffer, pairs)
         return image
 

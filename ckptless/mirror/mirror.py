@@ -48,6 +48,7 @@ passing the old ``store`` along.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import threading
@@ -66,11 +67,17 @@ from ckptless.mirror.ownimage import OwnImageFiles
 from ckptless.mirror.placement import Placement, compute_placement
 from ckptless.mirror.store import PeerStore, StoredImage
 from ckptless.mirror.transport import Deadline, MirrorTransport, RoundResult, wait_one
+from ckptless.state.checksum import chunk_checksums
 from ckptless.state.manifest import Manifest
 
 log = logging.getLogger(__name__)
 
 FREE, CAPTURING, QUEUED, INFLIGHT, COMMITTED = "free", "capturing", "queued", "inflight", "committed"
+
+
+def _has_checksums(m: Manifest) -> bool:
+    """False for an image captured with ``checksum_now=False`` whose round has not checksummed it yet."""
+    return bool(m.chunk_checksums) or m.total_bytes == 0
 
 
 @dataclass
@@ -236,7 +243,8 @@ class MirrorEngine:
         """
         with self._cond:
             return [StoredImage(b.manifest, b.tensor[: b.manifest.total_bytes])
-                    for b in self._pool if b.manifest is not None and b.state != CAPTURING]
+                    for b in self._pool if b.manifest is not None and b.state != CAPTURING
+                    and _has_checksums(b.manifest)]
 
     # --- submission -------------------------------------------------------------------------
     def submit(self, manifest: Manifest, buffer: torch.Tensor, pairs: PairSpec = None) -> None:
@@ -249,7 +257,9 @@ class MirrorEngine:
         round does not commit. ``MISSING`` = the engine computes that set
         itself at the start of the round (one all_reduce of image
         fingerprints, on the background thread). Every rank must pass the
-        same value.
+        same value. A manifest with no ``chunk_checksums`` (captured with
+        ``checksum_now=False``) is checksummed at the start of its round, on
+        the background thread; until then it is not one of :meth:`own_images`.
         """
         self._raise_if_broken()
         if pairs is not None and pairs != MISSING:
@@ -308,6 +318,12 @@ class MirrorEngine:
             assert entry is not None
             entry.state = INFLIGHT
         try:
+            if not _has_checksums(manifest):  # captured with checksum_now=False: checksummed here,
+                # off the training thread (crc32c releases the GIL); nothing writes the buffer now
+                sums = tuple(chunk_checksums(buffer, manifest.chunk_bytes, manifest.total_bytes))
+                manifest = dataclasses.replace(manifest, chunk_checksums=sums)
+                with self._cond:
+                    entry.manifest = manifest
             deadline = Deadline(self.config.timeout_s)
             pairs = self._missing_pairs(manifest, deadline) if spec == MISSING else spec
             assert pairs is None or isinstance(pairs, frozenset)

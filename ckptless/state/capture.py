@@ -94,8 +94,14 @@ class Capturer:
         pin = torch.cuda.is_available()
         return torch.empty(n, dtype=torch.uint8, pin_memory=pin)
 
-    def capture(self, version: int, generation: int, out: torch.Tensor | None = None) -> StateImage:
+    def capture(self, version: int, generation: int, out: torch.Tensor | None = None,
+                checksum_now: bool = True) -> StateImage:
         """Copy the current state into ``out`` (allocated when None) and checksum it.
+
+        ``checksum_now=False``: the manifest's ``chunk_checksums`` is left empty
+        for the mirror engine to fill on its background thread (see
+        :meth:`ckptless.mirror.mirror.MirrorEngine.submit`): the training thread
+        then waits only for the copy. Such an image is not valid until then.
 
         Raises :class:`StateError` when ``out`` is too small (with both sizes)
         or when some state cannot be represented.
@@ -112,7 +118,7 @@ class Capturer:
         if out.numel() < total:
             raise StateError(f"capture buffer too small: state needs {total} bytes, buffer has {out.numel()}")
         self._copy(out, tensors, entries)
-        sums = checksum.chunk_checksums(out, self.chunk_bytes, total)
+        sums = checksum.chunk_checksums(out, self.chunk_bytes, total) if checksum_now else []
         manifest = Manifest(
             job_id=self.job_id,
             owner=self.owner,
