@@ -127,6 +127,9 @@ class Job:
         self.exit_error: BaseException | None = None  # the user's exception, re-raised from run()
         self.bad_snapshot: int | None = None
         self.restore_failed = False  # the last restore failed: the next report re-reads every replica
+        self.restored_early: tuple[int, StateImage] | None = None  # (generation, own image rolled back to)
+        self.transfer_ahead: Any = None  # a replacement's (generation, thread, outcome) of its transfers
+        self.received_ahead: Any = None  # (generation, what the transfers run ahead received)
         self.resume_version: int | None = None
         self.first_after_recovery = False
         # A pre-built spare's receive buffer and further pool buffers, faulted in while it waits.
@@ -152,6 +155,8 @@ class Job:
         if self.recovery:
             self.feed(Started(time.monotonic(), SPARE_WAIT_S if ctx.role == "spare" else None))
             self._drive(self._needs_user_objects)
+            if not self.prebuilt and self._pending and isinstance(self._pending[0], FormGroups):
+                actions.start_transfer_ahead(self)  # a replacement: its image moves during the setup
         else:
             self._start_without_coordinator()
 

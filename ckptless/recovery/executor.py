@@ -24,7 +24,7 @@ from ckptless.mirror import ownimage
 from ckptless.mirror.store import PeerStore, StoredImage
 from ckptless.recovery.facts import ReplicaFact, WorkerReport
 from ckptless.recovery.plan import Decision, DiskFallback, LocalRestore, RecoveryPlan
-from ckptless.recovery.transfer import execute_transfers
+from ckptless.recovery.transfer import Received, execute_transfers
 from ckptless.recovery.wire import Membership
 from ckptless.state.capture import StateImage, restore
 from ckptless.state.registry import StateRegistry
@@ -63,6 +63,12 @@ class RestoreInputs:
     # Own images live in this process's anonymous memory (captured and checksummed here): as trusted
     # as the live state, so a local rollback does not re-read their checksums. False: shm files.
     own_images_trusted: bool = False
+    # The own image this rank already rolled back to while its generation formed (restore_early).
+    restored_early: StateImage | None = None
+    # The plan's transfers already ran, on the generation's mirror group formed ahead of the others
+    # (worker/actions.py): what this rank received there (None: it received nothing).
+    transfers_done: bool = False
+    received_early: Received | None = None
 
     @property
     def rank(self) -> int:
@@ -148,14 +154,44 @@ def apply_decision(decision: Decision, inputs: RestoreInputs) -> RestoreOutcome:
     raise RecoveryError(f"cannot execute a {type(decision).__name__} decision")
 
 
+def rolls_back_locally(plan: RecoveryPlan, inputs: RestoreInputs) -> bool:
+    """True when this rank reaches the resume point from its own image in its memory: it receives
+    nothing, restores nothing node-local, and is not starting from its initial state (R0)."""
+    me = inputs.worker_id
+    return (not any(t.receiver == me for t in plan.transfers)
+            and not any(x.worker_id == me for x in plan.node_local)
+            and inputs.rank not in plan.initial_ranks)
+
+
+def restore_early(decision: Decision | None, inputs: RestoreInputs) -> StateImage | None:
+    """Roll back to the plan's resume version from this rank's own image before the groups form.
+
+    Why: the rollback needs no peer, and the formation waits for every rank
+    anyway (a respawn runs the user's setup first), so the copy of S runs
+    there instead of after it. :func:`apply_decision` then skips it
+    (``RestoreInputs.restored_early``). Returns None when this rank does not
+    roll back locally. If the formation fails, the state is simply restored
+    again for the next plan: the own images are kept until a restore succeeds.
+    """
+    if not isinstance(decision, RecoveryPlan) or not rolls_back_locally(decision, inputs):
+        return None
+    img = _own_image(inputs.own_images, decision.resume_version)
+    image = StateImage(img.manifest, img.buffer)
+    _restore(inputs, image, verify=not inputs.own_images_trusted)
+    return image
+
+
 def _from_memory(plan: RecoveryPlan, inputs: RestoreInputs) -> RestoreOutcome:
     version = plan.resume_version
     rank = inputs.rank
     local = next((x for x in plan.node_local if x.worker_id == inputs.worker_id), None)
     if local is not None:  # before the collective transfers: a bad copy fails this generation at once
         _restore_node_local(local, inputs)
-    received = execute_transfers(plan, inputs.membership, inputs.worker_id, inputs.peer_store, inputs.timeout_s,
-                                 into=inputs.into)
+    if inputs.transfers_done:
+        received = inputs.received_early
+    else:
+        received = execute_transfers(plan, inputs.membership, inputs.worker_id, inputs.peer_store,
+                                     inputs.timeout_s, into=inputs.into)
     image: StateImage | None = None
     if local is not None:
         source, nbytes = "node-local", 0
@@ -165,6 +201,8 @@ def _from_memory(plan: RecoveryPlan, inputs: RestoreInputs) -> RestoreOutcome:
         source, nbytes = "peers", received.manifest.total_bytes
     elif rank in plan.initial_ranks:
         source, nbytes = "initial", 0  # R0: the state this process built is the initial state
+    elif inputs.restored_early is not None and inputs.restored_early.manifest.version == version:
+        image, source, nbytes = inputs.restored_early, "local", 0
     else:
         img = _own_image(inputs.own_images, version)
         image = StateImage(img.manifest, img.buffer)

@@ -7,8 +7,9 @@ checksums on arrival; a corrupt stripe is fetched again from the next
 fallback holder (all ranks learn which stripes failed from one all_reduce, so
 the retry rounds stay collective and deterministic).
 
-Runs on the new generation's default group: every rank calls
-:func:`execute_transfers` with the same plan.
+Runs on the new generation's default group, or on the group given (its
+mirror group, before the other groups form: see ``worker/actions.py``); every
+rank calls :func:`execute_transfers` with the same plan.
 """
 
 from __future__ import annotations
@@ -41,6 +42,26 @@ def _tag(t_idx: int, slot: int) -> int:
     return (t_idx << 12) | slot
 
 
+def _isend(t: torch.Tensor, dst: int, tag: int, group: dist.ProcessGroup | None) -> dist.Work | None:
+    if group is None:
+        return dist.isend(t, dst, tag=tag)
+    return group.send([t], dst, tag)
+
+
+def _irecv(t: torch.Tensor, src: int, tag: int, group: dist.ProcessGroup | None) -> dist.Work | None:
+    if group is None:
+        return dist.irecv(t, src, tag=tag)
+    return group.recv([t], src, tag)
+
+
+def _all_reduce_max(t: torch.Tensor, group: dist.ProcessGroup | None) -> dist.Work | None:
+    if group is None:
+        return dist.all_reduce(t, op=dist.ReduceOp.MAX, async_op=True)
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = dist.ReduceOp.MAX  # type: ignore[assignment]
+    return group.allreduce([t], opts)
+
+
 def _byte_range(m: Manifest | None, s: Stripe, chunk_bytes: int, total: int) -> tuple[int, int]:
     start = s.start * chunk_bytes
     return start, min(s.stop * chunk_bytes, total)
@@ -62,8 +83,13 @@ def execute_transfers(
     store: PeerStore | None,
     timeout_s: float,
     into: torch.Tensor | None = None,
+    group: dist.ProcessGroup | None = None,
 ) -> Received | None:
-    """Send my stripes and, if I am a receiver, return my rebuilt (verified) image."""
+    """Send my stripes and, if I am a receiver, return my rebuilt (verified) image.
+
+    ``group``: a Gloo group of the new generation with the membership's ranks
+    (None: the default group).
+    """
     deadline = Deadline(timeout_s)
     rank_of = {a.worker_id: a.rank for a in membership.ranks}
     me = rank_of[my_worker_id]
@@ -83,15 +109,15 @@ def execute_transfers(
             raw = torch.frombuffer(bytearray(img.manifest.to_bytes()), dtype=torch.uint8)
             hdr = torch.tensor([raw.numel()], dtype=torch.int64)
             keep += [raw, hdr]
-            sends.append(dist.isend(hdr, receiver, tag=_tag(t_idx, 0)))
-            sends.append(dist.isend(raw, receiver, tag=_tag(t_idx, 1)))
+            sends.append(_isend(hdr, receiver, _tag(t_idx, 0), group))
+            sends.append(_isend(raw, receiver, _tag(t_idx, 1), group))
     if mine_recv is not None:
         t_idx, t = mine_recv
         src0 = rank_of[t.stripes[0].source]
         hdr = torch.empty(1, dtype=torch.int64)
-        wait_one(dist.irecv(hdr, src0, tag=_tag(t_idx, 0)), deadline, f"manifest size from rank {src0}")
+        wait_one(_irecv(hdr, src0, _tag(t_idx, 0), group), deadline, f"manifest size from rank {src0}")
         raw = torch.empty(int(hdr.item()), dtype=torch.uint8)
-        wait_one(dist.irecv(raw, src0, tag=_tag(t_idx, 1)), deadline, f"manifest from rank {src0}")
+        wait_one(_irecv(raw, src0, _tag(t_idx, 1), group), deadline, f"manifest from rank {src0}")
         manifest = Manifest.from_bytes(raw.numpy().tobytes())
         if (manifest.owner, manifest.version) != (t.owner, t.version):
             raise RecoveryError(f"holder sent v{manifest.version} of rank {manifest.owner}, plan says v{t.version} of {t.owner}")
@@ -116,11 +142,11 @@ def execute_transfers(
                 if src == me:
                     img = _held(store, t)
                     a, b = _byte_range(img.manifest, s, img.manifest.chunk_bytes, img.manifest.total_bytes)
-                    sends.append(dist.isend(img.buffer[a:b], receiver, tag=tag))
+                    sends.append(_isend(img.buffer[a:b], receiver, tag, group))
                 elif receiver == me and received is not None:
                     m = received.manifest
                     a, b = _byte_range(m, s, m.chunk_bytes, m.total_bytes)
-                    recvs.append((t_idx, s_idx, dist.irecv(received.buffer[a:b], src, tag=tag)))
+                    recvs.append((t_idx, s_idx, _irecv(received.buffer[a:b], src, tag, group)))
                     received.bytes_from[src] = received.bytes_from.get(src, 0) + (b - a)
         wait_all([w for _, _, w in recvs], deadline, "stripe receive")
         wait_all(sends, deadline, "stripe send")
@@ -133,7 +159,7 @@ def execute_transfers(
                 if (t_idx, s_idx) in pending and not _stripe_ok(received.manifest, received.buffer, s):
                     bad[base + s_idx] = 1
                     log.warning("stripe %d-%d of rank %d from attempt %d failed its checksum", s.start, s.stop, t.owner, attempt)
-        wait_one(dist.all_reduce(bad, op=dist.ReduceOp.MAX, async_op=True), deadline, "stripe verdicts")
+        wait_one(_all_reduce_max(bad, group), deadline, "stripe verdicts")
         flat = [(ti, si) for ti, t in enumerate(transfers) for si in range(len(t.stripes))]
         pending = {flat[i] for i in range(n_stripes) if int(bad[i]) == 1}
         attempt += 1

@@ -13,6 +13,7 @@ blocked.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Generator
 from typing import TYPE_CHECKING
@@ -30,11 +31,14 @@ from ckptless.errors import (
 )
 from ckptless.goodput.ledger import EventKind
 from ckptless.mirror.partial import MISSING, PairSpec
-from ckptless.recovery.executor import RestoreInputs, SnapshotLoadFailed, apply_decision, build_report
-from ckptless.recovery.plan import DiskFallback
+from ckptless.recovery.executor import (RestoreInputs, SnapshotLoadFailed, apply_decision, build_report,
+                                        restore_early)
+from ckptless.recovery.plan import DiskFallback, RecoveryPlan
+from ckptless.recovery.transfer import Received, execute_transfers
+from ckptless.recovery.wire import Membership
 from ckptless.state.capture import StateImage, restore
 from ckptless.state.registry import StateRegistry
-from ckptless.worker import groups, reuse
+from ckptless.worker import exit_guard, groups, reuse
 from ckptless.worker.control import JobEndedError
 from ckptless.worker.faults import is_fault
 from ckptless.worker.generation import Generation
@@ -132,13 +136,17 @@ def _form(job: Job, a: FormGroups) -> Event:
     assert m is not None and m.generation == a.generation
     gen = Generation(m, job.worker_id, job.store_for(m))
     job.gen = gen
+    _roll_back_early(job, gen)
     reason = ""
     try:
+        _transfer_ahead(job, m, a.deadline)
         gen.mirror_group = groups.bind_all(gen.store, m.generation, gen.rank, gen.world_size,  # type: ignore[arg-type]
                                            job.ctx.collective_timeout_s, a.deadline,
                                            lambda: _abort_reason(job, m.generation))
     except TransportError as exc:
         reason = str(exc)
+    except (IntegrityError, RecoveryError) as exc:  # from the transfers run ahead
+        reason = f"{type(exc).__name__}: {exc}"
     if reason:
         job.forget_store()  # a broken client never recovers (a partition, a store restart): connect anew
         return FormFailed(reason)
@@ -159,15 +167,110 @@ def _mark_ready(job: Job, a: MarkReady) -> Event | None:
 
 
 # --- recovery ----------------------------------------------------------------------------------------
+# --- transfers ahead of the formation ------------------------------------------------------------
+def _transfers_ahead(m: Membership) -> bool:
+    """Does generation ``m`` run its plan's transfers on its mirror group before the other groups
+    form? Every rank decides the same from the same plan."""
+    d = m.decision
+    return isinstance(d, RecoveryPlan) and bool(d.transfers) and not d.node_local
+
+
+def start_transfer_ahead(job: Job) -> None:
+    """A respawned replacement: receive its image while the script runs its setup.
+
+    Called by ``init()`` once the membership that names it is known and before
+    the script builds its objects. Why: the survivors wait for the setup
+    anyway (the user's groups cannot form before it); the image's bytes need
+    no user object, only the generation's mirror group, so they move meanwhile.
+    The thread's outcome is taken by :func:`_transfer_ahead` in ``run()``.
+    """
+    m = job.seen
+    if m is None or not _transfers_ahead(m) or job.replicas == 0:
+        return
+    box: dict[str, object] = {}
+
+    def work() -> None:
+        try:
+            box["received"] = _transfer_now(job, m, time.monotonic() + job.ctx.recovery_timeout_s)
+        except BaseException as exc:  # handed to the main thread in run()
+            box["error"] = exc
+
+    t = threading.Thread(target=work, name=f"ckptless-transfer-g{m.generation}", daemon=True)
+    exit_guard.watch(t.is_alive, t.join)
+    job.transfer_ahead = (m.generation, t, box)
+    t.start()
+
+
+def _transfer_now(job: Job, m: Membership, deadline: float) -> Received | None:
+    rank = m.rank_of(job.worker_id)
+    assert rank is not None and isinstance(m.decision, RecoveryPlan)
+    pg = groups.form_mirror_group(job.store_for(m), m.generation, rank, m.world_size, job.ctx.collective_timeout_s,
+                                  deadline, lambda: _abort_reason(job, m.generation))
+    try:
+        return execute_transfers(m.decision, m, job.worker_id, job.peer_store, job.ctx.collective_timeout_s,
+                                 into=job.standby_buffers[0] if job.standby_buffers else None, group=pg)
+    except RuntimeError as exc:  # a raw Gloo call on the mirror group: a peer failed
+        raise TransportError(f"transfers of generation {m.generation} failed: {exc}") from exc
+
+
+def _transfer_ahead(job: Job, m: Membership, deadline: float) -> None:
+    """Run (or, for a replacement, collect) the plan's transfers before the user's groups form."""
+    job.received_ahead = None
+    if not _transfers_ahead(m) or job.replicas == 0:
+        return
+    ahead, job.transfer_ahead = job.transfer_ahead, None
+    if ahead is not None and ahead[0] == m.generation:
+        _, t, box = ahead
+        while t.is_alive():
+            t.join(0.01)
+            why = _abort_reason(job, m.generation)
+            if why is not None and t.is_alive():
+                raise groups.FormationAborted(f"forming generation {m.generation} abandoned: {why}")
+            if time.monotonic() > deadline and t.is_alive():
+                raise groups.FormationAborted(f"generation {m.generation}'s transfers did not finish in time")
+        if "error" in box:
+            raise box["error"]
+        received = box.get("received")
+    else:
+        received = _transfer_now(job, m, deadline)
+    job.received_ahead = (m.generation, received)
+
+
+def _restore_inputs(job: Job, gen: Generation) -> RestoreInputs:
+    early = job.restored_early
+    ahead = job.received_ahead
+    return RestoreInputs(gen.membership, job.worker_id, job.registry, job.own_images, job.peer_store,
+                         job.ctx.collective_timeout_s, job.ctx.job_id, job.ctx.snapshot_dir,
+                         restore_fn=_restore_locally,
+                         shm_dir=job.ctx.shm_dir if job.mirror_config.node_local else None,
+                         node_id=job.ctx.node_id, into=job.standby_buffers[0] if job.standby_buffers else None,
+                         own_images_trusted=engine_pool_in_memory(job),
+                         restored_early=early[1] if early is not None and early[0] == gen.number else None,
+                         transfers_done=ahead is not None and ahead[0] == gen.number,
+                         received_early=ahead[1] if ahead is not None and ahead[0] == gen.number else None)
+
+
+def _roll_back_early(job: Job, gen: Generation) -> None:
+    """A survivor that resumes from its own image rolls back while the generation forms (it waits
+    for every rank there anyway; a respawn runs its setup first). Best effort: on any error the
+    restore after the formation does it, and reports it, the usual way."""
+    job.restored_early = None
+    if gen.decision is None or not job.own_images:
+        return
+    try:
+        image = restore_early(gen.decision, _restore_inputs(job, gen))
+    except Exception as exc:  # noqa: BLE001 - the restore after the formation raises it, typed, if it recurs
+        log.info("rank %d: early rollback skipped (%s); restoring after the formation", job.rank, exc)
+        return
+    if image is not None:
+        job.restored_early = (gen.number, image)
+
+
 def _restore(job: Job, a: RestoreState) -> Event:
     gen = job.gen
     assert gen is not None and gen.decision is not None
-    inputs = RestoreInputs(gen.membership, job.worker_id, job.registry, job.own_images, job.peer_store,
-                           job.ctx.collective_timeout_s, job.ctx.job_id, job.ctx.snapshot_dir,
-                           restore_fn=_restore_locally,
-                           shm_dir=job.ctx.shm_dir if job.mirror_config.node_local else None,
-                           node_id=job.ctx.node_id, into=job.standby_buffers[0] if job.standby_buffers else None,
-                           own_images_trusted=engine_pool_in_memory(job))
+    inputs = _restore_inputs(job, gen)
+    job.restored_early = job.received_ahead = None
     reason, internal = "", ""
     try:
         if isinstance(gen.decision, DiskFallback):

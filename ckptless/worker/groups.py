@@ -43,6 +43,8 @@ Abort = Callable[[], "str | None"]  # returns why to give up, or None to keep wa
 _registry: dict[str, RebindableGroup] = {}  # group name -> group, in creation order (same on every rank)
 _live: dict[str, Any] = {"store": None, "generation": None}
 _lock = threading.Lock()
+_early_mirror: dict[int, Any] = {}  # generation -> its mirror group, formed ahead (form_mirror_group)
+_pinned_mirrors: list[Any] = []  # early mirror groups of generations that did not form: never freed
 
 
 class FormationAborted(TransportError):
@@ -155,28 +157,18 @@ def arrive(store: dist.Store, generation: int, world_size: int, deadline: float,
         raise TransportError(f"store unreachable while forming generation {generation}: {exc}") from exc
 
 
-def bind_all(store: dist.Store, generation: int, rank: int, world_size: int, timeout_s: float, deadline: float,
-             abort: Abort | None = None) -> dist.ProcessGroup:
-    """Bind every group of this process to ``generation`` and build its mirror group (collective).
-
-    Returns the generation's mirror group (see :func:`mirror_group`).
-    """
-    arrive(store, generation, world_size, deadline, abort)
-    todo = groups()
-    built: list[tuple[RebindableGroup, Any, list[Any]]] = []
-    mirror: list[dist.ProcessGroup] = []
+def _abortable(fn: Callable[[], Any], generation: int, deadline: float, abort: Abort | None, what: str) -> Any:
+    """Run a blocking collective setup in a thread; give up on ``abort()`` or the deadline."""
+    out: list[Any] = []
     error: list[BaseException] = []
 
-    def build() -> None:
+    def run() -> None:
         try:
-            for g in todo:  # creation order: the same on every rank
-                inner, backends = g.build(store, generation)
-                built.append((g, inner, backends))
-            mirror.append(mirror_group(store, generation, rank, world_size, timeout_s))
+            out.append(fn())
         except BaseException as exc:  # reported to the caller below
             error.append(exc)
 
-    worker = threading.Thread(target=build, name=f"ckptless-bind-g{generation}", daemon=True)
+    worker = threading.Thread(target=run, name=f"ckptless-{what}-g{generation}", daemon=True)
     worker.start()
     exit_guard.watch(worker.is_alive, worker.join)
     while worker.is_alive():
@@ -188,11 +180,66 @@ def bind_all(store: dist.Store, generation: int, rank: int, world_size: int, tim
             raise FormationAborted(f"generation {generation}'s communicators did not connect in time")
     if error:
         raise TransportError(f"forming generation {generation} failed: {error[0]}") from error[0]
+    return out[0]
+
+
+def form_mirror_group(store: dist.Store, generation: int, rank: int, world_size: int, timeout_s: float,
+                      deadline: float, abort: Abort | None = None) -> dist.ProcessGroup:
+    """Form the generation's mirror group ahead of the others (collective); :func:`bind_all` reuses it.
+
+    Why: a recovery's transfers need no user group, so they can run on it
+    while a replacement still runs its setup (which must finish before the
+    user's groups can form: it may create groups of its own).
+    """
+    key = f"ckptless/gen{generation}/arrived-mirror"
+    try:
+        store.add(key, 1)
+        while store.add(key, 0) < world_size:
+            why = abort() if abort is not None else None
+            if why is not None:
+                raise FormationAborted(f"forming generation {generation} abandoned: {why}")
+            if time.monotonic() > deadline:
+                raise FormationAborted(f"not all {world_size} ranks of generation {generation} arrived in time")
+            time.sleep(0.005)  # the store's polling interval; bounded by the deadline above
+    except (RuntimeError, OSError) as exc:
+        raise TransportError(f"store unreachable while forming generation {generation}: {exc}") from exc
+    pg = _abortable(lambda: mirror_group(store, generation, rank, world_size, timeout_s),
+                    generation, deadline, abort, "mirror")
+    with _lock:
+        # Only the newest generation's is used; an older one is kept referenced, never freed: its
+        # failed transfer may have left Gloo operations in flight (see generation._RETIRED_ENGINES).
+        _pinned_mirrors.extend(_early_mirror.values())
+        _early_mirror.clear()
+        _early_mirror[generation] = pg
+    return cast(dist.ProcessGroup, pg)
+
+
+def bind_all(store: dist.Store, generation: int, rank: int, world_size: int, timeout_s: float, deadline: float,
+             abort: Abort | None = None) -> dist.ProcessGroup:
+    """Bind every group of this process to ``generation`` and build its mirror group (collective).
+
+    Returns the generation's mirror group (see :func:`mirror_group`); one formed
+    ahead by :func:`form_mirror_group` for this generation is taken as it is.
+    """
+    arrive(store, generation, world_size, deadline, abort)
+    todo = groups()
+    with _lock:
+        early = _early_mirror.pop(generation, None)
+
+    def build() -> tuple[list[tuple[RebindableGroup, Any, list[Any]]], dist.ProcessGroup]:
+        built = []
+        for g in todo:  # creation order: the same on every rank
+            inner, backends = g.build(store, generation)
+            built.append((g, inner, backends))
+        mirror = early if early is not None else mirror_group(store, generation, rank, world_size, timeout_s)
+        return built, mirror
+
+    built, mirror = _abortable(build, generation, deadline, abort, "bind")
     for g, inner, backends in built:
         g.install(generation, inner, backends)
     with _lock:
         _live.update(store=store, generation=generation)
-    return mirror[0]
+    return cast(dist.ProcessGroup, mirror)
 
 
 def release_all() -> None:
