@@ -305,6 +305,10 @@ class NodeAgent:
         exit_file.clear(self._exit_path(local_rank))
         log.warning("spare %s restarts as rank %d (generation %d)", slot.worker_id, slot.rank, m.generation)
         self.slots.reset(local_rank, slot.worker_id, slot.rank)
+        try:  # its new incarnation must not be judged by the standby's last beat
+            os.unlink(slot.heartbeat_file)
+        except FileNotFoundError:
+            pass
         try:
             group.respawn(local_rank, {"CKPTLESS_ROLE": "spare", "RANK": str(slot.rank),
                                        "CKPTLESS_GENERATION": str(m.generation), "CKPTLESS_STANDBY_RANK": ""})
@@ -313,6 +317,9 @@ class NodeAgent:
 
     # --- hang detection ----------------------------------------------------------------------------
     def _watch_hangs(self) -> None:
+        """SIGKILL a rank whose heartbeat stalled past ``--hang-timeout``; one that has not trained a
+        step yet (state "starting": a fresh respawn or spare in its setup) gets
+        :func:`startup_grace_s` instead, so a slow start on a busy host is not taken for a hang."""
         timeout = self.cfg.hang_timeout
         if not timeout:
             return
@@ -328,6 +335,8 @@ class NodeAgent:
                     age = now - os.stat(slot.heartbeat_file).st_mtime
                 except FileNotFoundError:
                     continue  # not started stepping yet
+                if age > timeout and _starting(slot.heartbeat_file) and age <= startup_grace_s(timeout):
+                    continue  # its setup (imports, the model build) may hold the GIL long on a busy host
                 if age > timeout:
                     log.error("rank %d (%s) is frozen (no heartbeat for %.1fs): SIGKILL", slot.rank, slot.worker_id, age)
                     group.send_signal(slot.local_rank, signal.SIGKILL)
@@ -783,3 +792,19 @@ def _offsets(participants: tuple[NodeInfo, ...]) -> list[tuple[NodeInfo, int]]:
         out.append((p, off))
         off += p.nproc
     return out
+
+
+def startup_grace_s(hang_timeout: float) -> float:
+    """How long a worker that has not trained a step yet may go without a heartbeat.
+
+    Why longer than the hang timeout: before its first step a process imports
+    modules and builds the script's objects, and on a loaded host C extensions
+    can hold the GIL for seconds (two fresh respawns were killed as frozen at
+    load 20 in the long chaos run before this).
+    """
+    return max(4.0 * hang_timeout, 60.0)
+
+
+def _starting(heartbeat_file: str) -> bool:
+    doc = read_progress(heartbeat_file)
+    return doc is not None and doc.get("state") == "starting"
