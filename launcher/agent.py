@@ -58,6 +58,7 @@ from ckptless.recovery.view import ExitRecord, JobStatus
 from ckptless.recovery.wire import Membership, membership_from_json, spare_from_json, spare_to_json
 from ckptless.worker import exit_file
 from ckptless.worker.heartbeat import read_progress
+from ckptless.worker.ledger import leader_sink
 
 log = logging.getLogger("ckptless.agent")
 
@@ -373,7 +374,7 @@ class NodeAgent:
         leader = RecoveryLeader(self._client, self.keyspace, session, self._host, self._store_port,  # type: ignore[arg-type]
                                 LeaderConfig(cfg.run_id, cfg.replicas, cfg.placement, node_grace_s=cfg.node_grace,
                                              alive_report_timeout_s=collective + 10.0),
-                                snapshot_step=self._snapshot_step)
+                                snapshot_step=self._snapshot_step, on_event=leader_sink(cfg.goodput_dir))
         leader.start()
         return leader
 

@@ -57,6 +57,14 @@ def test_correct_script_passes_kill_worker(tmp_path: Path, capsys: pytest.Captur
     events = [json.loads(ln) for ln in (tmp_path / "kill-worker" / "goodput" / "chaos.jsonl").read_text().splitlines()]
     assert [(e["kind"], e["attrs"]["kind"], e["attrs"]["target"], e["step"]) for e in events] == [
         ("fault_injected", "kill_worker", 1, 8)]
+    # the leader's job-level events: the incident names its lost ranks, the plan how it resumed
+    lead = [json.loads(ln) for ln in (tmp_path / "kill-worker" / "goodput" / "leader.jsonl").read_text().splitlines()]
+    kinds = [(e["kind"], e["rank"]) for e in lead]
+    assert ("incident_opened", None) in kinds and ("plan_published", None) in kinds, kinds
+    opened = next(e for e in lead if e["kind"] == "incident_opened")
+    assert opened["attrs"]["lost"] == "1" and opened["generation"] == 0
+    published = next(e for e in lead if e["kind"] == "plan_published")
+    assert published["attrs"]["decision"] == "memory" and published["generation"] == 1
     rep = build_report(load_run(tmp_path / "kill-worker" / "goodput"))
     assert len(rep.analysis.incidents) == 1
     inc = rep.analysis.incidents[0]

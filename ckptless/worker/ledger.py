@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Callable
 from typing import IO
 
 from ckptless.goodput.ledger import AttrValue, Event, EventKind
@@ -70,6 +71,26 @@ class WorkerLedger:
         if self._file is not None:
             self._file.close()
             self._file = None
+
+
+def leader_sink(directory: str | None) -> Callable[[str, dict[str, object]], None] | None:
+    """Where the coordinator leader's job-level events go: ``<directory>/leader.jsonl`` (None: nowhere).
+
+    The leader names what no rank's ledger can: which ranks an incident lost
+    (a node loss leaves no survivor on that node to say it) and whether the
+    plan resumed from memory or disk. ``ckptless report`` merges the file.
+    """
+    if not directory:
+        return None
+    ledger = WorkerLedger(directory, None, name="leader")
+
+    def sink(kind: str, attrs: dict[str, object]) -> None:
+        gen = attrs.get("generation")
+        rest: dict[str, AttrValue] = {k: v for k, v in attrs.items()
+                                      if k not in ("generation", "step", "t", "job_level") and isinstance(v, (str, int, float, bool))}
+        ledger.emit(EventKind(kind), None, gen if isinstance(gen, int) else 0, None, True, **rest)
+
+    return sink
 
 
 def _last_step(path: str) -> int | None:
