@@ -141,9 +141,12 @@ def groups() -> list[RebindableGroup]:
         return list(_registry.values())
 
 
-def arrive(store: dist.Store, generation: int, world_size: int, deadline: float, abort: Abort | None = None) -> None:
-    """Wait until every rank of ``generation`` checked in at the store, or ``abort()`` gives a reason."""
-    key = f"ckptless/gen{generation}/arrived"
+def arrive(store: dist.Store, generation: int, world_size: int, deadline: float, abort: Abort | None = None,
+           barrier: str = "arrived") -> None:
+    """Wait until every rank of ``generation`` checked in at the store, or ``abort()`` gives a reason.
+
+    ``barrier`` names the check-in (one per formation step of a generation)."""
+    key = f"ckptless/gen{generation}/{barrier}"
     try:
         store.add(key, 1)
         while store.add(key, 0) < world_size:
@@ -191,18 +194,7 @@ def form_mirror_group(store: dist.Store, generation: int, rank: int, world_size:
     while a replacement still runs its setup (which must finish before the
     user's groups can form: it may create groups of its own).
     """
-    key = f"ckptless/gen{generation}/arrived-mirror"
-    try:
-        store.add(key, 1)
-        while store.add(key, 0) < world_size:
-            why = abort() if abort is not None else None
-            if why is not None:
-                raise FormationAborted(f"forming generation {generation} abandoned: {why}")
-            if time.monotonic() > deadline:
-                raise FormationAborted(f"not all {world_size} ranks of generation {generation} arrived in time")
-            time.sleep(0.005)  # the store's polling interval; bounded by the deadline above
-    except (RuntimeError, OSError) as exc:
-        raise TransportError(f"store unreachable while forming generation {generation}: {exc}") from exc
+    arrive(store, generation, world_size, deadline, abort, barrier="arrived-mirror")
     pg = _abortable(lambda: mirror_group(store, generation, rank, world_size, timeout_s),
                     generation, deadline, abort, "mirror")
     with _lock:
