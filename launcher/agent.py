@@ -32,7 +32,6 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import replace
 from types import FrameType
@@ -46,9 +45,11 @@ from ckptless.coordinator.session import Session
 from ckptless.errors import CkptlessError, ConfigError, CoordinatorError, RendezvousError, RendezvousTimeout
 from ckptless.launcher.args import LaunchConfig, Std
 from ckptless.metrics import MetricsExporter
+from ckptless.launcher.outbox import Outbox
 from ckptless.launcher.slots import Slot, SlotTable
 from ckptless.launcher.summary import render_failure
 from ckptless.launcher.worker_env import WorkerLayout, build_command, worker_env
+from ckptless.launcher.watchdog import watch_hangs
 from ckptless.launcher.workers import WorkerExit, WorkerGroup
 from ckptless.recovery.facts import NodeLocalImage, Worker
 from ckptless.recovery.leader import RecoveryLeader, write_initial_membership
@@ -61,9 +62,6 @@ from ckptless.worker.heartbeat import read_progress
 from ckptless.worker.ledger import leader_sink
 
 log = logging.getLogger("ckptless.agent")
-
-EXIT_RECORD_RETRY_S = 300.0  # an exit record waits this long for etcd to come back
-OUTBOX_DRAIN_S = 15.0  # an exiting agent waits this long for its pending exit records
 
 
 class NodeAgent:
@@ -78,7 +76,7 @@ class NodeAgent:
         self._stopping = threading.Event()  # a signal asked us to stop: every wait obeys it
         self._stop_signal: int | None = None
         self._status: JobStatus | None = None
-        self._outbox: list[threading.Thread] = []
+        self._outbox = Outbox(lambda: self._client, self._stopping)
         self._client: EtcdClient | None = None
         self._session: Session | None = None
         self._leader: RecoveryLeader | None = None
@@ -155,11 +153,11 @@ class NodeAgent:
                                                             m.generation)
                 return replace(rec, local_image=img).to_json()
 
-            self._send(self.keyspace.worker_exit(rank), with_local_image, f"the exit of rank {rank}")
+            self._outbox.put(self.keyspace.worker_exit(rank), with_local_image, f"the exit of rank {rank}")
         elif slot.rank is not None:
-            self._send(self.keyspace.worker_exit(slot.rank), rec.to_json(), f"the exit of rank {slot.rank}")
+            self._outbox.put(self.keyspace.worker_exit(slot.rank), rec.to_json(), f"the exit of rank {slot.rank}")
         else:  # a spare that died is never assigned: it leaves the pool at once
-            self._send_delete(self._spare_key(slot.worker_id), f"spare {slot.worker_id}")
+            self._outbox.delete(self._spare_key(slot.worker_id), f"spare {slot.worker_id}")
         if not ex.succeeded and not ex.requested:
             log.error("%s", rec.describe())
             if slot.rank is not None:
@@ -168,44 +166,6 @@ class NodeAgent:
                 # No recovery: like torchrun, the first failure ends the job (first writer wins).
                 self._send_status(JobStatus("failed", rec.describe(), rec))
         self._wake.set()
-
-    def _send(self, key: str, value: bytes | Callable[[], bytes], what: str) -> None:
-        """Put with retries while etcd is away (bounded); never blocks the reaper (a callable
-        value is built on the sending thread)."""
-        def run() -> None:
-            deadline = time.monotonic() + EXIT_RECORD_RETRY_S
-            raw = value() if callable(value) else value
-            while True:
-                try:
-                    assert self._client is not None
-                    self._client.put(key, raw)
-                    return
-                except CoordinatorError as exc:
-                    if self._stopping.is_set():  # shutting down (a private etcd may already be gone)
-                        log.info("did not record %s in etcd while stopping: %s", what, exc)
-                        return
-                    if time.monotonic() >= deadline:
-                        log.error("could not record %s in etcd: %s", what, exc)
-                        return
-                    self._stopping.wait(1.0)
-        t = threading.Thread(target=run, name="ckptless-outbox", daemon=True)
-        self._outbox.append(t)
-        t.start()
-
-    def _drain_outbox(self, timeout: float) -> None:
-        """Before leaving: let pending exit records reach etcd (bounded). Without this, an agent
-        whose last worker just finished could exit before its record landed, and the store's
-        host would wait for that rank's exit forever."""
-        deadline = time.monotonic() + timeout
-        for t in list(self._outbox):
-            t.join(max(0.0, deadline - time.monotonic()))
-
-    def _send_delete(self, key: str, what: str) -> None:
-        try:
-            assert self._client is not None
-            self._client.delete(key)
-        except CoordinatorError as exc:
-            log.warning("could not remove %s from etcd: %s", what, exc)
 
     def _send_status(self, status: JobStatus) -> None:
         try:
@@ -318,30 +278,7 @@ class NodeAgent:
 
     # --- hang detection ----------------------------------------------------------------------------
     def _watch_hangs(self) -> None:
-        """SIGKILL a rank whose heartbeat stalled past ``--hang-timeout``; one that has not trained a
-        step yet (state "starting": a fresh respawn or spare in its setup) gets
-        :func:`startup_grace_s` instead, so a slow start on a busy host is not taken for a hang."""
-        timeout = self.cfg.hang_timeout
-        if not timeout:
-            return
-        while not self._stopping.wait(min(timeout / 4, 0.25)):
-            group = self._group
-            if group is None:
-                continue
-            now = time.time()
-            for slot in self.slots.all():
-                if not slot.alive or slot.rank is None:
-                    continue
-                try:
-                    age = now - os.stat(slot.heartbeat_file).st_mtime
-                except FileNotFoundError:
-                    continue  # not started stepping yet
-                if age > timeout and _starting(slot.heartbeat_file) and age <= startup_grace_s(timeout):
-                    continue  # its setup (imports, the model build) may hold the GIL long on a busy host
-                if age > timeout:
-                    log.error("rank %d (%s) is frozen (no heartbeat for %.1fs): SIGKILL", slot.rank, slot.worker_id, age)
-                    group.send_signal(slot.local_rank, signal.SIGKILL)
-                    os.utime(slot.heartbeat_file)
+        watch_hangs(self.cfg.hang_timeout, self.slots, lambda: self._group, self._stopping)
 
     # --- leases: survive a pause or an etcd outage longer than the TTL -------------------------------
     def _renew_session(self) -> None:
@@ -489,7 +426,7 @@ class NodeAgent:
                 self._update_metrics()
                 self._maybe_warm(group)
                 code = self._done()
-            self._drain_outbox(OUTBOX_DRAIN_S)
+            self._outbox.drain()
             self._stopping.set()  # stops the hang watcher and the outbox retries
             group.stop(timeout=cfg.shutdown_timeout)
             if code == 1 and self._status is not None:
@@ -793,19 +730,3 @@ def _offsets(participants: tuple[NodeInfo, ...]) -> list[tuple[NodeInfo, int]]:
         out.append((p, off))
         off += p.nproc
     return out
-
-
-def startup_grace_s(hang_timeout: float) -> float:
-    """How long a worker that has not trained a step yet may go without a heartbeat.
-
-    Why longer than the hang timeout: before its first step a process imports
-    modules and builds the script's objects, and on a loaded host C extensions
-    can hold the GIL for seconds (two fresh respawns were killed as frozen at
-    load 20 in the long chaos run before this).
-    """
-    return max(4.0 * hang_timeout, 60.0)
-
-
-def _starting(heartbeat_file: str) -> bool:
-    doc = read_progress(heartbeat_file)
-    return doc is not None and doc.get("state") == "starting"

@@ -7,7 +7,8 @@ import json
 import time
 from pathlib import Path
 
-from ckptless.launcher.agent import _starting, startup_grace_s
+from ckptless.launcher.watchdog import starting as _starting
+from ckptless.launcher.watchdog import startup_grace_s
 from ckptless.worker.heartbeat import Heartbeat, read_progress
 
 
