@@ -187,6 +187,19 @@ def _phases(evs: list[dict[str, Any]], t_kill: float, gen: int, victim: int) -> 
             "repl": (min(start) - t_kill) if start else float("nan")}
 
 
+def _steady_step(evs: list[dict[str, Any]], gen: int) -> float:
+    """Median time between consecutive steps of generation ``gen`` (each step ends when its
+    slowest rank's step_done lands; step 1 is warm-up): a ckptless step with mirroring, what the
+    first step after a recovery is compared with."""
+    ends: dict[int, float] = {}
+    for e in evs:
+        if e["kind"] in ("step_done", "first_step_after_recovery") and e["generation"] == gen and e["step"]:
+            ends[e["step"]] = max(ends.get(e["step"], 0.0), e["t_monotonic"])
+    steps = sorted(k for k in ends if k >= 2)
+    gaps = [ends[b] - ends[a] for a, b in zip(steps, steps[1:]) if b == a + 1]
+    return statistics.median(gaps) if gaps else float("nan")
+
+
 def run_ckptless(etcd_ep: str, size: int, world: int, spares: int, respawns: int, workdir: Path,
                  log: Any) -> list[Recovery]:
     job = f"bench-{uuid.uuid4().hex[:6]}"
@@ -261,6 +274,7 @@ def run_ckptless(etcd_ep: str, size: int, world: int, spares: int, respawns: int
             t_xfer = max(e["t_monotonic"] for e in evs if e["kind"] == "transfer_done" and e["generation"] == max(gens))
             ph["transfer_net"] = (t_xfer - max(mine[0]["t_built"], t_kill + ph["detect"] + ph["reform"])) if mine \
                 else ph["transfer"]
+            ph["steady_step"] = _steady_step(evs, max(gens) - 1)
             ph["load1"] = os.getloadavg()[0]
             role = _role_of(out, victim, max(gens))
             mode = "spare" if role == "spare" else ("respawn (node-local)" if SHM_ROOT else "respawn")
@@ -478,7 +492,7 @@ def resumed_table(ck: list[Recovery], tr: list[Restart]) -> str:
     """
     lines = ["| state/rank | world | mode | ckptless resumed s | torchrun+DCP cold resumed s | ratio "
              "| ckptless first step done s | torchrun+DCP cold first step done s | ratio "
-             "| first step's own duration: ckptless / torchrun s |",
+             "| first step's own duration: ckptless / ckptless steady step / torchrun s |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     keys = sorted({(r.size, r.world) for r in ck}, key=lambda k: (k[1], k[0]))
     for size, world in keys:
@@ -493,7 +507,8 @@ def resumed_table(ck: list[Recovery], tr: list[Restart]) -> str:
             t_tot = [r.total for r in cold]
             r1 = f"{statistics.median(t_res) / statistics.median(res):.1f}x" if cold else "-"
             r2 = f"{statistics.median(t_tot) / statistics.median(tot):.1f}x" if cold else "-"
-            own = f"{_mm([r.reprotect_step for r in rs])} / {_mm([r.total - r.load for r in cold])}"
+            own = (f"{_mm([r.reprotect_step for r in rs])} / {_mm([r.phases.get('steady_step', float('nan')) for r in rs])}"
+                   f" / {_mm([r.total - r.load for r in cold])}")
             lines.append(f"| {size // MIB} MiB | {world} | {mode} | {_mm(res)} | {_mm(t_res)} | {r1} "
                          f"| {_mm(tot)} | {_mm(t_tot)} | {r2} | {own} |")
     return "\n".join(lines)
