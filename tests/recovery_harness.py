@@ -151,6 +151,19 @@ class Cluster:
         return [json.loads(line) for line in (self.out / f"pids_rank{rank}.jsonl").read_text().splitlines()]
 
 
+def run_fault_free(c: Cluster, agents: int = 2) -> dict[int, dict[str, object]]:
+    """The reference run every e2e test compares with: ``agents`` agents, no fault, no recovery."""
+    try:
+        for _ in range(agents):
+            c.start_agent()
+        c.wait()
+    finally:
+        c.kill_all()
+    finals = c.finals()
+    assert all(int(f["recoveries"]) == 0 for f in finals.values())  # type: ignore[call-overload]
+    return finals
+
+
 def ring_holders(world: int = 4, per_node: int = 2, replicas: int = 1) -> dict[int, tuple[int, ...]]:
     node_of = [r // per_node for r in range(world)]
     p = compute_placement(world, replicas, "ring", node_of)

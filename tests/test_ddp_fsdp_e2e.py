@@ -24,7 +24,7 @@ import re
 import signal
 import subprocess
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -88,13 +88,6 @@ def _run(etcd: EmbeddedEtcd, out: Path, script: str, args: Sequence[str] = (), *
     name = out.name
     return ExampleCluster(etcd.endpoint, out, f"{name}-{uuid.uuid4().hex[:6]}", env=dict(env), script=script,
                           script_args=tuple(args))
-
-
-@pytest.fixture(scope="module")
-def module_etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedEtcd]:
-    d = tmp_path_factory.mktemp("etcd")
-    with EmbeddedEtcd(data_dir=d / "data", log_path=d / "etcd.log") as server:
-        yield server
 
 
 def _baseline(etcd: EmbeddedEtcd, root: Path, script: str, args: Sequence[str] = ()) -> dict[int, dict[str, object]]:

@@ -19,13 +19,10 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
-import tempfile
 import time
 import uuid
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,6 +40,7 @@ from .recovery_harness import (
     descendants_with_env,
     flip_byte,
     ring_holders,
+    run_fault_free,
     wait_exit,
     wait_membership,
 )
@@ -60,13 +58,6 @@ def _cluster(endpoint: str, tmp_path: Path, name: str, **env: str) -> Cluster:
     return Cluster(endpoint, out, f"{name}-{uuid.uuid4().hex[:6]}", env=dict(env))
 
 
-@pytest.fixture(scope="module")
-def module_etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedEtcd]:
-    d = tmp_path_factory.mktemp("etcd")
-    with EmbeddedEtcd(data_dir=d / "data", log_path=d / "etcd.log") as server:
-        yield server
-
-
 @dataclass
 class Run:
     cluster: Cluster
@@ -77,26 +68,7 @@ class Run:
 def baseline(module_etcd: EmbeddedEtcd, tmp_path_factory: pytest.TempPathFactory) -> Run:
     """The reference job without faults: 2 agents x 2 workers, K = 1."""
     c = _cluster(module_etcd.endpoint, tmp_path_factory.mktemp("base"), "baseline")
-    try:
-        c.start_agent()
-        c.start_agent()
-        c.wait()
-    finally:
-        c.kill_all()
-    finals = c.finals()
-    assert all(int(f["recoveries"]) == 0 for f in finals.values())  # type: ignore[call-overload]
-    return Run(c, finals)
-
-
-@pytest.fixture
-def shm_dir() -> Iterator[Path]:
-    if not os.access("/dev/shm", os.W_OK):
-        pytest.skip("/dev/shm is not writable here")
-    d = Path(tempfile.mkdtemp(prefix="ckptless-test-", dir="/dev/shm"))
-    try:
-        yield d
-    finally:
-        shutil.rmtree(d, ignore_errors=True)
+    return Run(c, run_fault_free(c))
 
 
 # --- helpers -------------------------------------------------------------------------------------

@@ -11,11 +11,8 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
-import tempfile
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +21,7 @@ import pytest
 from ckptless.coordinator.embedded import EmbeddedEtcd
 from ckptless.recovery.plan import RecoveryPlan
 
-from .recovery_harness import Cluster, assert_bitwise_equal, flip_byte, wait_membership
+from .recovery_harness import Cluster, assert_bitwise_equal, flip_byte, run_fault_free, wait_membership
 from .waiting import wait_json, wait_until
 
 Finals = dict[int, dict[str, object]]
@@ -32,37 +29,10 @@ VICTIM, STEP = 1, 5
 
 
 @pytest.fixture(scope="module")
-def module_etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedEtcd]:
-    d = tmp_path_factory.mktemp("etcd")
-    with EmbeddedEtcd(data_dir=d / "data", log_path=d / "etcd.log") as server:
-        yield server
-
-
-@pytest.fixture(scope="module")
 def baseline(module_etcd: EmbeddedEtcd, tmp_path_factory: pytest.TempPathFactory) -> Finals:
     """The same job without faults (and without shm: how state is protected never changes what is trained)."""
     out = tmp_path_factory.mktemp("base")
-    c = Cluster(module_etcd.endpoint, out, f"nlbase-{uuid.uuid4().hex[:6]}")
-    try:
-        c.start_agent()
-        c.start_agent()
-        c.wait()
-    finally:
-        c.kill_all()
-    finals = c.finals()
-    assert all(int(f["recoveries"]) == 0 for f in finals.values())  # type: ignore[call-overload]
-    return finals
-
-
-@pytest.fixture
-def shm_dir() -> Iterator[Path]:
-    if not os.access("/dev/shm", os.W_OK):
-        pytest.skip("/dev/shm is not writable here")
-    d = Path(tempfile.mkdtemp(prefix="ckptless-nl-", dir="/dev/shm"))
-    try:
-        yield d
-    finally:
-        shutil.rmtree(d, ignore_errors=True)
+    return run_fault_free(Cluster(module_etcd.endpoint, out, f"nlbase-{uuid.uuid4().hex[:6]}"))
 
 
 def _cluster(etcd: EmbeddedEtcd, tmp_path: Path, shm: Path, name: str, **env: str) -> Cluster:

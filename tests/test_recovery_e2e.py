@@ -10,14 +10,14 @@ from __future__ import annotations
 import os
 import signal
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from ckptless.coordinator.embedded import EmbeddedEtcd
 
-from .recovery_harness import Cluster, assert_bitwise_equal, independent_pair, ring_holders, wait_membership
+from .recovery_harness import (Cluster, assert_bitwise_equal, independent_pair, ring_holders, run_fault_free,
+                               wait_membership)
 from .waiting import wait_until
 
 
@@ -28,25 +28,9 @@ def _cluster(etcd: EmbeddedEtcd, tmp_path: Path, name: str, **env: str) -> Clust
 
 
 @pytest.fixture(scope="module")
-def module_etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedEtcd]:
-    d = tmp_path_factory.mktemp("etcd")
-    with EmbeddedEtcd(data_dir=d / "data", log_path=d / "etcd.log") as server:
-        yield server
-
-
-@pytest.fixture(scope="module")
 def baseline(module_etcd: EmbeddedEtcd, tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[str, object]]:
     """The same job without faults."""
-    c = _cluster(module_etcd, tmp_path_factory.mktemp("base"), "baseline")
-    try:
-        c.start_agent()
-        c.start_agent()
-        c.wait()
-    finally:
-        c.kill_all()
-    finals = c.finals()
-    assert all(int(f["recoveries"]) == 0 for f in finals.values())  # type: ignore[call-overload]
-    return finals
+    return run_fault_free(_cluster(module_etcd, tmp_path_factory.mktemp("base"), "baseline"))
 
 
 def _survivors_kept_pids(c: Cluster, lost: set[int]) -> None:
