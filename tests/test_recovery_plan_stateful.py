@@ -70,6 +70,7 @@ class JobSim(RuleBasedStateMachine):
         self.in_recovery = False     # a plan was adopted but transfers have not finished
         self.ended = False
         self.n_spares = 0
+        self.last_resume: int | None = None  # what the coordinator knows: the last plan's resume version
 
     # --- helpers ----------------------------------------------------------------
     def w(self, rank: int) -> W:
@@ -94,7 +95,8 @@ class JobSim(RuleBasedStateMachine):
                                             w.committed, frozenset(w.local), reps))
         spares = tuple(Worker(wid, node) for wid, node in self.spares.items())
         return PlanningFacts("sim", self.gen, self.world, members, tuple(reports), spares,
-                             self.placement, self.snapshot, frozenset(self.dead_nodes), self.policy)
+                             self.placement, self.snapshot, frozenset(self.dead_nodes), self.policy,
+                             last_resume=self.last_resume)
 
     def truth_avail(self, rank: int) -> set[int]:
         """Ground truth, independent of the facts: what live memory holds of ``rank``."""
@@ -200,9 +202,17 @@ class JobSim(RuleBasedStateMachine):
         self._adopt(decision.rank_to_worker, decision)
         if isinstance(decision, DiskFallback):
             assert not common and decision.snapshot_step == self.snapshot
+            self.last_resume = decision.snapshot_step
             self._finish(decision.snapshot_step)
             return
         r = decision.resume_version
+        self.last_resume = r
+        if not common and decision.initial_ranks:
+            # R0 with nothing left in memory: every rank rebuilds the initial state, which is only
+            # right while nothing beyond it was ever committed (the sim's initial capture is v0).
+            assert r == 0 and self.committed == 0 and set(decision.initial_ranks) == set(range(self.world))
+            self._finish(0)
+            return
         assert common and r == max(common), "newest version every rank can get"
         assert r >= self.committed, "committed or newer"
         for t in decision.transfers:
@@ -286,3 +296,20 @@ def test_failure_during_recovery_replans_at_g_plus_2() -> None:
     p6 = plan_recovery(replace(f5, spares=f5.spares + (Worker("u/c", "u"),)))
     assert isinstance(p6, RecoveryPlan) and p6.generation == 6 and p6.resume_version == 10
     assert p6.lost_ranks == (1, 3) and {t.owner: t.holders for t in p6.transfers} == {1: ("n2/w",), 3: ("n0/w",)}
+
+
+def test_only_an_empty_replacement_left_never_restarts_past_a_commit() -> None:
+    """Found by the simulation: a recovery interrupted by a further failure leaves only replacements
+    that restored nothing, so no report shows the commit. R0 (a fresh start) must then apply only
+    while the last plan resumed at version 0; past that it would lose the progress silently."""
+    members = (RankSlot(0, Worker("n0/r", "n0"), True), RankSlot(1, Worker("n1/w1", "n1"), False))
+    empty = WorkerReport("n0/r", None, None, frozenset(), ())
+
+    def facts(last_resume: int | None) -> PlanningFacts:
+        return PlanningFacts("j", 1, 2, members, (empty,), (), {0: (1,), 1: (0,)}, None, frozenset(),
+                             last_resume=last_resume)
+
+    assert isinstance(plan_recovery(facts(5)), Unrecoverable)
+    fresh = plan_recovery(facts(0))
+    assert isinstance(fresh, RecoveryPlan) and fresh.resume_version == 0 and set(fresh.initial_ranks) == {0, 1}
+    assert isinstance(plan_recovery(facts(None)), RecoveryPlan)  # generation 0: nothing was ever resumed

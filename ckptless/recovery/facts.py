@@ -186,6 +186,11 @@ class PlanningFacts:
     ``node_local`` are the own images lost ranks left in node-local memory
     (at most one per lost rank, on that rank's node): a respawn there can
     restore from it instead of pulling it from peers.
+
+    ``last_resume`` is the version the current generation's plan resumed at
+    (None at generation 0): what the coordinator itself knows was committed,
+    when every live worker is a replacement that has not restored yet and so
+    reports nothing (a recovery interrupted by a further failure).
     """
 
     job_id: str
@@ -199,6 +204,7 @@ class PlanningFacts:
     dead_nodes: frozenset[str] = frozenset()
     policy: PlanPolicy = PlanPolicy()
     node_local: tuple[NodeLocalImage, ...] = ()
+    last_resume: int | None = None
 
     def __post_init__(self) -> None:
         if not self.job_id:

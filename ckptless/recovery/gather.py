@@ -162,8 +162,18 @@ def build_facts(
         dead_nodes=frozenset(n for n in dead_nodes if n not in alive_nodes_of_survivors),
         policy=policy or PlanPolicy(),
         node_local=node_local_images(view, lost, notes),
+        last_resume=_last_resume(m.decision),
     )
     return facts, notes
+
+
+def _last_resume(decision: object) -> int | None:
+    """The version the current generation's plan resumed at (None: generation 0)."""
+    if isinstance(decision, RecoveryPlan):
+        return decision.resume_version
+    if isinstance(decision, DiskFallback):
+        return decision.snapshot_step
+    return None
 
 
 def keep_fresh_sources(decision: Decision, view: JobView) -> Decision:

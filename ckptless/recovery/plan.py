@@ -25,9 +25,9 @@ R6  Every rank whose worker lacks R locally receives R, striped in balanced
 R7  No common version: DiskFallback to the newest snapshot, else
     Unrecoverable. Unrecoverable wins over WaitForReplacement; otherwise a
     missing replacement yields WaitForReplacement at the *same* generation.
-R0  Before the first commit (no live worker reports a committed version and
-    no replica exists anywhere) a loss costs nothing that a restart would not
-    redo: the job resumes at the oldest version every survivor holds locally
+R0  Before the first commit (no live worker reports a committed version,
+    no replica exists anywhere, and the last plan did not resume beyond
+    version 0) a loss costs nothing that a restart would not redo: the job resumes at the oldest version every survivor holds locally
     (its initial capture), and ranks without it start from the state their
     fresh process builds (``initial_ranks``), exactly as a full restart would.
     Preferred over a disk snapshot, which cannot exist before a commit.
@@ -436,6 +436,8 @@ def _initial_restart(facts: PlanningFacts) -> tuple[int, tuple[int, ...]] | None
         return None
     locals_ = [r.local_versions for r in facts.reports if r.local_versions]
     if not locals_:
+        if facts.last_resume is not None and facts.last_resume > 0:
+            return None  # the job had resumed at a later version: a fresh start would lose it silently
         return 0, tuple(range(facts.world_size))
     v0 = min(min(v) for v in locals_)
     holders = {r.worker_id for r in facts.reports if v0 in r.local_versions}
