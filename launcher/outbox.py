@@ -29,6 +29,7 @@ class Outbox:
         self._stopping = stopping
         self._retry_s = retry_s
         self._threads: list[threading.Thread] = []
+        self._lock = threading.Lock()  # put() runs on the reaper thread, drain() on the agent's
 
     def put(self, key: str, value: bytes | Callable[[], bytes], what: str) -> None:
         """Put with retries while etcd is away (bounded); returns at once (a callable value is
@@ -51,8 +52,9 @@ class Outbox:
                         return
                     self._stopping.wait(1.0)
         t = threading.Thread(target=run, name="ckptless-outbox", daemon=True)
-        self._threads.append(t)
-        t.start()
+        t.start()  # before it is listed: drain() on another thread joins only started threads
+        with self._lock:
+            self._threads.append(t)
 
     def delete(self, key: str, what: str) -> None:
         """Delete once (a dead spare's key): a failure is logged, its lease removes the key anyway."""
@@ -68,5 +70,7 @@ class Outbox:
         last worker just finished could exit before its record landed, and the store's host
         would wait for that rank's exit forever."""
         deadline = time.monotonic() + timeout
-        for t in list(self._threads):
+        with self._lock:
+            threads = list(self._threads)
+        for t in threads:
             t.join(max(0.0, deadline - time.monotonic()))
