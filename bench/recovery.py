@@ -200,8 +200,16 @@ def _steady_step(evs: list[dict[str, Any]], gen: int) -> float:
     return statistics.median(gaps) if gaps else float("nan")
 
 
+#: Bench modes -> the label their rows carry. "spare": the victim is the spare's standby rank (it
+#: only receives bytes: the best case); "spare-other": another rank dies, so the rank-exact spare
+#: restarts as it (setup on the critical path: the likely case with one spare and W ranks);
+#: "spare-any": another rank dies and the spare takes it as built (--spare-any-rank).
+MODE_LABELS = {"spare": "spare", "spare-other": "spare, other rank (re-exec)",
+               "spare-any": "spare, other rank (--spare-any-rank)", "respawn": "respawn"}
+
+
 def run_ckptless(etcd_ep: str, size: int, world: int, spares: int, respawns: int, workdir: Path,
-                 log: Any) -> list[Recovery]:
+                 log: Any, spare_mode: str = "spare") -> list[Recovery]:
     job = f"bench-{uuid.uuid4().hex[:6]}"
     out = workdir / job
     gdir = out / "goodput"
@@ -210,7 +218,9 @@ def run_ckptless(etcd_ep: str, size: int, world: int, spares: int, respawns: int
     # Spares pre-build as standby ranks 0, 1, ... (the agent gives each the lowest rank no other
     # spare covers), so the spare cases kill those ranks: the spare then only receives bytes.
     # Respawns hit the last rank (still on the main agent).
-    victims = list(range(spares)) + [world - 1] * respawns
+    # "spare-other"/"spare-any": kill ranks W-1, W-2, ... which no spare stands by for.
+    other = spare_mode in ("spare-other", "spare-any")
+    victims = [world - 1 - i if other else i for i in range(spares)] + [world - 1] * respawns
     gap = 3
     pauses = [(victims[i], 4 + gap * i) for i in range(kills)]
     steps = pauses[-1][1] + 3 if pauses else 6
@@ -239,7 +249,8 @@ def run_ckptless(etcd_ep: str, size: int, world: int, spares: int, respawns: int
     try:
         agent("--nproc-per-node", str(world))
         if spares:
-            agent("--nproc-per-node", "0", "--spares", str(spares))
+            agent("--nproc-per-node", "0", "--spares", str(spares),
+                  *(["--spare-any-rank"] if spare_mode == "spare-any" else []))
         for i, (victim, step) in enumerate(pauses):
             doc = _wait_file(out / f"pause{i}.json", 300, procs)
             if i < spares:  # the spares must be warm (torch imported, waiting on the coordinator)
@@ -277,7 +288,7 @@ def run_ckptless(etcd_ep: str, size: int, world: int, spares: int, respawns: int
             ph["steady_step"] = _steady_step(evs, max(gens) - 1)
             ph["load1"] = os.getloadavg()[0]
             role = _role_of(out, victim, max(gens))
-            mode = "spare" if role == "spare" else ("respawn (node-local)" if SHM_ROOT else "respawn")
+            mode = MODE_LABELS[spare_mode] if role == "spare" else ("respawn (node-local)" if SHM_ROOT else "respawn")
             results.append(Recovery(size, world, mode, ph["total"], ph["detect"], ph["reform"], ph["transfer"],
                                     ph["rollback"], ph["reprotect_step"], ph["repl"], role, ph))
             log(f"  ckptless S={size // MIB} MiB W={world} kill {i} (rank {victim}, step {step}) -> {role}: "
@@ -466,7 +477,7 @@ def table(ck: list[Recovery], tr: list[Restart], bw: dict[int, float]) -> str:
     for size, world in keys:
         cold = [r.total for r in tr if (r.size, r.world, r.cache) == (size, world, "cold")]
         warm = [r.total for r in tr if (r.size, r.world, r.cache) == (size, world, "warm")]
-        for mode in ("spare", "respawn"):
+        for mode in (*MODE_LABELS.values(), "respawn (node-local)"):
             rs = [r for r in ck if (r.size, r.world, r.mode) == (size, world, mode)]
             if not rs:
                 continue
@@ -497,7 +508,7 @@ def resumed_table(ck: list[Recovery], tr: list[Restart]) -> str:
     keys = sorted({(r.size, r.world) for r in ck}, key=lambda k: (k[1], k[0]))
     for size, world in keys:
         cold = [r for r in tr if (r.size, r.world, r.cache) == (size, world, "cold")]
-        for mode in ("spare", "respawn"):
+        for mode in (*MODE_LABELS.values(), "respawn (node-local)"):
             rs = [r for r in ck if (r.size, r.world, r.mode) == (size, world, mode)]
             if not rs:
                 continue
@@ -532,7 +543,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=str, default=None, help="also write raw results here")
     ap.add_argument("--mirror-buffers", type=int, default=2, choices=(1, 2, 3),
                     help="owner capture buffers (CKPTLESS_MIRROR_BUFFERS; 1 = the (2 + 2K) x S budget)")
-    ap.add_argument("--modes", nargs="+", choices=("spare", "respawn"), default=["spare", "respawn"],
+    ap.add_argument("--modes", nargs="+", choices=tuple(MODE_LABELS), default=["spare", "respawn"],
                     help="which recoveries to run (respawn only: no pre-built spare's memory, e.g. at 1 GiB)")
     ap.add_argument("--no-torchrun", action="store_true", help="skip the torchrun + DCP runs (memory runs)")
     ap.add_argument("--shm-dir", default="", help="give the agents --shm-dir under this root (e.g. /dev/shm): "
@@ -570,6 +581,10 @@ def main(argv: list[str] | None = None) -> int:
         for size, world, n in cases:
             ck += run_ckptless(etcd.endpoint, size, world, spares=n if "spare" in ns.modes else 0,
                                respawns=n if "respawn" in ns.modes else 0, workdir=work, log=log)
+            for extra in ("spare-other", "spare-any"):
+                if extra in ns.modes and world >= 2 * n:  # victims must differ from the standby ranks
+                    ck += run_ckptless(etcd.endpoint, size, world, spares=n, respawns=0, workdir=work, log=log,
+                                       spare_mode=extra)
             if not ns.no_torchrun:
                 tr += run_torchrun(size, world, caches=["cold", "warm"] * n, workdir=work, log=log)
     except BaseException:

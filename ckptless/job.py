@@ -43,7 +43,7 @@ from ckptless.recovery.wire import Membership
 from ckptless.snapshot import SnapshotConfig, SnapshotWriter
 from ckptless.state.capture import Capturer, StateImage
 from ckptless.state.registry import StateRegistry
-from ckptless.worker import actions, exit_file, exit_guard, groups, reuse
+from ckptless.worker import actions, adoption, exit_file, exit_guard, groups, reuse
 from ckptless.worker.context import WorkerContext
 from ckptless.worker.control import WorkerControl
 from ckptless.worker.faults import is_fault
@@ -274,9 +274,18 @@ class Job:
         """A membership that includes us: take its rank (a spare learns it now) and make the default group."""
         first = self.seen is None
         assigned = m.rank_of(self.worker_id)
-        if self.prebuilt and first and assigned != self.ctx.standby_rank:
-            self._reexec(assigned)
+        other_rank = self.prebuilt and first and assigned != self.ctx.standby_rank
+        if other_rank:
+            why = "it is not in the plan" if assigned is None else adoption.why_not(self, m, assigned)
+            if why is not None:
+                log.info("spare %s cannot take rank %s as built: %s", self.worker_id, assigned, why)
+                self._reexec(assigned)
         self.seen = m
+        if other_rank:
+            assert assigned is not None
+            log.warning("spare %s built as rank %s takes rank %d as built (same layout): no re-exec, no setup",
+                        self.worker_id, self.ctx.standby_rank, assigned)
+            adoption.take_rank(self, assigned, m.world_size)
         rank = self.rank
         if first and self.ctx.role == "spare":
             os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(m.world_size)})
@@ -318,6 +327,10 @@ class Job:
         """
         self.registry.protect(**objs)
         self._capturer = None  # the layout changed
+        self.make_snapshot_writer()
+
+    def make_snapshot_writer(self) -> None:
+        """The periodic snapshot writer, for this rank (once; again after any-rank adoption)."""
         if self.ctx.snapshot_dir and self.ctx.snapshot_every and self.snapshots is None:
             self.snapshots = SnapshotWriter(
                 SnapshotConfig(Path(self.ctx.snapshot_dir), self.ctx.job_id, every=self.ctx.snapshot_every),

@@ -93,6 +93,7 @@ class NodeAgent:
         self._metrics: MetricsExporter | None = None
         self._warm_started = False
         self._reexec_pending: set[int] = set()
+        self._spare_records: dict[str, Worker] = {}  # worker id -> its spare record, as first written
         self._lost_since: float | None = None  # when our lease was found lost and could not be renewed
         self._incident_t: dict[int, float] = {}  # generation -> when its incident opened (for metrics)
         self._published_t: dict[int, float] = {}
@@ -298,8 +299,9 @@ class NodeAgent:
         Rendezvous(self._client, self.keyspace, session).register(self._me)
         for slot in self.slots.all():
             if slot.spare and slot.alive:
-                self._client.put(self._spare_key(slot.worker_id), spare_to_json(Worker(slot.worker_id, self.node_id)),
-                                 lease=session.lease_id)
+                # The record as first written: a pre-built spare keeps its standby rank on the new lease.
+                record = self._spare_records.get(slot.worker_id, Worker(slot.worker_id, self.node_id))
+                self._client.put(self._spare_key(slot.worker_id), spare_to_json(record), lease=session.lease_id)
         if self._leader is not None:
             self._leader.stop()
             self._leader = self._start_leader(session)
@@ -681,8 +683,9 @@ class NodeAgent:
         for slot in self.slots.all():
             if slot.rank is None:  # a warm spare: in the pool, on our lease (gone with this node)
                 sb = standby[slot.local_rank - cfg.nproc_per_node] if standby and cfg.spare_prebuild else None
-                self._client.put(self._spare_key(slot.worker_id),
-                                 spare_to_json(Worker(slot.worker_id, self.node_id, sb)), lease=self._session.lease_id)
+                record = Worker(slot.worker_id, self.node_id, sb, sb is not None and cfg.spare_any_rank)
+                self._spare_records[slot.worker_id] = record
+                self._client.put(self._spare_key(slot.worker_id), spare_to_json(record), lease=self._session.lease_id)
         if cfg.nproc_per_node == 0 and group.warm_enabled:  # nothing trains here: warm it now
             self._warm_started = True
             threading.Thread(target=group.start_server, name="ckptless-warm", daemon=True).start()

@@ -109,6 +109,7 @@ class LaunchConfig:
     shm_dir: str | None = None
     warm_respawn: bool = True
     spare_prebuild: bool = True
+    spare_any_rank: bool = False
     nproc_per_node_spec: str = field(default="1", compare=False)
 
     @property
@@ -265,6 +266,10 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
     add("--no-spare-prebuild", dest="spare_prebuild", action="store_false",
         help="Spares wait in ckptless.init() and build the script's objects only once assigned a rank "
              "(default: each spare builds them as a standby rank while it waits).")
+    add("--spare-any-rank", action=check_env,
+        help="The script's setup (up to job.run()) builds the same objects on every rank and keeps nothing "
+             "rank-specific outside protected state, so a pre-built spare may take any lost rank whose image has "
+             "its standby rank's layout, without re-running the setup (checked; otherwise it restarts as that rank).")
     # positional
     add("training_script", type=str, help="Training script (or module with -m), then its arguments.")
     add("training_script_args", nargs=argparse.REMAINDER)

@@ -115,6 +115,34 @@ def test_worker_killed_spare_on_another_agent_takes_its_rank(module_etcd: Embedd
     assert c.pids(0)[-1]["role"] == "spare"
 
 
+def test_any_rank_spare_takes_another_rank_as_built(module_etcd: EmbeddedEtcd, tmp_path: Path,
+                                                    baseline: dict) -> None:
+    """--spare-any-rank: the spare built as rank 0 takes lost rank 1 in the same process (the
+    planner saw equal layout keys): no re-exec, no second setup, and still bitwise equal."""
+    import json
+
+    c = _cluster(module_etcd, tmp_path, "anyrank", REF_PAUSE_RANK="1", REF_PAUSE_STEP="5")
+    try:
+        c.start_agent()
+        c.start_agent()
+        c.start_agent("--spares", "1", "--spare-any-rank", nproc=0)
+        pid = c.paused_pid(1)
+        wait_until(lambda: any(c.out.glob("standby_*.json")), 120, "the spare built and standing by")
+        standby = {json.loads(p.read_text())["pid"]: json.loads(p.read_text())["rank"]
+                   for p in c.out.glob("standby_*.json")}
+        assert list(standby.values()) == [0]  # built as rank 0, the lowest rank no spare covers
+        os.kill(pid, signal.SIGKILL)
+        c.wait()
+    finally:
+        c.kill_all()
+    assert_bitwise_equal(c.finals(), baseline)
+    _survivors_kept_pids(c, {1})
+    last = c.pids(1)[-1]
+    assert last["role"] == "spare"
+    assert last["pid"] in standby and standby[last["pid"]] == 0, (
+        f"rank 1 ran in pid {last['pid']}, not in the spare that stood by as rank 0 ({standby}): it was re-executed")
+
+
 def test_two_failures_in_different_placement_groups(module_etcd: EmbeddedEtcd, tmp_path: Path, baseline: dict) -> None:
     a, b = independent_pair()
     c = _cluster(module_etcd, tmp_path, "two", REF_PAUSE_RANK=str(a), REF_PAUSE_STEP="5",

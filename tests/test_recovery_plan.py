@@ -368,3 +368,39 @@ def test_chunk_count_disagreement_rejected() -> None:
                  for r in base.reports)
     with pytest.raises(ConfigError, match="chunks elsewhere"):
         replace(base, reports=reps)
+
+
+def _layouts(facts: PlanningFacts, keys: dict[int, str]) -> PlanningFacts:
+    """The same facts, each replica carrying its owner's layout key from ``keys``."""
+    reps = tuple(replace(r, replicas=tuple(replace(f, layout=keys.get(f.owner, "")) for f in r.replicas))
+                 for r in facts.reports)
+    return replace(facts, reports=reps)
+
+
+def test_any_rank_spare_takes_a_rank_of_its_standby_layout() -> None:
+    """R2: a pre-built --spare-any-rank spare built as rank 3 takes lost rank 1 when their images
+    have the same layout key, listed in adopt_prebuilt (no re-exec); never on a differing key."""
+    fits = Worker("b/spare", "b", standby_rank=3, any_rank=True)
+    plain = Worker("c/spare", "c")
+    d = plan_recovery(_layouts(_example(spares=(fits, plain)), {1: "L", 2: "M", 3: "L"}))
+    assert isinstance(d, RecoveryPlan)
+    # it beats the better-placed spare that would have to build (node c holds none of rank 1's mirrors)
+    assert d.rank_to_worker[1] == "b/spare" and d.adopt_prebuilt == (1,)
+    other = plan_recovery(_layouts(_example(spares=(fits, plain)), {1: "L", 2: "M", 3: "X"}))
+    assert isinstance(other, RecoveryPlan) and other.rank_to_worker[1] == "c/spare" and other.adopt_prebuilt == ()
+    unknown = plan_recovery(_layouts(_example(spares=(fits, plain)), {1: "L", 2: "M"}))
+    assert isinstance(unknown, RecoveryPlan) and unknown.adopt_prebuilt == (), "rank 3's layout unknown: no adoption"
+    undeclared = replace(fits, any_rank=False)
+    d2 = plan_recovery(_layouts(_example(spares=(undeclared,)), {1: "L", 2: "M", 3: "L"}))
+    assert isinstance(d2, RecoveryPlan) and d2.rank_to_worker[1] == "b/spare" and d2.adopt_prebuilt == (), (
+        "without --spare-any-rank the spare is assigned but restarts as the rank")
+
+
+def test_layout_keys_reported_twice_differently_are_unknown() -> None:
+    from ckptless.recovery.plan import layout_index, same_layout
+
+    f = _layouts(_example(), {1: "L", 3: "L"})
+    assert same_layout(layout_index(f), 1, 3)
+    reps = list(f.reports)
+    reps[0] = replace(reps[0], replicas=reps[0].replicas + (ReplicaFact(1, 100, 10, "Z"),))
+    assert not same_layout(layout_index(replace(f, reports=tuple(reps))), 1, 3)

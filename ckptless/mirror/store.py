@@ -38,6 +38,7 @@ import torch
 from ckptless.errors import ConfigError, IntegrityError, ManifestError, MirrorError, StaleGeneration
 from ckptless.mirror.shm import file_prefix, holder_files, slot_path, stat_signature, unlink_quiet
 from ckptless.state.checksum import bad_chunks
+from ckptless.state.layout import manifest_layout_key
 from ckptless.state.manifest import Manifest
 
 
@@ -91,9 +92,11 @@ class _Slot:
     stat: tuple[int, int, int, int] | None = None
     bad: list[int] | None = None
     epoch: int = 0
+    layout: str | None = None  # ``complete``'s layout key, computed on first ask
 
     def forget(self) -> None:
         self.complete = None
+        self.layout = None
         self.checked_at, self.stat, self.bad = None, None, None
         self.epoch += 1
 
@@ -280,7 +283,7 @@ class PeerStore:
                     slot.writing = None
                     raise IntegrityError(f"replica of owner {owner} v{m.version}: corrupt chunks {bad[:8]}")
             slot.writing = None
-            slot.complete = m
+            slot.complete, slot.layout = m, None
             slot.verified(self._stat(owner, idx))
             if self.shm_dir is not None:
                 # The temp name is this holder's own (the path is), so two holders
@@ -335,6 +338,16 @@ class PeerStore:
             if s is None or s.complete is None or s.buffer is None:
                 return None
             return StoredImage(s.complete, s.buffer[: s.complete.total_bytes])
+
+    def layout_of(self, owner: int, version: int) -> str:
+        """The layout key of the held ``(owner, version)`` ("" if not held), cached per slot."""
+        with self._lock:
+            s = (self._find(owner, version) or (0, None))[1]
+            if s is None or s.complete is None:
+                return ""
+            if s.layout is None:
+                s.layout = manifest_layout_key(s.complete)
+            return s.layout
 
     def verified_copy(self, owner: int, version: int) -> Manifest | None:
         """Manifest of the held ``(owner, version)`` if its verdict stands (a partial round's kept pair).

@@ -119,7 +119,7 @@ def build_report(worker_id: str, own: list[StoredImage], store: PeerStore | None
             log.warning("replica of rank %d v%d is corrupt at rest (chunks %s): dropped", owner, version, bad[:8])
             store.drop(owner, version)
         for owner, version, n_chunks in at_rest.verified:
-            replicas.setdefault((owner, version), ReplicaFact(owner, version, n_chunks))
+            replicas.setdefault((owner, version), ReplicaFact(owner, version, n_chunks, store.layout_of(owner, version)))
     return WorkerReport(
         worker_id=worker_id,
         newest_captured=max(local) if local else None,

@@ -31,11 +31,15 @@ class Worker:
 
     ``standby_rank`` (spares only): the rank this spare already built the
     script's objects for; it takes that rank without re-running setup.
+    ``any_rank`` (pre-built spares only): its script declared a rank-independent
+    setup (``--spare-any-rank``), so it may also take any rank whose image has
+    its standby rank's layout (R2, :mod:`ckptless.state.layout`).
     """
 
     worker_id: str
     node_id: str
     standby_rank: int | None = None
+    any_rank: bool = False
 
     def __post_init__(self) -> None:
         if not self.worker_id:
@@ -62,12 +66,15 @@ class ReplicaFact:
     """One version of another rank's image that a holder has *complete and verified*.
 
     ``n_chunks`` is the image size in chunks for that version; the transfer
-    plan stripes over chunk indices ``[0, n_chunks)``.
+    plan stripes over chunk indices ``[0, n_chunks)``. ``layout``: the image's
+    layout key (:mod:`ckptless.state.layout`; "" when unknown), which tells the
+    planner which pre-built spares fit the owner's objects.
     """
 
     owner: int
     version: int
     n_chunks: int
+    layout: str = ""
 
     def __post_init__(self) -> None:
         if self.owner < 0:

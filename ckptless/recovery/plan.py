@@ -11,8 +11,10 @@ The rules (numbered as in docs/recovery.md):
 R1  Survivors keep their rank numbers; only lost ranks get new workers.
 R2  A lost rank goes to a warm spare or a respawn on its own (live) node,
     per ``policy.prefer``; a spare standing by for that very rank (its objects
-    already built) comes first, then spares are scored to keep a rank off the
-    nodes of its own mirror holders, then off nodes already running ranks.
+    already built) comes first, then a pre-built ``any_rank`` spare whose
+    standby rank's image has this rank's layout key (it takes the rank with its
+    objects as built: ``adopt_prebuilt``), then spares are scored to keep a rank
+    off the nodes of its own mirror holders, then off nodes already running ranks.
 R3  avail(r) = versions r's own live worker holds locally, plus versions any
     *other* live worker holds complete for owner r, plus (R9) the version of
     the node-local image a lost r left, when r respawns on that node.
@@ -132,6 +134,9 @@ class RecoveryPlan:
     owners_below_k: tuple[int, ...]
     steps_lost: int
     initial_ranks: tuple[int, ...] = ()  # R0: these ranks start from their freshly built state
+    # R2: these ranks go to a pre-built spare built as another rank of the same layout, which
+    # receives their image into the objects it built (no re-exec, no setup on the critical path)
+    adopt_prebuilt: tuple[int, ...] = ()
     node_local: tuple[LocalRestore, ...] = ()  # R9: these ranks restore from node-local memory
 
     @property
@@ -275,6 +280,7 @@ def assign_replacements(facts: PlanningFacts, new_generation: int) -> tuple[list
                    for s in facts.members if s.alive]
     used_nodes = set(alive_nodes)
     unassigned: list[int] = []
+    layouts = layout_index(facts)
     # Ranks whose node is gone can only take a spare: serve them first so a rank
     # that could respawn never takes the last spare from one that cannot.
     order = sorted(facts.lost_ranks,
@@ -287,7 +293,7 @@ def assign_replacements(facts: PlanningFacts, new_generation: int) -> tuple[list
             if hs.alive:
                 holder_nodes.add(hs.worker.node_id)
         can_respawn = slot.worker.node_id not in facts.dead_nodes
-        spare = _best_spare(spares, holder_nodes, used_nodes, rank)
+        spare = _best_spare(spares, holder_nodes, used_nodes, rank, layouts)
         choice: Assignment | None = None
         respawn = Assignment(rank, respawn_worker_id(slot.worker.node_id, new_generation, rank),
                              slot.worker.node_id, "respawn")
@@ -307,14 +313,54 @@ def assign_replacements(facts: PlanningFacts, new_generation: int) -> tuple[list
     return assignments, unassigned
 
 
-def _best_spare(spares: list[Worker], holder_nodes: set[str], used_nodes: set[str], rank: int) -> Worker | None:
+def _best_spare(spares: list[Worker], holder_nodes: set[str], used_nodes: set[str], rank: int,
+                layouts: dict[int, dict[int, str]]) -> Worker | None:
     """Prefer a spare that already built this rank's objects (no setup on the critical path),
-    then a node without the rank's own mirrors (a node loss would take both), then a node
-    running no rank yet (spreads load and failure domains)."""
+    then one whose built objects fit this rank (any-rank adoption), then a node without the
+    rank's own mirrors (a node loss would take both), then a node running no rank yet
+    (spreads load and failure domains)."""
     if not spares:
         return None
-    return min(spares, key=lambda w: (w.standby_rank != rank, w.node_id in holder_nodes, w.node_id in used_nodes,
-                                      w.node_id, w.worker_id))
+    return min(spares, key=lambda w: (w.standby_rank != rank, not fits_prebuilt(w, rank, layouts),
+                                      w.node_id in holder_nodes, w.node_id in used_nodes, w.node_id, w.worker_id))
+
+
+def layout_index(facts: PlanningFacts) -> dict[int, dict[int, str]]:
+    """owner -> version -> layout key, from the live holders' reports; a version reported with two
+    different keys (or with none) is left out: unknown, so no spare is adopted on its strength."""
+    alive = {s.worker.worker_id for s in facts.members if s.alive}
+    seen: dict[tuple[int, int], set[str]] = {}
+    for rep in facts.reports:
+        if rep.worker_id in alive:
+            for f in rep.replicas:
+                seen.setdefault((f.owner, f.version), set()).add(f.layout)
+    out: dict[int, dict[int, str]] = {}
+    for (owner, version), keys in seen.items():
+        if len(keys) == 1 and "" not in keys:
+            out.setdefault(owner, {})[version] = next(iter(keys))
+    return out
+
+
+def same_layout(layouts: dict[int, dict[int, str]], a: int, b: int) -> bool:
+    """Whether ranks ``a`` and ``b`` have the same layout key at the newest version both are known at."""
+    ka, kb = layouts.get(a, {}), layouts.get(b, {})
+    common = set(ka) & set(kb)
+    return bool(common) and ka[max(common)] == kb[max(common)]
+
+
+def fits_prebuilt(w: Worker, rank: int, layouts: dict[int, dict[int, str]]) -> bool:
+    """A pre-built ``any_rank`` spare built as another rank whose image has ``rank``'s layout."""
+    return (w.any_rank and w.standby_rank is not None and w.standby_rank != rank
+            and same_layout(layouts, w.standby_rank, rank))
+
+
+def prebuilt_adoptions(facts: PlanningFacts, assignments: list[Assignment]) -> tuple[int, ...]:
+    """R2: the ranks whose assigned spare takes them with the objects it built as another rank."""
+    by_id = {w.worker_id: w for w in facts.spares}
+    layouts = layout_index(facts)
+    return tuple(sorted(a.rank for a in assignments
+                        if a.source == "spare" and a.worker_id in by_id
+                        and fits_prebuilt(by_id[a.worker_id], a.rank, layouts)))
 
 
 # --- R6: striping --------------------------------------------------------------
@@ -423,11 +469,13 @@ def _memory_plan(facts: PlanningFacts, new_gen: int, assignments: list[Assignmen
     lost = facts.lost_ranks
     below_k = _owners_below_k(facts)
     steps_lost = max(0, (newest_seen if newest_seen is not None else version) - version)
+    received = {t.owner for t in transfers}  # an adopted spare must receive the rank's image
+    adopt = tuple(r for r in prebuilt_adoptions(facts, assignments) if r in received)
     return RecoveryPlan(
         job_id=facts.job_id, generation=new_gen, assignments=tuple(assignments),
         lost_ranks=lost, resume_version=version, rollbacks=tuple(rollbacks),
         transfers=tuple(transfers), replace_mirrors=bool(lost or below_k or transfers),
-        owners_below_k=below_k, steps_lost=steps_lost, node_local=tuple(node_local))
+        owners_below_k=below_k, steps_lost=steps_lost, node_local=tuple(node_local), adopt_prebuilt=adopt)
 
 
 def _initial_restart(facts: PlanningFacts) -> tuple[int, tuple[int, ...]] | None:

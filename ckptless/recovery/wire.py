@@ -75,7 +75,7 @@ def report_to_json(r: WorkerReport) -> bytes:
         "newest_captured": r.newest_captured,
         "committed": r.committed,
         "local_versions": sorted(r.local_versions),
-        "replicas": [[f.owner, f.version, f.n_chunks] for f in r.replicas],
+        "replicas": [[f.owner, f.version, f.n_chunks, f.layout] for f in r.replicas],
     }).encode()
 
 
@@ -88,7 +88,8 @@ def report_from_json(raw: bytes) -> WorkerReport:
             newest_captured=_opt_int(doc, "newest_captured", what),
             committed=_opt_int(doc, "committed", what),
             local_versions=frozenset(int(v) for v in _get(doc, "local_versions", list, what)),
-            replicas=tuple(ReplicaFact(int(o), int(v), int(n)) for o, v, n in _get(doc, "replicas", list, what)),
+            replicas=tuple(ReplicaFact(int(f[0]), int(f[1]), int(f[2]), str(f[3]) if len(f) > 3 else "")
+                           for f in _get(doc, "replicas", list, what)),
         )
     except (ValueError, TypeError) as exc:
         raise RecoveryError(f"{what} is malformed: {raw[:200]!r}") from exc
@@ -118,7 +119,7 @@ def decision_to_doc(d: Decision) -> dict[str, Any]:
                 for t in d.transfers
             ],
             "replace_mirrors": d.replace_mirrors, "owners_below_k": list(d.owners_below_k), "steps_lost": d.steps_lost,
-            "initial_ranks": list(d.initial_ranks),
+            "initial_ranks": list(d.initial_ranks), "adopt_prebuilt": list(d.adopt_prebuilt),
             "node_local": [[x.rank, x.worker_id, x.node_id, x.version, x.n_chunks, x.generation]
                            for x in d.node_local],
         }
@@ -157,6 +158,7 @@ def decision_from_doc(doc: dict[str, Any]) -> Decision:
                 owners_below_k=tuple(int(r) for r in doc["owners_below_k"]),
                 steps_lost=int(doc["steps_lost"]),
                 initial_ranks=tuple(int(r) for r in doc.get("initial_ranks", ())),
+                adopt_prebuilt=tuple(int(r) for r in doc.get("adopt_prebuilt", ())),
                 node_local=tuple(LocalRestore(int(r), str(w), str(n), int(v), int(c), int(g))
                                  for r, w, n, v, c, g in doc.get("node_local", ())),
             )
@@ -208,10 +210,12 @@ def membership_from_json(raw: bytes) -> Membership:
 
 
 def spare_to_json(w: Worker) -> bytes:
-    return json.dumps({"worker_id": w.worker_id, "node_id": w.node_id, "standby_rank": w.standby_rank}).encode()
+    return json.dumps({"worker_id": w.worker_id, "node_id": w.node_id, "standby_rank": w.standby_rank,
+                       "any_rank": w.any_rank}).encode()
 
 
 def spare_from_json(raw: bytes) -> Worker:
     doc = json.loads(raw)
     sr = doc.get("standby_rank")
-    return Worker(str(doc["worker_id"]), str(doc["node_id"]), None if sr is None else int(sr))
+    return Worker(str(doc["worker_id"]), str(doc["node_id"]), None if sr is None else int(sr),
+                  bool(doc.get("any_rank", False)))

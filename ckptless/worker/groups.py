@@ -100,6 +100,30 @@ def ensure_default_group(store: dist.Store, rank: int, world_size: int, timeout_
     dist.distributed_c10d.init_process_group = _guarded_init_process_group
 
 
+def user_groups() -> list[str]:
+    """Names of the groups this process made besides the default one (``new_group``, a mesh)."""
+    default = dist.distributed_c10d._get_default_group() if dist.is_initialized() else None
+    with _lock:
+        return [name for name, g in _registry.items() if g is not default]
+
+
+def drop_default_group() -> None:
+    """Forget the unbound default group, so :func:`ensure_default_group` makes it again under another rank.
+
+    Only for a pre-built spare taking a rank other than its standby one (``worker/adoption.py``):
+    a group's rank is fixed when it is made, and nothing is bound or in flight yet.
+    """
+    if not dist.is_initialized():
+        return
+    default = dist.distributed_c10d._get_default_group()
+    if not isinstance(default, RebindableGroup) or default.bound or user_groups():
+        raise ConfigError("default group", default.rank(),
+                          "only an unbound ckptless default group with no subgroups can change its rank")
+    dist.destroy_process_group()
+    with _lock:
+        _registry.clear()
+
+
 _torch_init_process_group = dist.init_process_group
 
 

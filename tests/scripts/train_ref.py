@@ -93,7 +93,10 @@ def main() -> None:
         exit_at = (int(os.environ["REF_EXIT_RANK"]), int(os.environ["REF_EXIT_STEP"]))
     exit_kind = os.environ.get("REF_EXIT_KIND", "raise")
 
+    # After the setup, the rank is job.rank: a pre-built spare ran the setup as its standby rank and,
+    # with --spare-any-rank, may take another rank with its objects as built (the script's contract).
     def hold(step: int) -> None:
+        rank = job.rank
         key = (rank, step)
         if key in pauses and job.ctx.role == "member":
             _announce(os.path.join(out, f"paused{pauses[key]}_rank{rank}.json"), {"pid": os.getpid(), "step": step})
@@ -104,6 +107,7 @@ def main() -> None:
                 time.sleep(0.01)
 
     def user_failure(step: int) -> None:
+        rank = job.rank
         if exit_at != (rank, step):
             return
         _announce(os.path.join(out, f"exiting_rank{rank}.json"), {"pid": os.getpid(), "step": step, "time": time.time()})
@@ -131,6 +135,8 @@ def main() -> None:
         opt.step()
         sched.step()
 
+    if job.ctx.role == "spare":  # built and about to wait for a rank: tests read which process stood by
+        _announce(os.path.join(out, f"standby_{os.getpid()}.json"), {"pid": os.getpid(), "rank": rank})
     hold(-1)
     if os.environ.get("REF_LOOP_API"):  # the loop API: the same steps, driven by the script's own for loop
         for step in job.steps(steps):
@@ -141,7 +147,7 @@ def main() -> None:
         result = RunResult(steps, steps, job.committed_version, job.generation, job.recoveries)
     else:
         result = job.run(train_step, steps)
-    write_final_state(out, rank, model, opt, sched, loader, result)
+    write_final_state(out, job.rank, model, opt, sched, loader, result)
     job.close()
 
 

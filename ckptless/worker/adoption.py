@@ -1,0 +1,70 @@
+"""A pre-built spare taking a rank other than the one it built its objects as (any-rank adoption).
+
+Why: a warm spare runs the script's setup as one *standby rank* X before anyone
+fails. With one spare per node and W ranks, the lost rank is X only 1 time in
+W; every other loss used to restart the spare as the lost rank Y (a re-exec),
+putting the script's whole setup back on the critical path. When the script
+declares its setup rank-independent (``--spare-any-rank``) and the planner saw
+that X's image and Y's image have the same layout key
+(:mod:`ckptless.state.layout`), the spare keeps its objects and takes Y: it
+receives Y's image into them like any replacement.
+
+What can still tie the built objects to X, and is checked here (a failed check
+falls back to the re-exec, which is always correct):
+
+* a process group other than the default one (``new_group`` made while X: its
+  membership was decided by X, and it cannot be re-ranked in place);
+* a protected DDP model (its reducer holds the default group object it was
+  built with); FSDP/DTensor state never gets here: its layout key holds the
+  owner rank, so no other rank's image matches it.
+
+What is re-made for Y: the (unbound) default group, so ``dist.get_rank()``
+answers Y; ckptless's own resumable data positions (``set_world``); the
+snapshot writer. Anything else the script derived from the rank during setup
+is its own contract (``docs/configuration.md``, ``--spare-any-rank``).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from ckptless.recovery.plan import RecoveryPlan
+from ckptless.recovery.wire import Membership
+from ckptless.state.ddp import HIDDEN_PREFIX
+from ckptless.worker import groups
+
+if TYPE_CHECKING:
+    from ckptless.job import Job
+
+log = logging.getLogger(__name__)
+
+
+def why_not(job: Job, m: Membership, rank: int) -> str | None:
+    """Why this pre-built spare may not take ``rank`` with its objects as built (None: it may)."""
+    d = m.decision
+    if not isinstance(d, RecoveryPlan) or rank not in d.adopt_prebuilt:
+        return "the plan did not find its standby rank's layout equal to that rank's"
+    extra = groups.user_groups()
+    if extra:
+        return f"its setup created process groups {extra} as its standby rank"
+    ddp = [n for n in job.registry.names() if n.startswith(HIDDEN_PREFIX)]
+    if ddp:
+        return f"it protects a DDP model ({ddp[0][len(HIDDEN_PREFIX):]}), whose reducer holds its standby group"
+    return None
+
+
+def take_rank(job: Job, rank: int, world_size: int) -> None:
+    """Re-make what the spare's setup made for its standby rank, for ``rank`` (see module doc)."""
+    groups.drop_default_group()
+    for name, obj in job.registry.items():
+        for target in (obj, getattr(obj, "sampler", None)):
+            set_world: Any = getattr(target, "set_world", None)
+            if callable(set_world):
+                set_world(rank, world_size)
+                log.info("protected %s now reads the data of rank %d", name, rank)
+                break
+    if job.snapshots is not None:
+        job.snapshots.close()
+        job.snapshots = None
+        job.make_snapshot_writer()
