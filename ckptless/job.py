@@ -278,7 +278,7 @@ class Job:
         if other_rank:
             why = "it is not in the plan" if assigned is None else adoption.why_not(self, m, assigned)
             if why is not None:
-                log.info("spare %s cannot take rank %s as built: %s", self.worker_id, assigned, why)
+                log.warning("spare %s cannot take rank %s as built: %s", self.worker_id, assigned, why)
                 self._reexec(assigned)
         self.seen = m
         if other_rank:

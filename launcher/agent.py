@@ -45,6 +45,7 @@ from ckptless.coordinator.session import Session
 from ckptless.errors import CkptlessError, ConfigError, CoordinatorError, RendezvousError, RendezvousTimeout
 from ckptless.launcher.args import LaunchConfig, Std
 from ckptless.metrics import MetricsExporter
+from ckptless.launcher import refill
 from ckptless.launcher.outbox import Outbox
 from ckptless.launcher.slots import Slot, SlotTable
 from ckptless.launcher.summary import render_failure
@@ -94,6 +95,8 @@ class NodeAgent:
         self._warm_started = False
         self._reexec_pending: set[int] = set()
         self._spare_records: dict[str, Worker] = {}  # worker id -> its spare record, as first written
+        self._refills_owed = 0  # --spare-refill: spares of ours that took a rank, not yet replaced
+        self._refilled = 0
         self._lost_since: float | None = None  # when our lease was found lost and could not be renewed
         self._incident_t: dict[int, float] = {}  # generation -> when its incident opened (for metrics)
         self._published_t: dict[int, float] = {}
@@ -215,6 +218,8 @@ class NodeAgent:
             for slot in self.slots.all():
                 a = by_worker.get(slot.worker_id)
                 if a is not None:
+                    if slot.spare and slot.alive and self.cfg.spare_refill:
+                        self._refills_owed += 1  # a spare of ours takes a rank: the pool owes one
                     self.slots.assign(slot.local_rank, a.rank)
                 elif slot.rank is not None:
                     if slot.alive:
@@ -427,6 +432,7 @@ class NodeAgent:
                     self._renew_session()
                 self._update_metrics()
                 self._maybe_warm(group)
+                self._maybe_refill(group)
                 code = self._done()
             self._outbox.drain()
             self._stopping.set()  # stops the hang watcher and the outbox retries
@@ -491,6 +497,39 @@ class NodeAgent:
         if ranked and all(p is not None and p.get("state") == "training" for p in progress):
             self._warm_started = True
             threading.Thread(target=group.start_server, name="ckptless-warm", daemon=True).start()
+
+    def _maybe_refill(self, group: WorkerGroup) -> None:
+        """--spare-refill: start a new spare once one of ours took a rank and that recovery is over."""
+        m = self._membership
+        if (self._refills_owed <= 0 or m is None or self._stopping.is_set() or self._status is not None
+                or not refill.recovery_over(self.slots.all(), m.generation, read_progress)):
+            return
+        with self._membership_lock:
+            self._refills_owed -= 1
+        if refill.spares_missing(self.slots.all(), self.cfg.spares) == 0:
+            return
+        k = self.cfg.spares + self._refilled
+        self._refilled += 1
+        worker_id = f"{self.node_id}/spare{k}"
+        ranks = self._standby_ranks(m.world_size, 1) if self.cfg.spare_prebuild else []
+        standby = ranks[0] if ranks else None
+        lr = group.size
+        hb = os.path.join(self._hb_dir, f"hb{lr}")
+        self.slots.add(Slot(lr, worker_id, None, hb))
+        try:
+            group.add_like(self.cfg.nproc_per_node, refill.spare_env(worker_id, lr, hb, self._exit_path(lr), standby))
+        except CkptlessError:
+            log.exception("starting spare %s failed", worker_id)
+            self.slots.exited(lr, False)
+            return
+        record = Worker(worker_id, self.node_id, standby, standby is not None and self.cfg.spare_any_rank)
+        self._spare_records[worker_id] = record
+        assert self._client is not None and self._session is not None
+        try:  # on our lease, like the first spares; a failed put is retried by the next lease renewal
+            self._client.put(self._spare_key(worker_id), spare_to_json(record), lease=self._session.lease_id)
+        except CoordinatorError as exc:
+            log.warning("spare %s is not offered yet: %s", worker_id, exc)
+        log.warning("spare %s started (standby rank %s) in place of the one that took a rank", worker_id, standby)
 
     def _check_fingerprint(self, client: EtcdClient) -> None:
         """A spare must run the job's script: one started with another script is refused at join."""

@@ -110,6 +110,7 @@ class LaunchConfig:
     warm_respawn: bool = True
     spare_prebuild: bool = True
     spare_any_rank: bool = False
+    spare_refill: bool = False
     nproc_per_node_spec: str = field(default="1", compare=False)
 
     @property
@@ -266,6 +267,9 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
     add("--no-spare-prebuild", dest="spare_prebuild", action="store_false",
         help="Spares wait in ckptless.init() and build the script's objects only once assigned a rank "
              "(default: each spare builds them as a standby rank while it waits).")
+    add("--spare-refill", action=check_env,
+        help="Keep this node's --spares N: once a spare took a rank and that recovery is over (every rank here "
+             "trains again), start a new one, so later failures also find a warm spare.")
     add("--spare-any-rank", action=check_env,
         help="The script's setup (up to job.run()) builds the same objects on every rank and keeps nothing "
              "rank-specific outside protected state, so a pre-built spare may take any lost rank whose image has "
@@ -448,6 +452,9 @@ def config_from_namespace(ns: argparse.Namespace, environ: Mapping[str, str] | N
     _check(ns.spares >= 0, "spares", ns.spares, "must be >= 0")
     _check(nproc >= 1 or ns.spares >= 1, "nproc_per_node", ns.nproc_per_node,
            "must be >= 1 (0 only for a spare-only node, with --spares N)")
+    _check(not ns.spare_refill or ns.spares >= 1, "spare_refill", True, "needs --spares N (N >= 1) to keep")
+    _check(not ns.spare_any_rank or (ns.spares >= 1 and ns.spare_prebuild), "spare_any_rank", True,
+           "needs pre-built spares: --spares N (N >= 1), without --no-spare-prebuild")
     _check(ns.snapshot_every >= 0, "snapshot_every", ns.snapshot_every, "must be >= 0 (0 = off)")
     _check(ns.snapshot_every == 0 or bool(ns.snapshot_dir), "snapshot_dir", ns.snapshot_dir,
            "--snapshot-every needs --snapshot-dir")

@@ -129,6 +129,18 @@ def make_log_layout(run_log_dir: str, attempt: int, redirects: Sequence[Std], te
     return out
 
 
+def _logs_for(logs: WorkerLogs, template: int, local_rank: int) -> WorkerLogs:
+    """``logs`` of local rank ``template``, moved to ``local_rank``'s own directory (files only)."""
+    def move(path: str | None) -> str | None:
+        if path is None or path == os.devnull or os.path.basename(os.path.dirname(path)) != str(template):
+            return path
+        d = os.path.join(os.path.dirname(os.path.dirname(path)), str(local_rank))
+        os.makedirs(d, exist_ok=True)
+        return os.path.join(d, os.path.basename(path))
+
+    return WorkerLogs(move(logs.stdout), move(logs.stderr), logs.tee_stdout, logs.tee_stderr, move(logs.error_file))
+
+
 def _pdeathsig_preexec(parent_pid: int) -> Callable[[], None] | None:
     """A preexec_fn setting PR_SET_PDEATHSIG=SIGKILL (Linux only; bound before fork)."""
     if not sys.platform.startswith("linux"):
@@ -279,6 +291,26 @@ class WorkerGroup:
                 raise WorkerError(f"local rank {local_rank} (pid {slot.proc.pid}) is still running")
             slot.env.update(env_updates or {})
         return self._spawn(local_rank, timeout, warm=True)
+
+    def add_like(self, template: int, env_updates: Mapping[str, str], timeout: float = 30.0) -> int:
+        """Start one more worker, with ``template``'s command and env plus ``env_updates``; its local rank.
+
+        Why: an agent that keeps N spares starts a new one after a spare took a rank (the taken
+        spare keeps its slot). Its output goes where the template's would, under its own local
+        rank's directory when the template writes to files (torchrun's ``attempt_<n>/<local_rank>/``).
+        """
+        src = self._slot(template)
+        with self._lock:
+            if self._stopping:
+                raise WorkerError("group is stopping, not adding a worker")
+            lr = len(self._slots)
+            logs = _logs_for(src.logs, template, lr)
+            env = dict(src.env, **env_updates)
+            if logs.error_file:
+                env["TORCHELASTIC_ERROR_FILE"] = logs.error_file
+            self._slots.append(_Slot(list(src.argv), env, logs))
+        self._spawn(lr, timeout, warm=True)
+        return lr
 
     def warm_ready(self, timeout: float) -> bool:
         """Wait up to ``timeout`` until the fork server can serve respawns; False if it cannot."""

@@ -277,3 +277,21 @@ def test_run_path_and_module_flags() -> None:
     assert cfg.run_path and cfg.training_script == "/abs/t.py"
     cfg = A.parse_args(["-m", "pkg.mod"], environ={})
     assert cfg.module and not cfg.no_python
+
+
+@pytest.mark.parametrize("argv, field", [
+    (["--spare-refill", "t.py"], "spare_refill"),
+    (["--spare-any-rank", "t.py"], "spare_any_rank"),
+    (["--spares", "1", "--no-spare-prebuild", "--spare-any-rank", "t.py"], "spare_any_rank"),
+])
+def test_spare_options_need_the_spares_they_act_on(argv: list[str], field: str) -> None:
+    with pytest.raises(ConfigError) as ei:
+        A.parse_args(argv, environ={})
+    assert ei.value.field == field
+
+
+def test_spare_options_parse_and_read_their_env() -> None:
+    cfg = A.parse_args(["--spares", "1", "--spare-refill", "--spare-any-rank", "t.py"], environ={})
+    assert cfg.spare_refill and cfg.spare_any_rank
+    env = A.parse_args(["--spares", "1", "t.py"], environ={"PET_SPARE_REFILL": "1", "PET_SPARE_ANY_RANK": "1"})
+    assert env.spare_refill and env.spare_any_rank

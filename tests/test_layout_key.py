@@ -70,7 +70,8 @@ def test_holder_caches_the_key_per_slot_and_forgets_it_with_the_image() -> None:
 
 
 def test_wire_carries_keys_spare_flags_and_adoptions() -> None:
-    rep = WorkerReport("a/w0", 3, 3, frozenset({3}), (ReplicaFact(1, 3, 4, "abc"), ReplicaFact(2, 3, 4)))
+    rep = WorkerReport("a/w0", 3, 3, frozenset({3}), (ReplicaFact(1, 3, 4, "abc"), ReplicaFact(2, 3, 4)),
+                       ((3, "def"),))
     assert report_from_json(report_to_json(rep)) == rep
     legacy = b'{"worker_id": "a/w0", "newest_captured": 3, "committed": 3, "local_versions": [3], "replicas": [[1, 3, 4]]}'
     assert report_from_json(legacy).replicas == (ReplicaFact(1, 3, 4, ""),)

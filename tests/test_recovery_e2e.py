@@ -143,6 +143,41 @@ def test_any_rank_spare_takes_another_rank_as_built(module_etcd: EmbeddedEtcd, t
         f"rank 1 ran in pid {last['pid']}, not in the spare that stood by as rank 0 ({standby}): it was re-executed")
 
 
+def test_spare_refill_serves_a_second_failure_from_a_new_prebuilt_spare(module_etcd: EmbeddedEtcd, tmp_path: Path,
+                                                                        baseline: dict) -> None:
+    """--spare-refill: the spare node keeps one spare. Rank 1 dies and its spare takes it; once that
+    recovery is over a new spare pre-builds; rank 2 dies later and the new spare takes it as built."""
+    import json
+
+    c = _cluster(module_etcd, tmp_path, "refill", REF_PAUSE_RANK="1", REF_PAUSE_STEP="5",
+                 REF_PAUSE_RANK2="2", REF_PAUSE_STEP2="9")
+    try:
+        c.start_agent()
+        c.start_agent()
+        c.start_agent("--spares", "1", "--spare-any-rank", "--spare-refill", nproc=0)
+
+        def standbys() -> dict[int, int]:
+            docs = [json.loads(p.read_text()) for p in c.out.glob("standby_*.json")]
+            return {d["pid"]: d["rank"] for d in docs}
+
+        first = c.paused_pid(1)
+        wait_until(lambda: len(standbys()) == 1, 120, "the first spare built and standing by")
+        os.kill(first, signal.SIGKILL)
+        second = c.paused_pid(2, "2")
+        wait_until(lambda: len(standbys()) == 2, 120, "a new spare built once the first took rank 1")
+        os.kill(second, signal.SIGKILL)
+        c.wait()
+    finally:
+        c.kill_all()
+    assert_bitwise_equal(c.finals(), baseline)
+    _survivors_kept_pids(c, {1, 2})
+    by_pid = standbys()
+    took = {r: c.pids(r)[-1]["pid"] for r in (1, 2)}
+    # each stood by as rank 0 (the lowest rank no spare covered): a re-exec would have announced 1 or 2
+    assert all(by_pid.get(p) == 0 for p in took.values()) and took[1] != took[2], (
+        f"ranks 1 and 2 must run in the two spares that stood by: {took}, spares {by_pid}")
+
+
 def test_two_failures_in_different_placement_groups(module_etcd: EmbeddedEtcd, tmp_path: Path, baseline: dict) -> None:
     a, b = independent_pair()
     c = _cluster(module_etcd, tmp_path, "two", REF_PAUSE_RANK=str(a), REF_PAUSE_STEP="5",

@@ -404,3 +404,14 @@ def test_layout_keys_reported_twice_differently_are_unknown() -> None:
     reps = list(f.reports)
     reps[0] = replace(reps[0], replicas=reps[0].replicas + (ReplicaFact(1, 100, 10, "Z"),))
     assert not same_layout(layout_index(replace(f, reports=tuple(reps))), 1, 3)
+
+
+def test_a_standby_ranks_layout_is_known_from_its_own_image() -> None:
+    """The standby rank's only holder died with it (found by the refill e2e test): its own report's
+    own_layouts still tell the planner its layout."""
+    fits = Worker("b/spare", "b", standby_rank=0, any_rank=True)
+    f = _layouts(_example(spares=(fits,)), {1: "L"})  # nobody holds a replica of rank 0
+    assert plan_recovery(f).adopt_prebuilt == ()  # type: ignore[union-attr]
+    reps = tuple(replace(r, own_layouts=((100, "L"), (101, "L"))) if r.worker_id == "a/w0" else r for r in f.reports)
+    d = plan_recovery(replace(f, reports=reps))
+    assert isinstance(d, RecoveryPlan) and d.rank_to_worker[1] == "b/spare" and d.adopt_prebuilt == (1,)

@@ -23,6 +23,7 @@ from ckptless.errors import RecoveryError, SnapshotError, UnrecoverableError
 from ckptless.mirror import ownimage
 from ckptless.mirror.store import PeerStore, StoredImage
 from ckptless.recovery.facts import ReplicaFact, WorkerReport
+from ckptless.state.layout import manifest_layout_key
 from ckptless.recovery.plan import Decision, DiskFallback, LocalRestore, RecoveryPlan
 from ckptless.recovery.transfer import Received, execute_transfers
 from ckptless.recovery.wire import Membership
@@ -126,7 +127,24 @@ def build_report(worker_id: str, own: list[StoredImage], store: PeerStore | None
         committed=committed,
         local_versions=frozenset(local),
         replicas=tuple(replicas[k] for k in sorted(replicas)),
+        own_layouts=tuple(sorted({(img.manifest.version, _own_layout(img)) for img in own
+                                  if img.manifest.version in local})),
     )
+
+
+_OWN_LAYOUTS: dict[int, tuple[object, str]] = {}  # id(manifest) -> (manifest, key): a rank's few own images
+
+
+def _own_layout(img: StoredImage) -> str:
+    """The layout key of one of this rank's own images, computed once per image (a few ms at most)."""
+    hit = _OWN_LAYOUTS.get(id(img.manifest))
+    if hit is not None and hit[0] is img.manifest:
+        return hit[1]
+    key = manifest_layout_key(img.manifest)
+    if len(_OWN_LAYOUTS) >= 8:
+        _OWN_LAYOUTS.clear()
+    _OWN_LAYOUTS[id(img.manifest)] = (img.manifest, key)
+    return key
 
 
 def _own_image(own: list[StoredImage], version: int) -> StoredImage:

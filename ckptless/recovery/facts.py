@@ -119,7 +119,10 @@ class WorkerReport:
     finished restoring reports ``local_versions=frozenset()`` and ``None`` for
     both versions: the planner then treats its rank as needing an image,
     exactly like a lost rank (this is what makes a failure *during* recovery
-    plannable from facts alone).
+    plannable from facts alone). ``own_layouts``: ``(version, layout key)`` of
+    its own images (:mod:`ckptless.state.layout`); with the replicas' keys they
+    tell the planner which pre-built spares fit which rank, also for a rank
+    whose only holder is the one that died.
     """
 
     worker_id: str
@@ -127,6 +130,7 @@ class WorkerReport:
     committed: int | None
     local_versions: frozenset[int] = frozenset()
     replicas: tuple[ReplicaFact, ...] = ()
+    own_layouts: tuple[tuple[int, str], ...] = ()
 
     def __post_init__(self) -> None:
         where = f"report[{self.worker_id}]"

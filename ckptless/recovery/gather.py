@@ -83,7 +83,8 @@ def sanitize_reports(
             continue
         rep = rec.report
         replicas = _clean_replicas(rep, a.rank, world, notes)
-        out[a.rank] = WorkerReport(rep.worker_id, rep.newest_captured, rep.committed, rep.local_versions, replicas)
+        out[a.rank] = WorkerReport(rep.worker_id, rep.newest_captured, rep.committed, rep.local_versions, replicas,
+                                   tuple((v, k) for v, k in rep.own_layouts if v in rep.local_versions))
     # Holders must agree on an image's size; a disagreement means one of them is wrong: trust neither.
     sizes: dict[tuple[int, int], set[int]] = {}
     for rep in out.values():
@@ -93,8 +94,7 @@ def sanitize_reports(
     if conflicts:
         for owner, version in sorted(conflicts):
             notes.append(f"holders disagree on the size of owner {owner} v{version}; not using that version")
-        out = {r: WorkerReport(rep.worker_id, rep.newest_captured, rep.committed, rep.local_versions,
-                               tuple(f for f in rep.replicas if (f.owner, f.version) not in conflicts))
+        out = {r: replace(rep, replicas=tuple(f for f in rep.replicas if (f.owner, f.version) not in conflicts))
                for r, rep in out.items()}
     return out
 

@@ -326,14 +326,18 @@ def _best_spare(spares: list[Worker], holder_nodes: set[str], used_nodes: set[st
 
 
 def layout_index(facts: PlanningFacts) -> dict[int, dict[int, str]]:
-    """owner -> version -> layout key, from the live holders' reports; a version reported with two
+    """owner -> version -> layout key, from the live workers' reports (their replicas and their own
+    images); a version reported with two
     different keys (or with none) is left out: unknown, so no spare is adopted on its strength."""
     alive = {s.worker.worker_id for s in facts.members if s.alive}
     seen: dict[tuple[int, int], set[str]] = {}
+    rank_of = {s.worker.worker_id: s.rank for s in facts.members if s.alive}
     for rep in facts.reports:
         if rep.worker_id in alive:
             for f in rep.replicas:
                 seen.setdefault((f.owner, f.version), set()).add(f.layout)
+            for version, key in rep.own_layouts:
+                seen.setdefault((rank_of[rep.worker_id], version), set()).add(key)
     out: dict[int, dict[int, str]] = {}
     for (owner, version), keys in seen.items():
         if len(keys) == 1 and "" not in keys:

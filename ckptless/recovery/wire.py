@@ -76,6 +76,7 @@ def report_to_json(r: WorkerReport) -> bytes:
         "committed": r.committed,
         "local_versions": sorted(r.local_versions),
         "replicas": [[f.owner, f.version, f.n_chunks, f.layout] for f in r.replicas],
+        "own_layouts": [[v, k] for v, k in r.own_layouts],
     }).encode()
 
 
@@ -90,6 +91,7 @@ def report_from_json(raw: bytes) -> WorkerReport:
             local_versions=frozenset(int(v) for v in _get(doc, "local_versions", list, what)),
             replicas=tuple(ReplicaFact(int(f[0]), int(f[1]), int(f[2]), str(f[3]) if len(f) > 3 else "")
                            for f in _get(doc, "replicas", list, what)),
+            own_layouts=tuple((int(v), str(k)) for v, k in doc.get("own_layouts", ())),
         )
     except (ValueError, TypeError) as exc:
         raise RecoveryError(f"{what} is malformed: {raw[:200]!r}") from exc
