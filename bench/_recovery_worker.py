@@ -99,6 +99,8 @@ def run_ckptless(out: str) -> None:
     model, opt = _build(rank)
     job.protect(model=model, optimizer=opt)
     t_built = time.monotonic()
+    if job.ctx.role == "spare":  # built (a pre-built spare: as its standby rank) and about to wait
+        _announce(os.path.join(out, f"spare_built_{os.getpid()}.json"), {"pid": os.getpid(), "t": t_built})
     recorded: list[int] = []
 
     def record() -> None:

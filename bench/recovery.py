@@ -204,8 +204,12 @@ def _steady_step(evs: list[dict[str, Any]], gen: int) -> float:
 #: only receives bytes: the best case); "spare-other": another rank dies, so the rank-exact spare
 #: restarts as it (setup on the critical path: the likely case with one spare and W ranks);
 #: "spare-any": another rank dies and the spare takes it as built (--spare-any-rank).
+#: "standby": no spare node; the ranks' own agent keeps one spare (--spares 1 --spare-any-rank
+#: --spare-refill), every kill hits a rank it was not built as, and each recovery's refill is
+#: pre-built before the next kill: what a respawn costs when every node keeps a standby.
 MODE_LABELS = {"spare": "spare", "spare-other": "spare, other rank (re-exec)",
-               "spare-any": "spare, other rank (--spare-any-rank)", "respawn": "respawn"}
+               "spare-any": "spare, other rank (--spare-any-rank)",
+               "standby": "standby on the node (any rank, refilled)", "respawn": "respawn"}
 
 
 def run_ckptless(etcd_ep: str, size: int, world: int, spares: int, respawns: int, workdir: Path,
@@ -219,7 +223,7 @@ def run_ckptless(etcd_ep: str, size: int, world: int, spares: int, respawns: int
     # spare covers), so the spare cases kill those ranks: the spare then only receives bytes.
     # Respawns hit the last rank (still on the main agent).
     # "spare-other"/"spare-any": kill ranks W-1, W-2, ... which no spare stands by for.
-    other = spare_mode in ("spare-other", "spare-any")
+    other = spare_mode in ("spare-other", "spare-any", "standby")
     victims = [world - 1 - i if other else i for i in range(spares)] + [world - 1] * respawns
     gap = 3
     pauses = [(victims[i], 4 + gap * i) for i in range(kills)]
@@ -247,15 +251,18 @@ def run_ckptless(etcd_ep: str, size: int, world: int, spares: int, respawns: int
 
     results: list[Recovery] = []
     try:
-        agent("--nproc-per-node", str(world))
-        if spares:
+        standby = spare_mode == "standby"
+        agent("--nproc-per-node", str(world),
+              *(["--spares", "1", "--spare-any-rank", "--spare-refill"] if standby and spares else []))
+        if spares and not standby:
             agent("--nproc-per-node", "0", "--spares", str(spares),
                   *(["--spare-any-rank"] if spare_mode == "spare-any" else []))
         for i, (victim, step) in enumerate(pauses):
             doc = _wait_file(out / f"pause{i}.json", 300, procs)
-            if i < spares:  # the spares must be warm (torch imported, waiting on the coordinator)
+            if i < spares:  # the spares must be warm and built (a refilled standby: the new one too)
+                need = i + 1 if spare_mode == "standby" else spares
                 deadline = time.monotonic() + 120
-                while len(list(out.glob("spare_ready_*.json"))) < spares and time.monotonic() < deadline:
+                while len(list(out.glob("spare_built_*.json"))) < need and time.monotonic() < deadline:
                     time.sleep(0.05)
             time.sleep(_settle(size, world))
             t_kill = time.monotonic()
@@ -581,7 +588,7 @@ def main(argv: list[str] | None = None) -> int:
         for size, world, n in cases:
             ck += run_ckptless(etcd.endpoint, size, world, spares=n if "spare" in ns.modes else 0,
                                respawns=n if "respawn" in ns.modes else 0, workdir=work, log=log)
-            for extra in ("spare-other", "spare-any"):
+            for extra in ("spare-other", "spare-any", "standby"):
                 if extra in ns.modes and world >= 2 * n:  # victims must differ from the standby ranks
                     ck += run_ckptless(etcd.endpoint, size, world, spares=n, respawns=0, workdir=work, log=log,
                                        spare_mode=extra)
