@@ -70,6 +70,7 @@ class ClusterSpec:
     spares_per_node: int = 0
     spare_nodes: int = 0
     spares_per_spare_node: int = 2
+    spare_node_args: tuple[str, ...] = ()  # extra ckptless-run flags of the spare-only agents
     hang_timeout: float | None = None
     snapshot_every: int = 0
     lease_ttl: float = 1.0
@@ -208,13 +209,13 @@ class LocalCluster:
         for _ in range(self.spec.nodes - 1):
             self._start_agent(self.spec.nproc_per_node, self.spec.spares_per_node)
         for _ in range(self.spec.spare_nodes):
-            self._start_agent(0, self.spec.spares_per_spare_node)
+            self._start_agent(0, self.spec.spares_per_spare_node, self.spec.spare_node_args)
 
-    def _start_agent(self, nproc: int, spares: int) -> Agent:
+    def _start_agent(self, nproc: int, spares: int, extra_args: tuple[str, ...] = ()) -> Agent:
         s = self.spec
         args = ["--nnodes", str(s.nodes), "--nproc-per-node", str(nproc), "--rdzv-id", self.job_id,
                 "--rdzv-endpoint", self.endpoint, "--lease-ttl", str(s.lease_ttl),
-                "--goodput-dir", str(self.goodput_dir)]
+                "--goodput-dir", str(self.goodput_dir), *extra_args]
         if spares:
             args += ["--spares", str(spares)]
         if s.hang_timeout:

@@ -226,6 +226,10 @@ def inject_step(cluster: LocalCluster, indexed: list[tuple[int, Fault]], snapsho
             for i, f in indexed for r in f.targets}
     if cluster.spec.snapshot_every:
         wait_for(lambda: any(cluster.snapshot_dir.rglob("COMPLETE.json")), snapshot_wait_s, "a complete snapshot")
+    if "--spare-refill" in cluster.spec.spare_node_args:  # a refilled spare is what such a scenario checks
+        want = cluster.spec.spare_nodes * cluster.spec.spares_per_spare_node
+        wait_for(lambda: len(cluster.client().get_prefix(cluster.keyspace.spares_prefix)[0]) >= want,
+                 snapshot_wait_s, f"{want} spare(s) offered again (--spare-refill)")
     if in_recovery:
         arm_leader_hold(cluster.out)  # this incident's plan is the next one any leader publishes
     done: list[Injection] = []

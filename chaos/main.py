@@ -163,6 +163,11 @@ def catalogue() -> dict[str, Scenario]:
              "mirror lost: fall back to the disk snapshot", ClusterSpec(steps=STEPS, snapshot_every=2),
              ScheduleConfig(steps=STEPS, max_concurrent=2, allow_beyond_k=True),
              [Fault(7, FaultKind.KILL_WORKER, (0, holder))], expect_disk=True),
+        _one("spare-any-refill", "SIGKILL rank 1 at step 4, rank 2 at step 9; one spare, --spare-any-rank "
+             "--spare-refill", "the spare (built as rank 0) takes rank 1 in place; a refilled one takes rank 2",
+             ClusterSpec(steps=STEPS, spare_nodes=1, spares_per_spare_node=1,
+                         spare_node_args=("--spare-any-rank", "--spare-refill")),
+             cfg, [Fault(4, FaultKind.KILL_WORKER, (1,)), Fault(9, FaultKind.KILL_WORKER, (2,))]),
         *partition_scenarios(),
     ]
     return {s.name: s for s in items}

@@ -136,11 +136,13 @@ def main() -> None:
     params = list(model.parameters())
     every = max(10, steps // 10)  # ~10 progress lines per run
 
+    # After the setup the rank is job.rank, never the ``rank`` read above: a pre-built spare ran the
+    # setup as its standby rank and, with --spare-any-rank, may take another rank as built.
     def train_step(step: int) -> None:
         record_pid()
-        tag = pauses.get((rank, step))
+        tag = pauses.get((job.rank, step))
         if tag is not None:
-            _hold(out, tag, rank, step)
+            _hold(out, tag, job.rank, step)
         tokens, labels = loader.next_batch()
         # Label smoothing drawn from python and numpy RNG: both streams must be restored exactly.
         smooth = 0.05 + 0.01 * random.random() + 0.01 * float(np.random.rand())
@@ -150,7 +152,7 @@ def main() -> None:
         grads = [p.grad for p in params if p.grad is not None]
         assert len(grads) == len(params), "every parameter takes part in the loss"
         flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat)  # by hand: DDP is not rebound after a recovery
+        dist.all_reduce(flat)  # by hand, to keep the demo small (examples/ddp_train.py wraps the model in DDP)
         flat /= world
         off = 0
         for g in grads:
@@ -160,11 +162,11 @@ def main() -> None:
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         sched.step()
-        if rank == 0 and (step + 1) % every == 0:
+        if job.rank == 0 and (step + 1) % every == 0:
             print(f"[train_demo] step {step + 1}/{steps} loss {loss.item():.4f} gen {job.generation}", flush=True)
 
     result = job.run(train_step, steps)
-    write_final_state(out, rank, model, opt, sched, loader, result)
+    write_final_state(out, job.rank, model, opt, sched, loader, result)
     job.close()
 
 

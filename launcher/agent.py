@@ -502,6 +502,7 @@ class NodeAgent:
         """--spare-refill: start a new spare once one of ours took a rank and that recovery is over."""
         m = self._membership
         if (self._refills_owed <= 0 or m is None or self._stopping.is_set() or self._status is not None
+                or m.generation in self._incident_t  # another failure: wait for its recovery too
                 or not refill.recovery_over(self.slots.all(), m.generation, read_progress)):
             return
         with self._membership_lock:

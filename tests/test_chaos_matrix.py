@@ -91,7 +91,7 @@ def test_matrix_seeded(seed: int, baselines: BaselineCache) -> None:
 def test_catalogue_is_valid_and_named_uniquely() -> None:
     cat = catalogue()
     assert {"kill-worker", "hang-worker", "node-loss", "leader-loss", "etcd-restart", "two-groups",
-            "beyond-k-disk"} <= set(cat)
+            "beyond-k-disk", "spare-any-refill"} <= set(cat)
     for sc in cat.values():
         assert sc.schedule.faults and sc.fault and sc.expected
         if any(f.kind is FaultKind.HANG_WORKER for f in sc.schedule.faults):
