@@ -87,7 +87,7 @@ def main() -> None:
         for _ in range(args.reps):
             old.append(timed(reg, img, in_place=False))
             new.append(timed(reg, img, in_place=True))
-        (o, rep_old), (n, rep_new) = min(old, key=lambda r: r[0]), min(new, key=lambda r: r[0])
+        (o, _), (n, rep_new) = min(old, key=lambda r: r[0]), min(new, key=lambda r: r[0])
         assert rep_new.cloned_bytes < MIB, rep_new.fallbacks()
         print(
             f"| {size} MiB | {layout} | {nbytes / MIB:.0f} | {o:.3f} | {nbytes / o / 1e9:.2f} | {n:.3f} "

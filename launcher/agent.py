@@ -21,7 +21,6 @@ whatever the coordinator decided meanwhile).
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shutil

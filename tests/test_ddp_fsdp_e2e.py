@@ -29,7 +29,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-import torch
 
 from ckptless.coordinator.embedded import EmbeddedEtcd
 

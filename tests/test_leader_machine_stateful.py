@@ -24,7 +24,7 @@ from ckptless.recovery.leader_machine import (
     is_terminal,
 )
 
-from .leader_sim import CFG, Leader, World
+from .leader_sim import Leader, World
 
 
 class LeaderSim(RuleBasedStateMachine):

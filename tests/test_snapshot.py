@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import errno
-import json
 import logging
 import random
 import subprocess

@@ -221,13 +221,8 @@ def _transfer_ahead(job: Job, m: Membership, deadline: float) -> None:
     ahead, job.transfer_ahead = job.transfer_ahead, None
     if ahead is not None and ahead[0] == m.generation:
         _, t, box = ahead
-        while t.is_alive():
-            t.join(0.01)
-            why = _abort_reason(job, m.generation)
-            if why is not None and t.is_alive():
-                raise groups.FormationAborted(f"forming generation {m.generation} abandoned: {why}")
-            if time.monotonic() > deadline and t.is_alive():
-                raise groups.FormationAborted(f"generation {m.generation}'s transfers did not finish in time")
+        groups.wait_thread(t, m.generation, deadline, lambda: _abort_reason(job, m.generation),
+                           "transfers did not finish")
         if "error" in box:
             raise box["error"]
         received = box.get("received")

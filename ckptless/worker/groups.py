@@ -198,16 +198,23 @@ def _abortable(fn: Callable[[], Any], generation: int, deadline: float, abort: A
     worker = threading.Thread(target=run, name=f"ckptless-{what}-g{generation}", daemon=True)
     worker.start()
     exit_guard.watch(worker.is_alive, worker.join)
+    wait_thread(worker, generation, deadline, abort, "communicators did not connect")
+    if error:
+        raise TransportError(f"forming generation {generation} failed: {error[0]}") from error[0]
+    return out[0]
+
+
+def wait_thread(worker: threading.Thread, generation: int, deadline: float, abort: Abort | None,
+                late: str) -> None:
+    """Wait for ``worker`` (a formation step of ``generation`` run off the caller's thread), giving up
+    with :class:`FormationAborted` on ``abort()`` or at the deadline ("generation G's <late> in time")."""
     while worker.is_alive():
         worker.join(0.01)
         why = abort() if abort is not None else None
         if why is not None and worker.is_alive():
             raise FormationAborted(f"forming generation {generation} abandoned: {why}")
         if time.monotonic() > deadline and worker.is_alive():
-            raise FormationAborted(f"generation {generation}'s communicators did not connect in time")
-    if error:
-        raise TransportError(f"forming generation {generation} failed: {error[0]}") from error[0]
-    return out[0]
+            raise FormationAborted(f"generation {generation}'s {late} in time")
 
 
 def form_mirror_group(store: dist.Store, generation: int, rank: int, world_size: int, timeout_s: float,
