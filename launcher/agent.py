@@ -47,16 +47,17 @@ from ckptless.metrics import MetricsExporter
 from ckptless.launcher import refill
 from ckptless.launcher.outbox import Outbox
 from ckptless.launcher.slots import Slot, SlotTable
+from ckptless.launcher.spares import SparePool
 from ckptless.launcher.summary import render_failure
 from ckptless.launcher.worker_env import WorkerLayout, build_command, worker_env
 from ckptless.launcher.watchdog import watch_hangs
 from ckptless.launcher.workers import WorkerExit, WorkerGroup
-from ckptless.recovery.facts import NodeLocalImage, Worker
+from ckptless.recovery.facts import NodeLocalImage
 from ckptless.recovery.leader import RecoveryLeader, write_initial_membership
 from ckptless.recovery.leader_machine import LeaderConfig
 from ckptless.recovery.plan import Assignment, DiskFallback
 from ckptless.recovery.view import ExitRecord, JobStatus
-from ckptless.recovery.wire import Membership, membership_from_json, spare_from_json, spare_to_json
+from ckptless.recovery.wire import Membership, membership_from_json
 from ckptless.worker import exit_file
 from ckptless.worker.heartbeat import read_progress
 from ckptless.worker.ledger import leader_sink
@@ -93,9 +94,8 @@ class NodeAgent:
         self._metrics: MetricsExporter | None = None
         self._warm_started = False
         self._reexec_pending: set[int] = set()
-        self._spare_records: dict[str, Worker] = {}  # worker id -> its spare record, as first written
-        self._refills_owed = 0  # --spare-refill: spares of ours that took a rank, not yet replaced
-        self._refilled = 0
+        self.spares = SparePool(self.keyspace, self.node_id, lambda: self._client,
+                                any_rank=cfg.spare_any_rank, refill=cfg.spare_refill)
         self._lost_since: float | None = None  # when our lease was found lost and could not be renewed
         self._incident_t: dict[int, float] = {}  # generation -> when its incident opened (for metrics)
         self._published_t: dict[int, float] = {}
@@ -160,7 +160,7 @@ class NodeAgent:
         elif slot.rank is not None:
             self._outbox.put(self.keyspace.worker_exit(slot.rank), rec.to_json(), f"the exit of rank {slot.rank}")
         else:  # a spare that died is never assigned: it leaves the pool at once
-            self._outbox.delete(self._spare_key(slot.worker_id), f"spare {slot.worker_id}")
+            self._outbox.delete(self.spares.key(slot.worker_id), f"spare {slot.worker_id}")
         if not ex.succeeded and not ex.requested:
             log.error("%s", rec.describe())
             if slot.rank is not None:
@@ -217,8 +217,8 @@ class NodeAgent:
             for slot in self.slots.all():
                 a = by_worker.get(slot.worker_id)
                 if a is not None:
-                    if slot.spare and slot.alive and self.cfg.spare_refill:
-                        self._refills_owed += 1  # a spare of ours takes a rank: the pool owes one
+                    if slot.spare and slot.alive:
+                        self.spares.took_rank()  # --spare-refill: the pool owes one
                     self.slots.assign(slot.local_rank, a.rank)
                 elif slot.rank is not None:
                     if slot.alive:
@@ -301,11 +301,7 @@ class NodeAgent:
         self._lost_since = None
         self._session = session
         Rendezvous(self._client, self.keyspace, session).register(self._me)
-        for slot in self.slots.all():
-            if slot.spare and slot.alive:
-                # The record as first written: a pre-built spare keeps its standby rank on the new lease.
-                record = self._spare_records.get(slot.worker_id, Worker(slot.worker_id, self.node_id))
-                self._client.put(self._spare_key(slot.worker_id), spare_to_json(record), lease=session.lease_id)
+        self.spares.offer_again([s.worker_id for s in self.slots.all() if s.spare and s.alive], session.lease_id)
         if self._leader is not None:
             self._leader.stop()
             self._leader = self._start_leader(session)
@@ -500,18 +496,14 @@ class NodeAgent:
     def _maybe_refill(self, group: WorkerGroup) -> None:
         """--spare-refill: start a new spare once one of ours took a rank and that recovery is over."""
         m = self._membership
-        if (self._refills_owed <= 0 or m is None or self._stopping.is_set() or self._status is not None
+        if (not self.spares.refill_owed or m is None or self._stopping.is_set() or self._status is not None
                 or m.generation in self._incident_t  # another failure: wait for its recovery too
                 or not refill.recovery_over(self.slots.all(), m.generation, read_progress)):
             return
-        with self._membership_lock:
-            self._refills_owed -= 1
-        if refill.spares_missing(self.slots.all(), self.cfg.spares) == 0:
+        worker_id = self.spares.next_refill(self.cfg.spares)
+        if worker_id is None or refill.spares_missing(self.slots.all(), self.cfg.spares) == 0:
             return
-        k = self.cfg.spares + self._refilled
-        self._refilled += 1
-        worker_id = f"{self.node_id}/spare{k}"
-        ranks = self._standby_ranks(m.world_size, 1) if self.cfg.spare_prebuild else []
+        ranks = self.spares.standby_ranks(m.world_size, 1) if self.cfg.spare_prebuild else []
         standby = ranks[0] if ranks else None
         lr = group.size
         hb = os.path.join(self._hb_dir, f"hb{lr}")
@@ -522,13 +514,8 @@ class NodeAgent:
             log.exception("starting spare %s failed", worker_id)
             self.slots.exited(lr, False)
             return
-        record = Worker(worker_id, self.node_id, standby, standby is not None and self.cfg.spare_any_rank)
-        self._spare_records[worker_id] = record
-        assert self._client is not None and self._session is not None
-        try:  # on our lease, like the first spares; a failed put is retried by the next lease renewal
-            self._client.put(self._spare_key(worker_id), spare_to_json(record), lease=self._session.lease_id)
-        except CoordinatorError as exc:
-            log.warning("spare %s is not offered yet: %s", worker_id, exc)
+        assert self._session is not None
+        self.spares.offer_quietly(worker_id, standby, self._session.lease_id)  # on our lease, like the first
         log.warning("spare %s started (standby rank %s) in place of the one that took a rank", worker_id, standby)
 
     def _check_fingerprint(self, client: EtcdClient) -> None:
@@ -663,9 +650,6 @@ class NodeAgent:
             return EtcdConfig((server.endpoint,))
         return EtcdConfig.from_env((str(cfg.rdzv_endpoint),))
 
-    def _spare_key(self, worker_id: str) -> str:
-        return f"{self.keyspace.spares_prefix}{worker_id.replace('/', ':')}"
-
     def _spawn(self, etcd_config: EtcdConfig, result: RendezvousResult) -> WorkerGroup:
         cfg = self.cfg
         assert self._client is not None and self._session is not None
@@ -694,7 +678,7 @@ class NodeAgent:
             common["CKPTLESS_SNAPSHOT_DIR"] = os.path.abspath(cfg.snapshot_dir)
             common["CKPTLESS_SNAPSHOT_EVERY"] = str(cfg.snapshot_every)
         envs = []
-        standby = self._standby_ranks(result.world_size, cfg.spares)
+        standby = self.spares.standby_ranks(result.world_size, cfg.spares)
         for lr in range(cfg.nproc_per_node + cfg.spares):
             spare = lr >= cfg.nproc_per_node
             worker_id = f"{self.node_id}/spare{lr - cfg.nproc_per_node}" if spare else f"{self.node_id}/w{lr}"
@@ -722,29 +706,11 @@ class NodeAgent:
         for slot in self.slots.all():
             if slot.rank is None:  # a warm spare: in the pool, on our lease (gone with this node)
                 sb = standby[slot.local_rank - cfg.nproc_per_node] if standby and cfg.spare_prebuild else None
-                record = Worker(slot.worker_id, self.node_id, sb, sb is not None and cfg.spare_any_rank)
-                self._spare_records[slot.worker_id] = record
-                self._client.put(self._spare_key(slot.worker_id), spare_to_json(record), lease=self._session.lease_id)
+                self.spares.offer(slot.worker_id, sb, self._session.lease_id)
         if cfg.nproc_per_node == 0 and group.warm_enabled:  # nothing trains here: warm it now
             self._warm_started = True
             threading.Thread(target=group.start_server, name="ckptless-warm", daemon=True).start()
         return group
-
-    def _standby_ranks(self, world_size: int, n: int) -> list[int]:
-        """Ranks for this node's spares to pre-build as: those no other spare covers yet, lowest first."""
-        if n == 0 or self._client is None:
-            return []
-        kvs, _ = self._client.get_prefix(self.keyspace.spares_prefix)
-        covered = set()
-        for kv in kvs:
-            try:
-                w = spare_from_json(kv.value)
-            except (ValueError, KeyError, TypeError):
-                continue
-            if w.standby_rank is not None:
-                covered.add(w.standby_rank)
-        free = [r for r in range(world_size) if r not in covered] or list(range(world_size))
-        return [free[i % len(free)] for i in range(n)]
 
 
 class AgentOutcome:
