@@ -49,7 +49,7 @@ from ckptless.launcher.outbox import Outbox
 from ckptless.launcher.slots import Slot, SlotTable
 from ckptless.launcher.spares import SparePool
 from ckptless.launcher.summary import render_failure
-from ckptless.launcher.worker_env import WorkerLayout, build_command, worker_env
+from ckptless.launcher.worker_env import WorkerLayout, build_command, ckptless_env_from_config, worker_env
 from ckptless.launcher.watchdog import watch_hangs
 from ckptless.launcher.workers import WorkerExit, WorkerGroup
 from ckptless.recovery.facts import NodeLocalImage
@@ -659,24 +659,8 @@ class NodeAgent:
             master_addr=result.master.host, master_port=result.master.store_port,
             run_id=cfg.run_id, role=cfg.role, restart_count=0, max_restarts=cfg.max_restarts,
         )
-        common = {
-            "CKPTLESS_ETCD_ENDPOINT": ",".join(etcd_config.endpoints),
-            "CKPTLESS_JOB_ID": cfg.run_id,
-            "CKPTLESS_NODE_ID": self.node_id,
-            "CKPTLESS_GENERATION": "0",
-            "CKPTLESS_REPLICAS": str(cfg.replicas if self.recovery else 0),
-            "CKPTLESS_MIRROR_EVERY": str(cfg.mirror_every),
-            "CKPTLESS_PLACEMENT": cfg.placement,
-        }
-        if cfg.goodput_dir:
-            common["CKPTLESS_GOODPUT_DIR"] = os.path.abspath(cfg.goodput_dir)
-        if cfg.shm_dir:
-            common["CKPTLESS_SHM_DIR"] = os.path.abspath(cfg.shm_dir)
-        if cfg.local_addr:  # workers' Gloo binds here too (see worker/rebindable.new_gloo)
-            common["CKPTLESS_LOCAL_ADDR"] = cfg.local_addr
-        if cfg.snapshot_dir:  # also without --snapshot-every: a restarted job resumes from it
-            common["CKPTLESS_SNAPSHOT_DIR"] = os.path.abspath(cfg.snapshot_dir)
-            common["CKPTLESS_SNAPSHOT_EVERY"] = str(cfg.snapshot_every)
+        common = ckptless_env_from_config(cfg, etcd_endpoint=",".join(etcd_config.endpoints), node_id=self.node_id,
+                                          generation=0, recovery=self.recovery)
         envs = []
         standby = self.spares.standby_ranks(result.world_size, cfg.spares)
         for lr in range(cfg.nproc_per_node + cfg.spares):

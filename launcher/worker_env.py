@@ -15,6 +15,7 @@ and ``launcher.api.launch_agent`` (TORCHELASTIC_SIGNALS_TO_HANDLE).
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -173,24 +174,31 @@ def worker_env(layout: WorkerLayout, local_rank: int, parent_env: Mapping[str, s
     return env
 
 
-def ckptless_env_from_config(cfg: LaunchConfig, *, etcd_endpoint: str, node_id: str,
-                             generation: int, extra: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The ``CKPTLESS_*`` variables derived from a LaunchConfig (the agent adds the rest)."""
+def ckptless_env_from_config(cfg: LaunchConfig, *, etcd_endpoint: str, node_id: str, generation: int,
+                             recovery: bool = True, extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The ``CKPTLESS_*`` variables derived from a LaunchConfig, for every worker of a node (the agent
+    adds each worker's own: id, role, heartbeat and exit files). ``recovery=False`` (world size 1, or
+    ``--replicas 0``): the workers mirror nothing."""
     env = {
         "CKPTLESS_ETCD_ENDPOINT": etcd_endpoint,
         "CKPTLESS_JOB_ID": cfg.run_id,
         "CKPTLESS_NODE_ID": node_id,
         "CKPTLESS_GENERATION": str(generation),
-        "CKPTLESS_REPLICAS": str(cfg.replicas),
+        "CKPTLESS_REPLICAS": str(cfg.replicas if recovery else 0),
         "CKPTLESS_MIRROR_EVERY": str(cfg.mirror_every),
         "CKPTLESS_PLACEMENT": cfg.placement,
         "CKPTLESS_LEASE_TTL": repr(float(cfg.lease_ttl)),
-        "CKPTLESS_SNAPSHOT_EVERY": str(cfg.snapshot_every),
     }
-    for key, value in (("CKPTLESS_SNAPSHOT_DIR", cfg.snapshot_dir), ("CKPTLESS_GOODPUT_DIR", cfg.goodput_dir),
-                       ("CKPTLESS_HANG_TIMEOUT", cfg.hang_timeout)):
-        if value is not None:
-            env[key] = str(value)
+    for key, path in (("CKPTLESS_GOODPUT_DIR", cfg.goodput_dir), ("CKPTLESS_SHM_DIR", cfg.shm_dir)):
+        if path:
+            env[key] = os.path.abspath(path)
+    if cfg.local_addr:  # workers' Gloo binds here too (see worker/rebindable.new_gloo)
+        env["CKPTLESS_LOCAL_ADDR"] = cfg.local_addr
+    if cfg.snapshot_dir:  # also without --snapshot-every: a restarted job resumes from it
+        env["CKPTLESS_SNAPSHOT_DIR"] = os.path.abspath(cfg.snapshot_dir)
+        env["CKPTLESS_SNAPSHOT_EVERY"] = str(cfg.snapshot_every)
+    if cfg.hang_timeout is not None:
+        env["CKPTLESS_HANG_TIMEOUT"] = str(cfg.hang_timeout)
     env.update(extra or {})
     return env
 
