@@ -172,3 +172,14 @@ def test_same_environment_as_real_torchrun(tmp_path: Path, variant: str) -> None
             assert theirs[key] == ours[key], key
         assert theirs["TORCHELASTIC_ERROR_FILE"].endswith(f"attempt_0/{local_rank}/error.json")
         assert set(W.torchrun_env(layout, local_rank, parent)) - set(parent) == set(theirs) - set(parent)
+
+
+def test_ckptless_env_from_config_carries_every_path_flag_absolute_and_recovery_off() -> None:
+    cfg = parse_args(["--replicas", "1", "--shm-dir", "rel/shm", "--snapshot-dir", "snaps", "--snapshot-every", "4",
+                      "--local-addr", "10.0.0.5", "--hang-timeout", "30", "t.py"], environ={})
+    env = W.ckptless_env_from_config(cfg, etcd_endpoint="e", node_id="n", generation=0)
+    assert env["CKPTLESS_SHM_DIR"] == os.path.abspath("rel/shm") and env["CKPTLESS_LOCAL_ADDR"] == "10.0.0.5"
+    assert env["CKPTLESS_SNAPSHOT_DIR"] == os.path.abspath("snaps") and env["CKPTLESS_SNAPSHOT_EVERY"] == "4"
+    assert env["CKPTLESS_HANG_TIMEOUT"] == "30.0" and env["CKPTLESS_REPLICAS"] == "1"
+    off = W.ckptless_env_from_config(cfg, etcd_endpoint="e", node_id="n", generation=0, recovery=False)
+    assert off["CKPTLESS_REPLICAS"] == "0"
