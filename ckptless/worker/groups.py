@@ -120,6 +120,9 @@ def drop_default_group() -> None:
         raise ConfigError("default group", default.rank(),
                           "only an unbound ckptless default group with no subgroups can change its rank")
     dist.destroy_process_group()
+    default.retire("this group object was made for the pre-built spare's standby rank, before it took another "
+                   "rank (--spare-any-rank): use dist.group.WORLD (or no group argument) at call time, not a "
+                   "reference kept from the setup")
     with _lock:
         _registry.clear()
 

@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import _create_work_from_future
 
-from ckptless.errors import CollectiveError
+from ckptless.errors import CollectiveError, ConfigError
 
 GLOO = dist.ProcessGroup.BackendType.GLOO
 PLUGIN = "ckptless"
@@ -133,6 +133,7 @@ class RebindableGroup(dist.ProcessGroup):
         self._inner: dist.ProcessGroup | None = None
         self._backends: list[Any] = []
         self._local_only = 0  # > 0: answer locally even when bound (see groups.local_only)
+        self._retired: str | None = None  # why this group may no longer be used (see retire)
 
     # --- identity (a backend-less Python group keeps its own name) ----------------------------
     def getBackendName(self) -> str:
@@ -209,9 +210,17 @@ class RebindableGroup(dist.ProcessGroup):
     def set_local_only(self, on: bool) -> None:
         self._local_only += 1 if on else -1
 
+    def retire(self, why: str) -> None:
+        """This group object is replaced (a pre-built spare's default group, re-made under the rank it
+        took): every later collective on it raises instead of answering locally, which would be a
+        silently wrong result for code that kept a reference from the setup."""
+        self._retired = why
+
     @property
     def _live(self) -> dist.ProcessGroup | None:
         """The communicator collectives go to (None: answer locally)."""
+        if self._retired is not None:
+            raise ConfigError("process group", self._name, self._retired)
         return None if self._local_only else self._inner
 
     def _wrap(self, work: dist.Work) -> dist.Work:
