@@ -177,7 +177,7 @@ DEMO_STEPS = 1000  # ~50 ms a step here (2 x 2 workers on 2 cores): ~50 s of tra
 
 
 def demo_job(steps: int) -> ScriptJob:
-    """2 agents x 2 workers plus a spare-only node with 2 warm spares, the demo transformer.
+    """2 agents x 2 workers plus a spare-only node with 2 warm spares (any rank), the demo transformer.
 
     Why two spares on their own node: a lost node takes both its ranks at once and a dead
     node cannot respawn them (a rank is respawned only on its own live node), so the node
@@ -186,7 +186,10 @@ def demo_job(steps: int) -> ScriptJob:
     if steps < 20:
         raise ConfigError("steps", steps, "the demo needs >= 20 steps (three faults, each after the last recovery)")
     return ScriptJob(DEMO_SCRIPT, ("{out}",), nnodes=2, nproc_per_node=2, spares=2,
-                     env={"DEMO_STEPS": str(steps), "DEMO_WIDTH": "32"}, hang_timeout=3.0)
+                     env={"DEMO_STEPS": str(steps), "DEMO_WIDTH": "32"}, hang_timeout=3.0,
+                     # the demo's setup is the same on every rank (it reads job.rank after it): the spares,
+                     # pre-built as ranks 0 and 1, take the lost node's ranks 2 and 3 in place
+                     spare_args=("--spare-any-rank",))
 
 
 def demo_faults(steps: int) -> list[Fault]:

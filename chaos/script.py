@@ -109,6 +109,7 @@ class ScriptJob:
     nnodes: int = 2
     nproc_per_node: int = 2
     spares: int = 0                   # warm spares on one extra spare-only node (faulty run only)
+    spare_args: tuple[str, ...] = ()  # extra ckptless-run flags of that node (e.g. --spare-any-rank)
     env: Mapping[str, str] = field(default_factory=dict)
     hang_timeout: float | None = None  # --hang-timeout of the faulty run (None: only for hang faults)
     lease_ttl: float = 1.0
@@ -144,6 +145,7 @@ class ScriptJob:
             nodes=self.nnodes, nproc_per_node=self.nproc_per_node, script=self.script.resolve(),
             script_args=self.args, env=env, lease_ttl=self.lease_ttl,
             spare_nodes=1 if faulty and self.spares else 0, spares_per_spare_node=max(self.spares, 1),
+            spare_node_args=self.spare_args,
             hang_timeout=(self.hang_timeout or (DEFAULT_HANG_TIMEOUT_S if hang else None)) if faulty else None)
 
 
