@@ -50,3 +50,22 @@ def test_missing_or_torn_file_is_not_starting(tmp_path: Path) -> None:
     assert not _starting(str(tmp_path / "torn"))
     (tmp_path / "ok").write_text(json.dumps({"state": "starting"}) + "\n")
     assert _starting(str(tmp_path / "ok"))
+
+
+def test_first_beat_reaches_the_file_at_once(tmp_path: Path) -> None:
+    """A state change is written immediately, not at the thread's next tick: a rank frozen right after
+    its first (fast) steps must be judged as training, not given the start-up grace (found in CI, where
+    the 2 s hang test took 74 s when the SIGSTOP landed within one beat interval)."""
+    from ckptless.launcher.watchdog import starting
+    from ckptless.worker.heartbeat import Heartbeat, read_progress
+
+    path = str(tmp_path / "hb")
+    hb = Heartbeat(path, interval_s=3600.0)  # the thread never ticks during this test
+    try:
+        assert starting(path)
+        hb.beat(1, generation=0)
+        assert not starting(path) and read_progress(path) == {"state": "training", "step": 1, "generation": 0}
+        hb.recovering()
+        assert read_progress(path)["state"] == "recovering"  # type: ignore[index]
+    finally:
+        hb.close()

@@ -28,6 +28,7 @@ class Heartbeat:
         self._text = self._encode()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()  # the thread's beat and a state change's immediate write
         if path:
             try:
                 self._fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
@@ -42,36 +43,47 @@ class Heartbeat:
         return (json.dumps(self._doc, separators=(",", ":")) + "\n").encode()
 
     def _write(self) -> None:
-        fd = self._fd
-        if fd is not None:
-            text = self._text
-            try:
-                os.pwrite(fd, text, 0)  # updates the mtime; no allocation, no flush needed
-                os.ftruncate(fd, len(text))
-            except OSError:
-                pass
+        with self._lock:
+            fd = self._fd
+            if fd is not None:
+                text = self._text
+                try:
+                    os.pwrite(fd, text, 0)  # updates the mtime; no allocation, no flush needed
+                    os.ftruncate(fd, len(text))
+                except OSError:
+                    pass
 
     def _run(self, interval_s: float) -> None:
         while not self._stop.wait(interval_s):
             self._write()
 
     def beat(self, step: int = 0, **progress: object) -> None:
-        """Record progress (the thread keeps the file fresh in between)."""
+        """Record progress (the thread keeps the file fresh in between).
+
+        A change of state is written at once: the agent judges a "starting" worker with a long
+        start-up grace, so a rank frozen within one beat interval of its first step (fast steps)
+        was given 60 s instead of ``--hang-timeout`` (seen in CI: a 2 s hang test took 74 s).
+        """
+        changed = self._doc.get("state") != "training"
         self._doc = {**self._doc, **progress, "state": "training", "step": step}
         self._text = self._encode()
+        if changed:
+            self._write()
 
     def recovering(self) -> None:
         self._doc = {**self._doc, "state": "recovering"}
         self._text = self._encode()
+        self._write()
 
 
     def close(self) -> None:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=1.0)
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
+        with self._lock:
+            fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)
             try:  # a finishing process is not a frozen one: the agent stops judging it
                 os.unlink(self._path or "")
             except OSError:
