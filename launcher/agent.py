@@ -39,12 +39,14 @@ from ckptless.coordinator.client import Compare, EtcdClient, Put, WatchEvent
 from ckptless.coordinator.config import EtcdConfig
 from ckptless.coordinator.embedded import EmbeddedEtcd
 from ckptless.coordinator.keyspace import Keyspace
-from ckptless.coordinator.rendezvous import NodeInfo, RoundState, Rendezvous, RendezvousResult
+from ckptless.coordinator.rendezvous import NodeInfo, Rendezvous, RendezvousResult, RoundState
 from ckptless.coordinator.session import Session
 from ckptless.errors import CkptlessError, ConfigError, CoordinatorError, RendezvousError, RendezvousTimeout
 from ckptless.launcher.args import LaunchConfig, Std
 from ckptless.metrics import MetricsExporter
 from ckptless.launcher import refill
+from ckptless.launcher.joining import check_fingerprint, rank_offsets, resume_from_disk, script_fingerprint
+from ckptless.launcher.node_metrics import update_node_metrics
 from ckptless.launcher.outbox import Outbox
 from ckptless.launcher.slots import Slot, SlotTable
 from ckptless.launcher.spares import SparePool
@@ -55,7 +57,7 @@ from ckptless.launcher.workers import WorkerExit, WorkerGroup
 from ckptless.recovery.facts import NodeLocalImage
 from ckptless.recovery.leader import RecoveryLeader, write_initial_membership
 from ckptless.recovery.leader_machine import LeaderConfig
-from ckptless.recovery.plan import Assignment, DiskFallback
+from ckptless.recovery.plan import Assignment
 from ckptless.recovery.view import ExitRecord, JobStatus
 from ckptless.recovery.wire import Membership, membership_from_json
 from ckptless.worker import exit_file
@@ -444,7 +446,7 @@ class NodeAgent:
             # A spare-only node: not a rendezvous participant; it waits for the job to exist.
             Rendezvous(client, self.keyspace, self._session).register(me)
             self._membership = m = self._await_membership(client)
-            self._check_fingerprint(client)
+            check_fingerprint(client, self.keyspace, cfg)
             log.info("spare node %s joined job %s (world %d)", self.node_id, cfg.run_id, m.world_size)
             return RendezvousResult(0, 0, 1, (), 0, m.world_size, NodeInfo("", m.store_host, 1, m.store_port))
         result = Rendezvous(client, self.keyspace, self._session).join(
@@ -455,8 +457,8 @@ class NodeAgent:
                  self.node_id, result.round, result.node_rank, result.nnodes, result.rank_offset,
                  result.rank_offset + cfg.nproc_per_node - 1, result.world_size)
         ranks = tuple(Assignment(p_off + lr, f"{p.node_id}/w{lr}", p.node_id, "survivor")
-                      for p, p_off in _offsets(result.participants) for lr in range(p.nproc))
-        resume = self._resume_from_disk(result.world_size, ranks) if result.node_rank == 0 else None
+                      for p, p_off in rank_offsets(result.participants) for lr in range(p.nproc))
+        resume = resume_from_disk(cfg, result.world_size, ranks) if result.node_rank == 0 else None
         initial = Membership(0, result.world_size, result.master.host, result.master.store_port, ranks, resume)
         if self.recovery and result.world_size > 1:
             self._membership = write_initial_membership(
@@ -465,23 +467,6 @@ class NodeAgent:
         else:
             self._membership = initial
         return result
-
-    def _resume_from_disk(self, world_size: int, ranks: tuple[Assignment, ...]) -> DiskFallback | None:
-        """A whole job started again: generation 0 resumes from the newest verified snapshot, if any."""
-        if not self.cfg.snapshot_dir:
-            return None
-        from ckptless.snapshot import choose_snapshot
-
-        info, rejected = choose_snapshot(self.cfg.snapshot_dir, self.cfg.run_id, world_size)
-        for step, why in rejected:
-            log.warning("not resuming from snapshot step %d: %s", step, why)
-        if info is None:
-            return None
-        print(f"ckptless-run: job {self.cfg.run_id} resumes from its disk snapshot of step {info.step}",
-              file=sys.stderr, flush=True)
-        return DiskFallback(self.cfg.run_id, 0, ranks, (), info.step,
-                            f"whole-job restart: resuming from the newest verified snapshot (step {info.step})",
-                            (), 0)
 
     def _maybe_warm(self, group: WorkerGroup) -> None:
         """Start the fork server once every local rank trains: its import then costs no start-up time."""
@@ -518,19 +503,6 @@ class NodeAgent:
         self.spares.offer_quietly(worker_id, standby, self._session.lease_id)  # on our lease, like the first
         log.warning("spare %s started (standby rank %s) in place of the one that took a rank", worker_id, standby)
 
-    def _check_fingerprint(self, client: EtcdClient) -> None:
-        """A spare must run the job's script: one started with another script is refused at join."""
-        kv = client.get(self.keyspace.rdzv_state)
-        if kv is None:
-            return
-        round_ = RoundState.from_bytes(kv.value).round
-        fp = client.get(self.keyspace.fingerprint(round_))
-        mine = script_fingerprint(self.cfg)
-        if fp is not None and fp.value.decode() != mine:
-            raise ConfigError("training_script", self.cfg.training_script,
-                              f"job {self.cfg.run_id!r} runs a different script or arguments (fingerprint "
-                              f"{fp.value.decode()[:12]}, this node {mine[:12]}): a spare must run the job's script")
-
     def _start_metrics(self, stack: ExitStack) -> None:
         if self.cfg.metrics_port is None:
             return
@@ -540,33 +512,8 @@ class NodeAgent:
         print(f"ckptless-run: metrics at http://{self._host}:{port}/metrics", file=sys.stderr, flush=True)
 
     def _update_metrics(self) -> None:
-        """Gauges from this node's workers (their heartbeat progress) and the coordinator's timeline."""
-        mx = self._metrics
-        if mx is None:
-            return
-        committed, newest, held = None, None, 0
-        for slot in self.slots.all():
-            doc = read_progress(slot.heartbeat_file) if slot.alive and slot.rank is not None else None
-            if doc is None:
-                continue
-            c, s = doc.get("committed"), doc.get("step")
-            if isinstance(c, int):
-                committed = c if committed is None else min(committed, c)
-            if isinstance(s, int):
-                newest = s if newest is None else max(newest, s)
-            b = doc.get("replica_bytes")
-            held += b if isinstance(b, int) else 0
-        if committed is not None:
-            mx.set_committed_version(committed)
-            if newest is not None:
-                mx.set_mirror_lag(max(0, newest - committed))
-        mx.set_replica_bytes(held)
-        mx.set_spares_free(sum(1 for s in self.slots.all() if s.spare and s.alive))
-        m = self._membership
-        if m is not None and m.decision is not None and m.generation - 1 in self._incident_t:
-            t0 = self._incident_t[m.generation - 1]
-            t1 = self._published_t.get(m.generation, t0)
-            mx.set_last_recovery({"decision": t1 - t0})
+        if self._metrics is not None:
+            update_node_metrics(self._metrics, self.slots.all(), self._membership, self._incident_t, self._published_t)
 
     def _prepare_shm(self, stack: ExitStack) -> None:
         """Node-local replicas: clear files of dead jobs, own this job's, remove them at the end."""
@@ -701,24 +648,3 @@ class AgentOutcome:
     def __init__(self, exit_code: int, failed_ranks: tuple[int, ...]) -> None:
         self.exit_code = exit_code
         self.failed_ranks = failed_ranks
-
-
-def script_fingerprint(cfg: LaunchConfig) -> str:
-    """What identifies the job's program: the script's bytes (or module name) and its arguments."""
-    import hashlib
-
-    h = hashlib.sha256()
-    h.update(f"module={cfg.module} no_python={cfg.no_python}\0{cfg.training_script}\0".encode())
-    if not cfg.module and os.path.isfile(cfg.training_script):
-        with open(cfg.training_script, "rb") as f:
-            h.update(f.read())
-    h.update("\0".join(cfg.training_script_args).encode())
-    return h.hexdigest()
-
-
-def _offsets(participants: tuple[NodeInfo, ...]) -> list[tuple[NodeInfo, int]]:
-    out, off = [], 0
-    for p in participants:
-        out.append((p, off))
-        off += p.nproc
-    return out
