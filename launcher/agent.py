@@ -485,20 +485,32 @@ class NodeAgent:
                 or m.generation in self._incident_t  # another failure: wait for its recovery too
                 or not refill.recovery_over(self.slots.all(), m.generation, read_progress)):
             return
-        worker_id = self.spares.next_refill(self.cfg.spares)
-        if worker_id is None or refill.spares_missing(self.slots.all(), self.cfg.spares) == 0:
+        if refill.spares_missing(self.slots.all(), self.cfg.spares) == 0:
+            self.spares.next_refill(self.cfg.spares)  # the pool is full (e.g. a slot came back): nothing owed
             return
-        ranks = self.spares.standby_ranks(m.world_size, 1) if self.cfg.spare_prebuild else []
+        try:  # etcd may be away: keep the refill owed and try again on a later turn
+            ranks = self.spares.standby_ranks(m.world_size, 1) if self.cfg.spare_prebuild else []
+        except CoordinatorError as exc:
+            log.info("spare refill waits for etcd: %s", exc)
+            return
+        worker_id = self.spares.next_refill(self.cfg.spares)
+        if worker_id is None:
+            return
         standby = ranks[0] if ranks else None
-        lr = group.size
+        lr = group.size  # add_like appends the next local rank; only this loop adds workers
         hb = os.path.join(self._hb_dir, f"hb{lr}")
         self.slots.add(Slot(lr, worker_id, None, hb))
+        # The store of the current generation (node 0's may be gone with its node): a pre-built spare
+        # connects to it while it builds, long before it is assigned a rank.
+        env = dict(refill.spare_env(worker_id, lr, hb, self._exit_path(lr), standby),
+                   MASTER_ADDR=m.store_host, MASTER_PORT=str(m.store_port))
         try:
-            group.add_like(self.cfg.nproc_per_node, refill.spare_env(worker_id, lr, hb, self._exit_path(lr), standby))
+            added = group.add_like(self.cfg.nproc_per_node, env)
         except CkptlessError:
-            log.exception("starting spare %s failed", worker_id)
+            log.exception("starting spare %s failed (not retried: a broken start must not loop)", worker_id)
             self.slots.exited(lr, False)
             return
+        assert added == lr, (added, lr)
         assert self._session is not None
         self.spares.offer_quietly(worker_id, standby, self._session.lease_id)  # on our lease, like the first
         log.warning("spare %s started (standby rank %s) in place of the one that took a rank", worker_id, standby)

@@ -45,3 +45,36 @@ def test_default_group_takes_another_rank_only_without_subgroups() -> None:
     out = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "refused:" in out.stdout and out.stdout.strip().endswith("ok")
+
+
+def test_why_not_names_what_ties_the_spare_to_its_standby_rank() -> None:
+    """Pure checks before an in-place adoption (no group made in this process)."""
+    from types import SimpleNamespace
+
+    from ckptless.data import ResumableSampler
+    from ckptless.recovery.plan import Assignment, RecoveryPlan
+    from ckptless.recovery.wire import Membership
+    from ckptless.state.registry import StateRegistry
+    from ckptless.worker.adoption import why_not
+
+    class ShardReader:  # user state that remembers the rank it read for, and cannot be told another
+        def __init__(self, rank: int) -> None:
+            self.rank = rank
+
+        def state_dict(self) -> dict[str, int]:
+            return {"pos": 0}
+
+        def load_state_dict(self, state: dict[str, int]) -> None:
+            pass
+
+    plan = RecoveryPlan("j", 1, (Assignment(0, "a/w0", "a", "survivor"), Assignment(1, "s/spare0", "s", "spare")),
+                        (1,), 3, (), (), True, (), 0, adopt_prebuilt=(1,))
+    m = Membership(1, 2, "h", 1, plan.assignments, plan)
+    ok = StateRegistry()
+    ok.protect(data=ResumableSampler(8, seed=0, rank=0, world_size=2))  # ours: re-ranked by set_world
+    assert why_not(SimpleNamespace(registry=ok), m, 1) is None  # type: ignore[arg-type]
+    tied = StateRegistry()
+    tied.protect(reader=ShardReader(0))
+    assert "holds rank 0" in (why_not(SimpleNamespace(registry=tied), m, 1) or "")  # type: ignore[arg-type]
+    unplanned = Membership(1, 2, "h", 1, plan.assignments, RecoveryPlan(**{**plan.__dict__, "adopt_prebuilt": ()}))
+    assert "layout" in (why_not(SimpleNamespace(registry=ok), unplanned, 1) or "")  # type: ignore[arg-type]

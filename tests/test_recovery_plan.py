@@ -415,3 +415,16 @@ def test_a_standby_ranks_layout_is_known_from_its_own_image() -> None:
     reps = tuple(replace(r, own_layouts=((100, "L"), (101, "L"))) if r.worker_id == "a/w0" else r for r in f.reports)
     d = plan_recovery(replace(f, reports=reps))
     assert isinstance(d, RecoveryPlan) and d.rank_to_worker[1] == "b/spare" and d.adopt_prebuilt == (1,)
+
+
+def test_adoption_needs_equal_keys_at_the_resume_version_itself() -> None:
+    from ckptless.recovery.plan import Assignment, prebuilt_adoptions
+
+    fits = Worker("b/spare", "b", standby_rank=3, any_rank=True)
+    f = _layouts(_example(spares=(fits,)), {1: "L", 3: "L"})
+    a = [Assignment(1, "b/spare", "b", "spare")]
+    assert prebuilt_adoptions(f, a, 100) == (1,)
+    assert prebuilt_adoptions(f, a, 99) == (), "rank 3's layout at v99 is unknown"
+    reps = tuple(replace(r, replicas=tuple(replace(x, layout="Z") if (x.owner, x.version) == (3, 100) else x
+                                           for x in r.replicas)) for r in f.reports)
+    assert prebuilt_adoptions(replace(f, reports=reps), a, 100) == (), "changed at v100: another layout"

@@ -358,13 +358,21 @@ def fits_prebuilt(w: Worker, rank: int, layouts: dict[int, dict[int, str]]) -> b
             and same_layout(layouts, w.standby_rank, rank))
 
 
-def prebuilt_adoptions(facts: PlanningFacts, assignments: list[Assignment]) -> tuple[int, ...]:
-    """R2: the ranks whose assigned spare takes them with the objects it built as another rank."""
+def prebuilt_adoptions(facts: PlanningFacts, assignments: list[Assignment], version: int) -> tuple[int, ...]:
+    """R2: the ranks whose assigned spare takes them with the objects it built as another rank: both
+    ranks' images have the same layout key at ``version``, the one the plan resumes at (the choice of
+    spare looked at the newest version both were known at; the adoption needs the exact one)."""
     by_id = {w.worker_id: w for w in facts.spares}
     layouts = layout_index(facts)
-    return tuple(sorted(a.rank for a in assignments
-                        if a.source == "spare" and a.worker_id in by_id
-                        and fits_prebuilt(by_id[a.worker_id], a.rank, layouts)))
+    out = []
+    for a in assignments:
+        w = by_id.get(a.worker_id) if a.source == "spare" else None
+        if w is None or not w.any_rank or w.standby_rank is None or w.standby_rank == a.rank:
+            continue
+        mine, theirs = layouts.get(w.standby_rank, {}).get(version), layouts.get(a.rank, {}).get(version)
+        if mine is not None and mine == theirs:
+            out.append(a.rank)
+    return tuple(sorted(out))
 
 
 # --- R6: striping --------------------------------------------------------------
@@ -474,7 +482,7 @@ def _memory_plan(facts: PlanningFacts, new_gen: int, assignments: list[Assignmen
     below_k = _owners_below_k(facts)
     steps_lost = max(0, (newest_seen if newest_seen is not None else version) - version)
     received = {t.owner for t in transfers}  # an adopted spare must receive the rank's image
-    adopt = tuple(r for r in prebuilt_adoptions(facts, assignments) if r in received)
+    adopt = tuple(r for r in prebuilt_adoptions(facts, assignments, version) if r in received)
     return RecoveryPlan(
         job_id=facts.job_id, generation=new_gen, assignments=tuple(assignments),
         lost_ranks=lost, resume_version=version, rollbacks=tuple(rollbacks),

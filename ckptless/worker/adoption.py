@@ -16,7 +16,10 @@ falls back to the re-exec, which is always correct):
   membership was decided by X, and it cannot be re-ranked in place);
 * a protected DDP model (its reducer holds the default group object it was
   built with); FSDP/DTensor state never gets here: its layout key holds the
-  owner rank, so no other rank's image matches it.
+  owner rank, so no other rank's image matches it;
+* a protected object (or its ``sampler``) with an integer ``rank`` other than
+  the new one and no ``set_world`` to change it (a sampler of the standby
+  rank's data shard).
 
 What is re-made for Y: the (unbound) default group, so ``dist.get_rank()``
 answers Y; ckptless's own resumable data positions (``set_world``); the
@@ -51,6 +54,12 @@ def why_not(job: Job, m: Membership, rank: int) -> str | None:
     ddp = [n for n in job.registry.names() if n.startswith(HIDDEN_PREFIX)]
     if ddp:
         return f"it protects a DDP model ({ddp[0][len(HIDDEN_PREFIX):]}), whose reducer holds its standby group"
+    for name, obj in job.registry.items():
+        for target in (obj, getattr(obj, "sampler", None)):
+            held = getattr(target, "rank", None)
+            if (type(held) is int and held != rank
+                    and not callable(getattr(target, "set_world", None))):  # ours are re-ranked in take_rank
+                return f"protected {name!r} holds rank {held} from the setup and cannot be told the new one"
     return None
 
 
