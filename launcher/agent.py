@@ -622,6 +622,7 @@ class NodeAgent:
                                           generation=0, recovery=self.recovery)
         envs = []
         standby = self.spares.standby_ranks(result.world_size, cfg.spares)
+        standby_of: dict[int, int | None] = {}  # a spare's local rank -> the rank it pre-builds as
         for lr in range(cfg.nproc_per_node + cfg.spares):
             spare = lr >= cfg.nproc_per_node
             worker_id = f"{self.node_id}/spare{lr - cfg.nproc_per_node}" if spare else f"{self.node_id}/w{lr}"
@@ -630,11 +631,10 @@ class NodeAgent:
                          CKPTLESS_EXIT_FILE=self._exit_path(lr), CKPTLESS_ROLE="spare" if spare else "member")
             extra.setdefault("CKPTLESS_PRELOAD", os.environ.get("CKPTLESS_PRELOAD", "ckptless.job"))
             env = worker_env(layout, min(lr, max(cfg.nproc_per_node, 1) - 1), os.environ, extra)
-            if spare:
-                env.pop("RANK", None)
-                env["LOCAL_RANK"] = str(lr)
-                if standby and cfg.spare_prebuild:
-                    env["CKPTLESS_STANDBY_RANK"] = env["RANK"] = str(standby[lr - cfg.nproc_per_node])
+            if spare:  # the same spare env a --spare-refill spare gets (launcher/refill.py)
+                sb = standby[lr - cfg.nproc_per_node] if standby and cfg.spare_prebuild else None
+                standby_of[lr] = sb
+                env.update(refill.spare_env(worker_id, lr, hb, self._exit_path(lr), sb))
             envs.append(env)
             self.slots.add(Slot(lr, worker_id, None if spare else result.rank_offset + lr, hb))
         n = len(envs)
@@ -648,8 +648,7 @@ class NodeAgent:
         group.start(start_server=False)  # the fork server starts once our workers train (see _maybe_warm)
         for slot in self.slots.all():
             if slot.rank is None:  # a warm spare: in the pool, on our lease (gone with this node)
-                sb = standby[slot.local_rank - cfg.nproc_per_node] if standby and cfg.spare_prebuild else None
-                self.spares.offer(slot.worker_id, sb, self._session.lease_id)
+                self.spares.offer(slot.worker_id, standby_of[slot.local_rank], self._session.lease_id)
         if cfg.nproc_per_node == 0 and group.warm_enabled:  # nothing trains here: warm it now
             self._warm_started = True
             threading.Thread(target=group.start_server, name="ckptless-warm", daemon=True).start()

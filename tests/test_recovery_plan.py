@@ -397,13 +397,13 @@ def test_any_rank_spare_takes_a_rank_of_its_standby_layout() -> None:
 
 
 def test_layout_keys_reported_twice_differently_are_unknown() -> None:
-    from ckptless.recovery.plan import layout_index, same_layout
+    from ckptless.recovery.plan import layout_index, layouts_match
 
     f = _layouts(_example(), {1: "L", 3: "L"})
-    assert same_layout(layout_index(f), 1, 3)
+    assert layouts_match(layout_index(f), 1, 3)
     reps = list(f.reports)
     reps[0] = replace(reps[0], replicas=reps[0].replicas + (ReplicaFact(1, 100, 10, "Z"),))
-    assert not same_layout(layout_index(replace(f, reports=tuple(reps))), 1, 3)
+    assert not layouts_match(layout_index(replace(f, reports=tuple(reps))), 1, 3)
 
 
 def test_a_standby_ranks_layout_is_known_from_its_own_image() -> None:

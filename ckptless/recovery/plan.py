@@ -345,7 +345,7 @@ def layout_index(facts: PlanningFacts) -> dict[int, dict[int, str]]:
     return out
 
 
-def same_layout(layouts: dict[int, dict[int, str]], a: int, b: int) -> bool:
+def layouts_match(layouts: dict[int, dict[int, str]], a: int, b: int) -> bool:
     """Whether ranks ``a`` and ``b`` have the same layout key at the newest version both are known at."""
     ka, kb = layouts.get(a, {}), layouts.get(b, {})
     common = set(ka) & set(kb)
@@ -355,7 +355,7 @@ def same_layout(layouts: dict[int, dict[int, str]], a: int, b: int) -> bool:
 def fits_prebuilt(w: Worker, rank: int, layouts: dict[int, dict[int, str]]) -> bool:
     """A pre-built ``any_rank`` spare built as another rank whose image has ``rank``'s layout."""
     return (w.any_rank and w.standby_rank is not None and w.standby_rank != rank
-            and same_layout(layouts, w.standby_rank, rank))
+            and layouts_match(layouts, w.standby_rank, rank))
 
 
 def prebuilt_adoptions(facts: PlanningFacts, assignments: list[Assignment], version: int) -> tuple[int, ...]:
