@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install browser demo test test-loaded test-all bench clean
+.PHONY: install sysdeps browser demo test test-loaded test-all bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -14,21 +14,32 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e '.[test]'
 	touch $(STAMP)
 
-install: $(STAMP) browser
+install: $(STAMP) sysdeps
 
-# Debian's chromium + chromedriver for the test that renders `ckptless report --html`
-# headless (tests/test_report_html.py). apt-get runs only when a binary is missing,
-# so this costs nothing once installed; a failed install retries once after apt-get update.
+# Debian packages the tests need, installed here so a fresh machine (and CI on one) has them:
+# - chromium + chromium-driver: the test that renders `ckptless report --html` headless
+#   (tests/test_report_html.py);
+# - nftables + iproute2: the chaos runner's network partitions (chaos/netns.py,
+#   tests/test_netns.py), which fail loudly without `nft`/`ip` when run as root.
+# apt-get runs only when a binary is missing, so this costs nothing once installed; a failed
+# install retries once after apt-get update. `make browser` is kept as the old name.
 CHROMIUM ?= /usr/bin/chromium
 CHROMEDRIVER ?= /usr/bin/chromedriver
+SYSDEPS_BINS := $(CHROMIUM):chromium $(CHROMEDRIVER):chromium-driver /usr/sbin/nft:nftables /usr/sbin/ip:iproute2
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
-browser:
-	@if [ ! -x $(CHROMIUM) ] || [ ! -x $(CHROMEDRIVER) ]; then \
-	  echo "installing chromium chromium-driver (headless report test)"; \
+sysdeps:
+	@missing=""; for pair in $(SYSDEPS_BINS); do \
+	  bin=$${pair%%:*}; pkg=$${pair##*:}; \
+	  [ -x "$$bin" ] || missing="$$missing $$pkg"; \
+	done; \
+	if [ -n "$$missing" ]; then \
+	  echo "installing Debian packages the tests need:$$missing"; \
 	  export DEBIAN_FRONTEND=noninteractive; \
-	  $(SUDO) apt-get install -y --no-install-recommends chromium chromium-driver \
-	  || { $(SUDO) apt-get update && $(SUDO) apt-get install -y --no-install-recommends chromium chromium-driver; }; \
+	  $(SUDO) apt-get install -y --no-install-recommends $$missing \
+	  || { $(SUDO) apt-get update && $(SUDO) apt-get install -y --no-install-recommends $$missing; } \
+	  || { echo "make sysdeps: could not install$$missing (the tests need them)" >&2; exit 1; }; \
 	fi
+browser: sysdeps
 
 # The main job: a fault-injected training run on the embedded etcd, ending in a goodput report
 # (2 agents x 2 workers + a spare node; a node loss, a worker kill and a hang; ~3-4 min on 2 cores;
@@ -37,7 +48,7 @@ demo: $(STAMP)
 	$(VENV)/bin/ckptless-chaos demo
 
 # The CI suite: everything except the slow chaos matrix (a bounded, seeded subset of it runs).
-test: $(STAMP) browser
+test: $(STAMP) sysdeps
 	$(PY) -m mypy ckptless launcher chaos
 	$(PY) -m pytest -q -m "not slow" --durations=15 tests
 
@@ -49,7 +60,7 @@ test-loaded: $(STAMP)
 	$(PY) tools/with_busy_cpu.py -- $(PY) -m pytest -q -m "not slow" tests/test_recovery_e2e.py -k "$(LOADED_K)"
 
 # Everything, including the slow chaos/recovery matrix.
-test-all: $(STAMP) browser
+test-all: $(STAMP) sysdeps
 	$(PY) -m pytest -q tests
 
 bench: $(STAMP)

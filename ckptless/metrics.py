@@ -23,9 +23,11 @@ Usage (agent)::
 
 from __future__ import annotations
 
+import functools
+import logging
 import threading
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest, start_http_server
 
@@ -33,9 +35,30 @@ from ckptless.errors import ConfigError
 from ckptless.goodput.merge import PHASES, IncidentView
 
 # Phases reported by ``last_recovery_seconds``: the merged incident phases, the
+# leader's decision (incident opened -> plan published, set by the agent), the
 # background re-protection, and two totals.
-RECOVERY_PHASES = (*PHASES, "reprotection", "total", "kill_to_first_step")
+RECOVERY_PHASES = (*PHASES, "decision", "reprotection", "total", "kill_to_first_step")
 _LABELS = ("job", "node")
+log = logging.getLogger(__name__)
+_F = TypeVar("_F", bound=Callable[..., None])
+
+
+def _never_raises(update: _F) -> _F:
+    """Telemetry never ends a job: an update that fails (a bad value, a bug here, a
+    prometheus_client error) is logged once per method and dropped, never raised into the
+    agent loop that called it (an unknown phase name once killed both agents of a job on
+    its first recovery)."""
+    warned: list[bool] = []
+
+    @functools.wraps(update)
+    def guarded(*args: Any, **kwargs: Any) -> None:
+        try:
+            update(*args, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - telemetry must not fail the caller
+            if not warned:
+                warned.append(True)
+                log.warning("metrics: %s dropped (%s); the job goes on", update.__name__, exc)
+    return guarded  # type: ignore[return-value]
 
 
 class MetricsExporter:
@@ -100,21 +123,26 @@ class MetricsExporter:
         """The exposition text a scrape would return (for tests and ``ckptless status``)."""
         return bytes(generate_latest(self.registry))
 
-    # --- updates -------------------------------------------------------------------
+    # --- updates (each guarded by _never_raises) --------------------------------------
+    @_never_raises
     def set_generation(self, generation: int) -> None:
         self._generation.set(generation)
 
+    @_never_raises
     def record_incident(self, count: int = 1) -> None:
         self._incidents.inc(count)
 
+    @_never_raises
     def set_last_recovery(self, phases: Mapping[str, float]) -> None:
-        """Replace the last recovery's figures; phases not given are reset to 0 (no stale labels)."""
+        """Replace the last recovery's figures; phases not given are reset to 0 (no stale labels).
+        An unknown phase is a caller's bug: it is logged (by the guard) and nothing is changed."""
         unknown = set(phases) - set(RECOVERY_PHASES)
         if unknown:
             raise ConfigError("phase", sorted(unknown)[0], f"unknown recovery phase; one of {RECOVERY_PHASES}")
         for phase in RECOVERY_PHASES:
             self._recovery.labels(*self._lv, phase).set(float(phases.get(phase, 0.0)))
 
+    @_never_raises
     def record_recovery(self, incident: IncidentView) -> None:
         """:meth:`set_last_recovery` from a merged incident of :func:`ckptless.goodput.analyze`."""
         phases = dict(incident.phases)
@@ -126,15 +154,19 @@ class MetricsExporter:
             phases["kill_to_first_step"] = incident.kill_to_first_step_s
         self.set_last_recovery(phases)
 
+    @_never_raises
     def set_mirror_lag(self, versions: int) -> None:
         self._lag.set(versions)
 
+    @_never_raises
     def set_committed_version(self, version: int) -> None:
         self._committed.set(version)
 
+    @_never_raises
     def set_replica_bytes(self, nbytes: int) -> None:
         self._bytes.set(nbytes)
 
+    @_never_raises
     def set_spares_free(self, n: int) -> None:
         self._spares.set(n)
 

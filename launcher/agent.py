@@ -524,8 +524,13 @@ class NodeAgent:
         print(f"ckptless-run: metrics at http://{self._host}:{port}/metrics", file=sys.stderr, flush=True)
 
     def _update_metrics(self) -> None:
-        if self._metrics is not None:
+        """Telemetry never ends a job: whatever reading the gauges' inputs raises is logged, not raised."""
+        if self._metrics is None:
+            return
+        try:
             update_node_metrics(self._metrics, self.slots.all(), self._membership, self._incident_t, self._published_t)
+        except Exception as exc:  # noqa: BLE001 - a gauge must not fail the agent loop
+            log.warning("metrics not updated: %s", exc)
 
     def _prepare_shm(self, stack: ExitStack) -> None:
         """Node-local replicas: clear files of dead jobs, own this job's, remove them at the end."""
