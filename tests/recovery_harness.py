@@ -44,7 +44,9 @@ class Cluster:
     password: str | None = None
 
     def start_agent(self, *extra: str, nproc: int = 2, nnodes: str = "2", script: str = TRAIN,
-                    script_args: Sequence[str] | None = None) -> subprocess.Popen[str]:
+                    script_args: Sequence[str] | None = None, single_node: bool = False) -> subprocess.Popen[str]:
+        """An agent of this job on ``endpoint``; ``single_node``: one agent whose flags in ``extra`` say how
+        it coordinates (``--standalone``, ``--rdzv-backend static``): no endpoint, job id or --nnodes given."""
         env = child_env()
         env.update({"REF_STEPS": str(STEPS), "CKPTLESS_LOG_LEVEL": "INFO", "CKPTLESS_COLLECTIVE_TIMEOUT": "30",
                     "CKPTLESS_RECOVERY_TIMEOUT": "60"})
@@ -53,9 +55,10 @@ class Cluster:
         env.update(self.env)
         log = self.out / f"agent{len(self.agents)}.log"
         self.logs.append(log)
+        where = ([] if single_node else
+                 ["--nnodes", nnodes, "--rdzv-id", self.job_id, "--rdzv-endpoint", self.endpoint, "--lease-ttl", "1"])
         proc = subprocess.Popen(
-            [PYTHON, "-m", "ckptless.launcher.main", "--nnodes", nnodes, "--nproc-per-node", str(nproc),
-             "--rdzv-id", self.job_id, "--rdzv-endpoint", self.endpoint, "--lease-ttl", "1", *extra,
+            [PYTHON, "-m", "ckptless.launcher.main", "--nproc-per-node", str(nproc), *where, *extra,
              script, *(script_args if script_args is not None else (str(self.out),))],
             env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT, text=True, start_new_session=True,
         )
