@@ -343,7 +343,7 @@ def _leave(job: Job, a: LeaveGroups) -> Event:
         if own:
             job.own_images = own
     else:
-        groups.release_all()
+        groups.release_all(a.generation)
     # A collective that failed mid forward/backward leaves FSDP2 per-iteration state (pending
     # all-gathers, unsharded parameters, partial gradients) that the retried step would trip on.
     reset = job.registry.reset_after_failure()

@@ -28,6 +28,7 @@ from ckptless.errors import CkptlessError, CoordinatorError, CoordinatorUnavaila
 from ckptless.recovery.facts import WorkerReport
 from ckptless.recovery.view import JobStatus, report_record_to_json
 from ckptless.recovery.wire import Membership, membership_from_json
+from ckptless.worker import sockets
 
 T = TypeVar("T")
 
@@ -76,9 +77,14 @@ class WorkerControl:
                 continue
             if e.key.startswith(ks.prefix + "incident/g"):
                 try:
-                    self._incidents.add(int(e.key.rsplit("/g", 1)[1]))
+                    failed = int(e.key.rsplit("/g", 1)[1])
                 except ValueError:
-                    pass
+                    continue
+                self._incidents.add(failed)
+                # The leader declared the generation failed: end its connections now, from this
+                # thread, so a collective blocked on healthy peers raises at once (not hop by hop,
+                # and not after the collective timeout where a peer's loader workers hold its sockets).
+                sockets.shutdown(failed)
             elif e.key == ks.generation:
                 try:
                     self._newest_generation = max(self._newest_generation, int(json.loads(e.value)["generation"]))

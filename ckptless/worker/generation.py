@@ -115,7 +115,7 @@ class Generation:
             _RETIRED_ENGINES.append(engine)
             exit_guard.watch(engine.thread_alive, engine.join)
             own = engine.own_images()
-        groups.release_all()
+        groups.release_all(self.number)
         self.mirror_group = None
         self.bound = False
         # No join and no release here: the retired thread ends once its round fails (its peers are

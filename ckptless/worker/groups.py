@@ -33,7 +33,7 @@ from typing import Any, cast
 import torch.distributed as dist
 
 from ckptless.errors import ConfigError, TransportError
-from ckptless.worker import exit_guard
+from ckptless.worker import exit_guard, sockets
 from ckptless.worker.rebindable import PLUGIN, RebindableGroup, new_gloo
 
 log = logging.getLogger(__name__)
@@ -60,7 +60,8 @@ def _creator(opts: Any, _backend_opts: Any) -> RebindableGroup:
         store, generation = _live["store"], _live["generation"]
     if store is not None and generation is not None:
         # A live rank creating a subgroup (every member calls new_group): connect it now.
-        inner, backends = g.build(store, generation)
+        with sockets.recording(generation):
+            inner, backends = g.build(store, generation)
         g.install(generation, inner, backends)
     return g
 
@@ -194,7 +195,8 @@ def _abortable(fn: Callable[[], Any], generation: int, deadline: float, abort: A
 
     def run() -> None:
         try:
-            out.append(fn())
+            with sockets.recording(generation):  # this generation's connections (shut down when it ends)
+                out.append(fn())
         except BaseException as exc:  # reported to the caller below
             error.append(exc)
 
@@ -268,14 +270,21 @@ def bind_all(store: dist.Store, generation: int, rank: int, world_size: int, tim
     return cast(dist.ProcessGroup, mirror)
 
 
-def release_all() -> None:
+def release_all(generation: int | None = None) -> None:
     """Drop every group's communicator at once (peers blocked on us fail promptly).
 
-    Must run *outside* an ``except`` block: a live traceback keeps the failed
-    call's frames, hence its Work and the communicator's sockets, alive.
+    The connections of ``generation`` (default: the bound one) and older are shut down first
+    (:mod:`ckptless.worker.sockets`): closing alone sends nothing while a forked child (a
+    DataLoader worker) holds a copy of a socket. Must run *outside* an ``except`` block: a
+    live traceback keeps the failed call's frames, hence its Work and the communicator's
+    sockets, alive.
     """
     with _lock:
+        bound = _live["generation"]
         _live.update(store=None, generation=None)
+    ending = generation if generation is not None else bound
+    if ending is not None:
+        sockets.shutdown(ending)
     for g in groups():
         g.release()
     gc.collect()  # Work objects in reference cycles keep a Gloo context (its sockets) alive

@@ -19,6 +19,9 @@ Environment knobs for fault injection by the test (which sends the real signal):
                    in the user's own code: KIND ``raise`` (default) raises ValueError,
                    ``exit:N`` calls sys.exit(N).
   REF_HIDDEN       hidden width (state size)
+  REF_LOADER_WORKERS
+                   DataLoader worker processes of the resumable loader (default 0): they are
+                   forked after the groups formed and inherit the process's descriptors
   REF_LOOP_API     if set, train with ``for step in job.steps(n): with job.guard(): ...`` instead of run()
 Writes OUT/final_rank<R>.pt (params, optimizer state, RNG draws, data position) and
 OUT/pids_rank<R>.json (every pid that ran this rank).
@@ -79,7 +82,8 @@ def main() -> None:
     data_gen = torch.Generator().manual_seed(5)
     xs, ys = torch.randn(256, 16, generator=data_gen), torch.randn(256, 1, generator=data_gen)
     dataset = torch.utils.data.TensorDataset(xs, ys)
-    loader = ResumableLoader(dataset, ResumableSampler(len(dataset), seed=3, rank=rank, world_size=world), batch_size=8)
+    loader = ResumableLoader(dataset, ResumableSampler(len(dataset), seed=3, rank=rank, world_size=world), batch_size=8,
+                             num_workers=int(os.environ.get("REF_LOADER_WORKERS", "0")))
     job.protect(model=model, optimizer=opt, scheduler=sched, data=loader)
 
     pauses = {}
