@@ -47,7 +47,7 @@ from ckptless.metrics import MetricsExporter
 from ckptless.launcher import refill
 from ckptless.launcher.joining import check_fingerprint, rank_offsets, resume_from_disk, script_fingerprint
 from ckptless.launcher.node_metrics import update_node_metrics
-from ckptless.launcher.outbox import Outbox
+from ckptless.launcher.outbox import OUTBOX_DRAIN_S, Outbox
 from ckptless.launcher.slots import Slot, SlotTable
 from ckptless.launcher.spares import SparePool
 from ckptless.launcher.summary import render_failure
@@ -292,12 +292,15 @@ class NodeAgent:
         """Our lease is gone (we were paused, or etcd was away): register again under a new one."""
         assert self._client is not None and self._me is not None
         old, self._session = self._session, None
+        if self._lost_since is None:
+            self._lost_since = time.monotonic()  # the lease is gone from now until a renewal succeeds
         try:
-            session = Session(self._client, ttl_s=self.cfg.lease_ttl, name=self.node_id)
+            # A short grant deadline: the main loop retries every turn, and while etcd is away a long
+            # one would hold the loop (and every exit decision) for the client's whole call deadline.
+            session = Session(self._client, ttl_s=self.cfg.lease_ttl, name=self.node_id,
+                              grant_timeout_s=max(2.0, self.cfg.lease_ttl))
         except CoordinatorError as exc:
             self._session = old  # still done: try again on the next turn
-            if self._lost_since is None:
-                self._lost_since = time.monotonic()
             log.debug("renewing the lease failed: %s", exc)
             return
         self._lost_since = None
@@ -327,9 +330,18 @@ class NodeAgent:
         st = self._status
         if st is not None and st.state == "failed":
             return 1
-        if self.slots.ever_ranked() and self.slots.all_assigned_succeeded() and (
-                not self._hosts_store() or self._all_ranks_finished()):
-            return 0  # our ranks passed the final commit: the job's training is complete
+        if self.slots.ever_ranked() and self.slots.all_assigned_succeeded():
+            # Our ranks passed the final commit: the job's training is complete. The store's host
+            # waits for the others' exit records (they may still need the store), but not on an
+            # etcd that is gone: a finished job never exits non-zero (a scheduler reads that as
+            # a failed job).
+            if not self._hosts_store() or self._all_ranks_finished():
+                return 0
+            if self._etcd_gone_past_grace():
+                print("ckptless-run: this node's ranks all finished the job; etcd has been unreachable for "
+                      f"{time.monotonic() - (self._lost_since or 0.0):.0f}s, so the other nodes' exit records "
+                      "cannot be read: leaving with success", file=sys.stderr, flush=True)
+                return 0
         if st is not None and st.state == "succeeded":
             return 0
         if not self.slots.ever_ranked() and self._all_ranks_finished():
@@ -338,19 +350,21 @@ class NodeAgent:
             return 1
         return None
 
+    def _etcd_gone_past_grace(self) -> bool:
+        lost = self._lost_since
+        return lost is not None and time.monotonic() - lost > self.cfg.node_grace + self.cfg.lease_ttl
+
     def _cut_off(self) -> bool:
         """Cut from etcd past the node grace with none of our workers left: the job went on without us.
 
         While etcd is merely down for everyone, our workers keep training and we stay;
         only once they have all ended (not by finishing) is there nothing left to wait for.
         """
-        lost = self._lost_since
-        if lost is None or not self.slots.ever_ranked():
-            return False
-        if time.monotonic() - lost <= self.cfg.node_grace + self.cfg.lease_ttl:
+        if not self.slots.ever_ranked() or not self._etcd_gone_past_grace():
             return False
         if any(s.alive for s in self.slots.all() if s.rank is not None):
             return False
+        lost = self._lost_since or 0.0
         print(f"ckptless-run: this node was cut off from etcd for {time.monotonic() - lost:.0f}s (more than "
               f"--node-grace {self.cfg.node_grace:.0f}s) and its workers have ended: its ranks were re-planned "
               "elsewhere; leaving", file=sys.stderr, flush=True)
@@ -366,7 +380,9 @@ class NodeAgent:
         if m is None or self._client is None:
             return False
         try:
-            exits, _ = self._client.get_prefix(self.keyspace.exits_prefix)
+            # A poll of the main loop: a short deadline, so an etcd that is gone does not hold the loop
+            # (and the lease renewal that notices the outage) for the client's whole call deadline.
+            exits, _ = self._client.get_prefix(self.keyspace.exits_prefix, timeout_s=2.0)
         except CoordinatorError:
             return False
         ok = set()
@@ -431,7 +447,8 @@ class NodeAgent:
                 self._maybe_warm(group)
                 self._maybe_refill(group)
                 code = self._done()
-            self._outbox.drain()
+            # Pending exit records get their time to land, unless etcd is known to be gone.
+            self._outbox.drain(timeout=1.0 if self._lost_since is not None else OUTBOX_DRAIN_S)
             self._stopping.set()  # stops the hang watcher and the outbox retries
             group.stop(timeout=cfg.shutdown_timeout)
             if code == 1 and self._status is not None:

@@ -364,6 +364,26 @@ def test_etcd_lost_mid_run_healthy_job_finishes(etcd: EmbeddedEtcd, tmp_path: Pa
     _survivors_kept_pids(c, set())
 
 
+def test_etcd_lost_for_good_at_the_end_finished_job_exits_zero(etcd: EmbeddedEtcd, tmp_path: Path,
+                                                              baseline: Run) -> None:
+    """etcd is killed two steps before the end and never comes back: every rank finishes, and every
+    agent (the store's host too, which cannot read the others' exit records) exits 0 within seconds
+    of the grace, with no false 'cut off ... re-planned elsewhere'. Was: exit 1 after 77 s."""
+    c = _cluster(etcd.endpoint, tmp_path, "etcdend", REF_PAUSE_RANK="0", REF_PAUSE_STEP="8",
+                 REF_PAUSE_RELEASE="release")
+    try:
+        c.start_agent("--node-grace", "2")
+        c.start_agent("--node-grace", "2")
+        c.paused_pid(0)
+        etcd.kill()
+        c.release()
+        c.wait(timeout=60)
+    finally:
+        c.kill_all()
+    assert_bitwise_equal(c.finals(), baseline.finals)
+    assert "re-planned elsewhere" not in c.log_text(), c.tail()
+
+
 # --- 10. an agent paused shorter than the node grace period --------------------------------------
 def test_agent_paused_shorter_than_node_grace(module_etcd: EmbeddedEtcd, tmp_path: Path, baseline: Run) -> None:
     """SIGSTOP the non-leading agent for 8 s (its 1 s lease expires; --node-grace is 10 s), then SIGCONT:

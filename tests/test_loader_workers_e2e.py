@@ -63,6 +63,7 @@ def test_shutdown_ends_a_connection_a_forked_child_holds() -> None:
     with sockets.recording(10_001):
         ours = socket.create_connection(("127.0.0.1", port))
         peer, _ = listener.accept()
+        gloo_like = socket.create_server(("127.0.0.1", 0))  # a listener made in the window (Gloo's)
     assert ours.fileno() in sockets.recorded(10_001) or peer.fileno() in sockets.recorded(10_001)
     to_parent_r, to_parent_w = os.pipe()
     to_child_r, to_child_w = os.pipe()
@@ -77,10 +78,14 @@ def test_shutdown_ends_a_connection_a_forked_child_holds() -> None:
         peer.settimeout(5)
         assert sockets.shutdown(10_001) >= 1
         assert peer.recv(1) == b"", "the peer did not see the connection end"
+        # A listener is never shut down (Gloo's event loop aborts the process when its accept fails).
+        with socket.create_connection(gloo_like.getsockname()):
+            gloo_like.settimeout(5)
+            gloo_like.accept()[0].close()
     finally:
         os.write(to_child_w, b"x")
         os.waitpid(child, 0)
-        for s in (ours, peer, listener):
+        for s in (ours, peer, listener, gloo_like):
             s.close()
         for fd in (to_parent_r, to_parent_w, to_child_r, to_child_w):
             os.close(fd)

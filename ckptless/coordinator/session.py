@@ -28,13 +28,14 @@ class Session:
     * ``done`` is set when the lease is gone for any reason.
     """
 
-    def __init__(self, client: EtcdClient, ttl_s: float = 2.0, name: str = "session") -> None:
+    def __init__(self, client: EtcdClient, ttl_s: float = 2.0, name: str = "session",
+                 grant_timeout_s: float | None = None) -> None:
         if ttl_s < 1:
             raise ConfigError("lease_ttl", ttl_s, "etcd leases need a TTL of at least 1 second")
         self._client = client
         self.ttl_s = int(round(ttl_s))
         self.name = name
-        self.lease_id = client.grant_lease(self.ttl_s)
+        self.lease_id = client.grant_lease(self.ttl_s, timeout_s=grant_timeout_s)
         self.done = threading.Event()
         self._stop = threading.Event()
         self._last_ok = time.monotonic()

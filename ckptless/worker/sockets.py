@@ -108,13 +108,23 @@ def shutdown(up_to_generation: int) -> int:
             continue
         try:
             with socket.socket(fileno=dup) as s:  # closes only the duplicate
-                s.shutdown(socket.SHUT_RDWR)
-                done += 1
+                if _is_connection(s):
+                    s.shutdown(socket.SHUT_RDWR)
+                    done += 1
         except OSError:
-            pass  # a listening or never-connected socket: nothing to end
+            pass  # never connected, or already ended: nothing to end
     if todo:
         log.debug("shut down %d of %d sockets of generations <= %d", done, len(todo), up_to_generation)
     return done
+
+
+def _is_connection(s: socket.socket) -> bool:
+    """A TCP connection, not a listener: shutting down Gloo's listening socket makes its accept()
+    fail inside Gloo's event loop, which terminates the process (measured: SIGABRT,
+    'listener.cc:63 accept: Invalid argument')."""
+    if s.family not in (socket.AF_INET, socket.AF_INET6) or s.type != socket.SOCK_STREAM:
+        return False
+    return not s.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)
 
 
 def recorded(generation: int) -> dict[int, int]:
