@@ -83,8 +83,8 @@ class ResumableSampler(Sampler[int]):
         self,
         dataset_len: int,
         seed: int = 0,
-        rank: int = 0,
-        world_size: int = 1,
+        rank: int | None = None,
+        world_size: int | None = None,
         shuffle: bool = True,
         drop_last: bool = False,
         seeding: str = "mixed",
@@ -100,6 +100,15 @@ class ResumableSampler(Sampler[int]):
         self.world_size = 1
         self.epoch = 0
         self.index = 0
+        # Not given: this process's rank and world (0 of 1 outside a distributed job). Taken from
+        # ckptless's default group, so a pre-built spare's setup that leaves them out reads no rank
+        # (and the sampler is re-ranked when the spare takes one).
+        if rank is None or world_size is None:
+            import torch.distributed as dist
+
+            live = dist.is_available() and dist.is_initialized()
+            rank = rank if rank is not None else (dist.get_rank() if live else 0)
+            world_size = world_size if world_size is not None else (dist.get_world_size() if live else 1)
         self.set_world(rank, world_size)
 
     # --- geometry ---------------------------------------------------------

@@ -43,7 +43,7 @@ from ckptless.recovery.wire import Membership
 from ckptless.snapshot import SnapshotConfig, SnapshotWriter
 from ckptless.state.capture import Capturer, StateImage
 from ckptless.state.registry import StateRegistry
-from ckptless.worker import actions, adoption, exit_file, exit_guard, groups, reuse
+from ckptless.worker import actions, adoption, exit_file, exit_guard, groups, rank_reads, reuse, setup_seed
 from ckptless.worker.context import WorkerContext
 from ckptless.worker.control import WorkerControl
 from ckptless.worker.faults import is_fault
@@ -163,6 +163,7 @@ class Job:
     # --- identity (derived from the generation, never copied) ---------------------------------
     @property
     def rank(self) -> int:
+        rank_reads.note("job.rank")
         if self.seen is not None:
             r = self.seen.rank_of(self.worker_id)
             if r is not None:
@@ -395,6 +396,7 @@ class Job:
                 log.warning("ckptless: no data position is protected: after a recovery the resumed ranks will "
                             "not replay the same batches (protect one, e.g. data=ckptless.data.resumable(loader))")
         self.spec = RunSpec(train_step, steps, start_step)
+        rank_reads.stop()  # a pre-built spare's setup ends here
         # The script's setup objects (torch's modules, the model) live for the whole job: frozen out
         # of the cyclic GC, the full collection a recovery runs to close the failed generation's
         # sockets (groups.release_all) scans only what was made since, e.g. 0.13-0.3 s -> ~1 ms.
@@ -530,6 +532,12 @@ def init(env: dict[str, str] | None = None) -> Job:
     """
     t0 = time.monotonic()
     _enable_crash_stacks()
-    job = Job(WorkerContext.from_env(env))
+    ctx = WorkerContext.from_env(env)
+    # Before anything of the setup runs: an unseeded script's setup draws the same in every incarnation.
+    setup_seed.seed_if_unseeded(os.environ if env is None else env,
+                                announce=ctx.rank == 0 and ctx.role == "member" and ctx.generation == 0)
+    job = Job(ctx)
+    if job.prebuilt:
+        rank_reads.start()  # the setup that follows is the standby rank's: does it read its rank?
     log.info("rank %d joined generation %d in %.3fs", job.rank, job.generation, time.monotonic() - t0)
     return job

@@ -105,7 +105,9 @@ def main() -> None:
     steps = int(os.environ.get("DEMO_STEPS", "30"))
     width = int(os.environ.get("DEMO_WIDTH", "32"))
     job = ckptless.init()
-    rank, world = dist.get_rank(), dist.get_world_size()
+    # The setup reads no rank (a pre-built spare may then take any lost rank with it as built) and
+    # does not seed: ckptless.init() seeds torch, random and numpy, the same on every rank.
+    world = dist.get_world_size()
     recorded: list[int] = []
 
     def record_pid() -> None:
@@ -116,9 +118,6 @@ def main() -> None:
             with open(os.path.join(out, f"pids_rank{job.rank}.jsonl"), "a") as f:
                 f.write(json.dumps({"pid": os.getpid(), "role": job.ctx.role, "generation": job.generation}) + "\n")
 
-    torch.manual_seed(1000 + rank)  # per-rank dropout masks
-    random.seed(17 + rank)
-    np.random.seed(23 + rank)
     model = TinyTransformer(width)
     with torch.no_grad():  # identical initial weights on every rank
         g = torch.Generator().manual_seed(7)
@@ -129,7 +128,7 @@ def main() -> None:
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: (s + 1) / warmup if s < warmup else 0.5 * (1 + math.cos(math.pi * min(s / steps, 1.0))))
     dataset = synthetic_dataset()
-    loader = ResumableLoader(dataset, ResumableSampler(len(dataset), seed=11, rank=rank, world_size=world),
+    loader = ResumableLoader(dataset, ResumableSampler(len(dataset), seed=11),
                              batch_size=16)
     job.protect(model=model, optimizer=opt, scheduler=sched, data=loader)
     pauses = _pauses(out)

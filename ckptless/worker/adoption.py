@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 from ckptless.recovery.plan import RecoveryPlan
 from ckptless.recovery.wire import Membership
 from ckptless.state.ddp import HIDDEN_PREFIX
-from ckptless.worker import groups
+from ckptless.worker import groups, rank_reads
 
 if TYPE_CHECKING:
     from ckptless.job import Job
@@ -48,6 +48,9 @@ def why_not(job: Job, m: Membership, rank: int) -> str | None:
     d = m.decision
     if not isinstance(d, RecoveryPlan) or rank not in d.adopt_prebuilt:
         return "the plan did not find its standby rank's layout equal to that rank's"
+    read = rank_reads.reads()
+    if read:
+        return f"its setup read its rank ({read[0]}), so what it built is its standby rank's"
     extra = groups.user_groups()
     if extra:
         return f"its setup created process groups {extra} as its standby rank"

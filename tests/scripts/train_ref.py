@@ -22,6 +22,13 @@ Environment knobs for fault injection by the test (which sends the real signal):
   REF_LOADER_WORKERS
                    DataLoader worker processes of the resumable loader (default 0): they are
                    forked after the groups formed and inherit the process's descriptors
+  REF_UNSEEDED_DATA
+                   if set, the setup shifts the data by draws from the global torch RNG (which
+                   the script never seeds): a replacement's setup must draw the same numbers
+  REF_SETUP_READS_RANK
+                   if set, the setup reads os.environ["RANK"] and shifts its (unprotected) data
+                   by it, as scripts that shard data at setup do: a pre-built spare built as
+                   another rank must not take this rank with its objects as built
   REF_LOOP_API     if set, train with ``for step in job.steps(n): with job.guard(): ...`` instead of run()
 Writes OUT/final_rank<R>.pt (params, optimizer state, RNG draws, data position) and
 OUT/pids_rank<R>.json (every pid that ran this rank).
@@ -56,7 +63,9 @@ def main() -> None:
     steps = int(os.environ.get("REF_STEPS", "12"))
     hidden = int(os.environ.get("REF_HIDDEN", "64"))
     job = ckptless.init()
-    rank, world = dist.get_rank(), dist.get_world_size()
+    # The setup reads no rank (a pre-built spare may take any rank with it as built) and does not
+    # seed: ckptless.init() seeds torch, random and numpy the same on every rank and incarnation.
+    world = dist.get_world_size()
     recorded: list[int] = []
 
     def record_pid() -> None:
@@ -67,9 +76,6 @@ def main() -> None:
             with open(os.path.join(out, f"pids_rank{job.rank}.jsonl"), "a") as f:
                 f.write(json.dumps({"pid": os.getpid(), "role": job.ctx.role, "generation": job.generation}) + "\n")
 
-    torch.manual_seed(1234 + rank)
-    random.seed(99 + rank)
-    np.random.seed(7 + rank)
     model = torch.nn.Sequential(
         torch.nn.Linear(16, hidden), torch.nn.ReLU(), torch.nn.Dropout(0.2), torch.nn.Linear(hidden, 1)
     )
@@ -81,8 +87,12 @@ def main() -> None:
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.7)
     data_gen = torch.Generator().manual_seed(5)
     xs, ys = torch.randn(256, 16, generator=data_gen), torch.randn(256, 1, generator=data_gen)
+    if os.environ.get("REF_UNSEEDED_DATA"):
+        xs = xs + 0.01 * torch.randn(xs.shape)  # the global generator, seeded by nobody but ckptless
+    if os.environ.get("REF_SETUP_READS_RANK"):
+        xs = xs + 0.01 * int(os.environ["RANK"])  # this rank's data, decided at setup and not protected
     dataset = torch.utils.data.TensorDataset(xs, ys)
-    loader = ResumableLoader(dataset, ResumableSampler(len(dataset), seed=3, rank=rank, world_size=world), batch_size=8,
+    loader = ResumableLoader(dataset, ResumableSampler(len(dataset), seed=3), batch_size=8,
                              num_workers=int(os.environ.get("REF_LOADER_WORKERS", "0")))
     job.protect(model=model, optimizer=opt, scheduler=sched, data=loader)
 
@@ -140,7 +150,7 @@ def main() -> None:
         sched.step()
 
     if job.ctx.role == "spare":  # built and about to wait for a rank: tests read which process stood by
-        _announce(os.path.join(out, f"standby_{os.getpid()}.json"), {"pid": os.getpid(), "rank": rank})
+        _announce(os.path.join(out, f"standby_{os.getpid()}.json"), {"pid": os.getpid(), "rank": job.ctx.standby_rank})
     hold(-1)
     if os.environ.get("REF_LOOP_API"):  # the loop API: the same steps, driven by the script's own for loop
         for step in job.steps(steps):
