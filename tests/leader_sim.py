@@ -64,12 +64,14 @@ class World:
     lose_next_reply: bool = False
     fence_next: bool | None = None  # True: deposed; False: generation moved
     ported: bool = True
+    spare_exits: dict[str, ExitRecord] = field(default_factory=dict)  # worker id -> a dead spare's record
 
     # --- facts ------------------------------------------------------------------------------
     def view(self) -> JobView:
         return JobView(self.membership, dict(self.exits), frozenset(self.nodes), dict(self.reports),
                        frozenset(self.ready), tuple(self.spares), self.status,
-                       self.membership.generation in self.incidents, ported=self.ported)
+                       self.membership.generation in self.incidents, ported=self.ported,
+                       worker_exits={**{r.worker_id: r for r in self.exits.values()}, **self.spare_exits})
 
     def worker(self, rank: int) -> str:
         return self.membership.worker_of(rank).worker_id

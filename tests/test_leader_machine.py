@@ -29,7 +29,7 @@ from ckptless.recovery.leader_machine import (
     step,
 )
 from ckptless.recovery.plan import RecoveryPlan, Unrecoverable
-from ckptless.recovery.view import JobStatus, ReportRecord
+from ckptless.recovery.view import ExitRecord, JobStatus, ReportRecord
 
 from .leader_sim import CFG, Leader, World, fresh_leader
 
@@ -234,6 +234,31 @@ def test_second_failure_while_waiting_for_a_replacement_replans() -> None:
     assert isinstance(ld.state, AwaitingFormation)
     plan = ld.world.published[0]
     assert {a.rank: a.source for a in plan.assignments}[2] == "spare"
+
+
+def test_spare_dead_as_it_was_assigned_is_replanned_at_once() -> None:
+    """The spare dies just before the plan that names it lands: its agent had no rank for it and wrote
+    a spare exit (rank -1). The leader must see the assigned rank's worker dead at once and plan again.
+    Was: believed alive, 'still joining ... waiting 60s more' four times (301.9 s)."""
+    ld = fresh_leader()
+    ld.world.spares = [Worker("s/a", "s"), Worker("s/b", "s")]
+    ld.world.nodes.add("s")
+    ld.world.kill(1)
+    ld.observe()
+    ld.world.report_all_alive()
+    assert isinstance(ld.observe(0.1), AwaitingFormation)
+    assigned = ld.world.worker(1)
+    assert assigned in ("s/a", "s/b")
+    ld.world.spare_exits[assigned] = ExitRecord(-1, assigned, "s", 999, None, 9, 0.05)
+    state = ld.observe(0.1)
+    assert isinstance(state, Collecting) and 1 in state.lost, state
+    assert f"rank 1 ({assigned}, pid 999) ended by signal 9" in ld.messages()
+    ld.world.report(0)
+    ld.world.report(2)
+    ld.world.report(3)
+    assert isinstance(ld.observe(0.1), AwaitingFormation)
+    again = ld.world.worker(1)
+    assert again != assigned and again in ("s/a", "s/b"), "the dead spare was named again"
 
 
 # --- deadlines ---------------------------------------------------------------------------------------

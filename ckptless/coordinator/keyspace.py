@@ -67,6 +67,11 @@ class Keyspace:
     def worker_exit(self, rank: int) -> str:
         return f"{self.exits_prefix}{rank}"
 
+    def spare_exit(self, worker_id: str) -> str:
+        """A spare's exit record (rank -1 inside): one key per spare, so no spare's death hides
+        another's, and the leader sees it even when it assigned that spare a rank a moment before."""
+        return f"{self.exits_prefix}spare:{worker_id.replace('/', ':')}"
+
     @property
     def spares_prefix(self) -> str:
         """``spares/<worker-id, / as :>`` -> JSON spare record, on its agent's lease."""

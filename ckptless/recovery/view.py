@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from ckptless.errors import CkptlessError, RecoveryError
@@ -209,7 +209,10 @@ class JobView:
     """Everything the leader may look at, read from etcd at one moment.
 
     ``exits`` holds the newest record per rank (of whichever incarnation);
-    ``reports`` and ``ready`` are those of the current generation only;
+    ``worker_exits`` the newest per worker id, spares included (a spare's
+    record carries rank -1: it had none when its agent saw it die, possibly
+    just after the leader assigned it one); ``reports`` and ``ready`` are
+    those of the current generation only;
     ``malformed`` names records that failed to parse (they are ignored, and
     said so, never trusted).
     """
@@ -225,6 +228,7 @@ class JobView:
     malformed: tuple[str, ...] = ()
     malformed_reports: frozenset[int] = frozenset()
     ported: bool = True  # some worker of this job called ckptless.init()
+    worker_exits: Mapping[str, ExitRecord] = field(default_factory=dict)
 
     @property
     def generation(self) -> int:
@@ -237,10 +241,15 @@ class JobView:
 
     def current_exit(self, rank: int) -> ExitRecord | None:
         """The exit record of the worker that holds ``rank`` now (older incarnations ignored)."""
-        rec = self.exits.get(rank)
-        if rec is None or self.membership is None:
+        if self.membership is None:
             return None
-        return rec if rec.worker_id == self.membership.worker_of(rank).worker_id else None
+        worker_id = self.membership.worker_of(rank).worker_id
+        rec = self.worker_exits.get(worker_id)
+        if rec is not None:
+            # A spare that died as it was assigned the rank: its record says rank -1.
+            return rec if rec.rank == rank else replace(rec, rank=rank)
+        rec = self.exits.get(rank)
+        return rec if rec is not None and rec.worker_id == worker_id else None
 
     def ranks_with(self, outcome: Outcome) -> frozenset[int]:
         if self.membership is None:
@@ -298,7 +307,7 @@ class JobView:
 
     def usable_spares(self) -> tuple[Worker, ...]:
         """Spares whose process did not exit (a dead spare is never assigned) and whose node is alive."""
-        dead = {rec.worker_id for rec in self.exits.values()}
+        dead = {rec.worker_id for rec in self.exits.values()} | set(self.worker_exits)
         return tuple(w for w in self.spares if w.worker_id not in dead and w.node_id in self.live_nodes)
 
 
@@ -316,12 +325,18 @@ def parse_records(
     """Build a :class:`JobView` from raw ``(key, value)`` records; drop and name what does not parse."""
     bad: list[str] = []
     by_rank: dict[int, ExitRecord] = {}
+    by_worker: dict[str, ExitRecord] = {}
     for key, raw in exits:
         try:
             rec = ExitRecord.from_json(raw)
         except CkptlessError:
             bad.append(key)
             continue
+        seen = by_worker.get(rec.worker_id)
+        if seen is None or rec.time >= seen.time:
+            by_worker[rec.worker_id] = rec
+        if rec.rank < 0:
+            continue  # a spare's: by worker only
         prev = by_rank.get(rec.rank)
         if prev is None or rec.time >= prev.time:
             by_rank[rec.rank] = rec
@@ -358,4 +373,4 @@ def parse_records(
             bad.append("status")
     return JobView(membership, by_rank, frozenset(nodes), reps, frozenset(ready_ranks),
                    tuple(sorted(spare_workers, key=lambda w: w.worker_id)), st, incident_open, tuple(bad),
-                   frozenset(bad_reports), ported)
+                   frozenset(bad_reports), ported, by_worker)
