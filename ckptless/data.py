@@ -246,6 +246,9 @@ class ResumableLoader:
         if pin_memory_device:
             self._loader_kwargs["pin_memory_device"] = pin_memory_device
         self._it: Iterator[Any] | None = None
+        # True while the position was last moved by an iterator of ``__iter__`` (not by next_batch,
+        # a restore or set_epoch): a new ``iter()`` then starts the epoch again, as a DataLoader does.
+        self._moved_by_iter = False
         self._check_nonempty()
 
     def __len__(self) -> int:
@@ -296,6 +299,10 @@ class ResumableLoader:
 
     def next_batch(self) -> Any:
         """The batch at the current position; advances the position past it."""
+        self._moved_by_iter = False
+        return self._next()
+
+    def _next(self) -> Any:
         while True:
             if self._it is None:
                 self._it = self._open()
@@ -313,11 +320,25 @@ class ResumableLoader:
             return batch
 
     def __iter__(self) -> Iterator[Any]:
-        """The remaining batches of the current epoch."""
+        """The batches of the current epoch, from the current position.
+
+        Like a ``DataLoader``, every ``iter()`` starts the epoch again when an earlier iterator
+        moved the position (``next(iter(loader))`` to probe a batch, a ``for`` left with
+        ``break``): a probe consumes nothing. After a restore, ``next_batch()`` or ``set_epoch``,
+        it continues from the position (the point of a resumable loader).
+        """
         self._settle()
-        epoch = self.sampler.epoch
+        if self._moved_by_iter and self.sampler.index > 0:
+            self.sampler.index = 0
+            self._it = None
+        self._moved_by_iter = False
+        return self._epoch(self.sampler.epoch)
+
+    def _epoch(self, epoch: int) -> Iterator[Any]:
         while self.sampler.epoch == epoch:
-            yield self.next_batch()
+            batch = self._next()
+            self._moved_by_iter = True
+            yield batch
 
     def set_epoch(self, epoch: int) -> None:
         """Go to the start of ``epoch``, unless already in it (then keep the position).
@@ -327,6 +348,7 @@ class ResumableLoader:
         that call harmless after a mid-epoch restore.
         """
         self._settle()
+        self._moved_by_iter = False
         if _check_int("epoch", epoch, 0) != self.sampler.epoch:
             self.sampler.set_epoch(epoch)
             self._it = None
@@ -338,6 +360,7 @@ class ResumableLoader:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.sampler.load_state_dict(state)
         self._it = None
+        self._moved_by_iter = False  # the next iter() continues from the restored position
 
 
 # --- one-line wrapping of a stock DataLoader ------------------------------------------

@@ -127,6 +127,24 @@ def test_loader_iter_yields_rest_of_epoch() -> None:
     assert ld.state_dict() == {"epoch": 1, "index": 0}
 
 
+def test_loader_iter_like_dataloader_probe_consumes_nothing() -> None:
+    """``next(iter(loader))`` to probe the batch size (the DDP tutorial does) must not skip a batch:
+    a new iter() starts the epoch again when an earlier iterator moved the position, as DataLoader."""
+    ld, ref = _loader(), _loader()
+    full = [b[0].tolist() for b in ref]
+    probe = next(iter(ld))
+    assert probe[0].tolist() == full[0]
+    assert [b[0].tolist() for b in ld] == full  # the whole epoch, its first batch included
+    assert ld.state_dict() == {"epoch": 1, "index": 0}
+    for _ in ld:  # a for left with break, then a new for: the epoch again from its start
+        break
+    assert [b[0].tolist() for b in ld] == [b[0].tolist() for b in ref]
+    # after a restore the next iter() continues from the restored position
+    ld.load_state_dict({"epoch": 2, "index": 4})
+    ref.load_state_dict({"epoch": 2, "index": 4})
+    assert [b[0].tolist() for b in ld] == [b[0].tolist() for b in ref]
+
+
 def test_loader_with_worker_process_keeps_consumed_position() -> None:
     ld = _loader(workers=1)
     first = ld.next_batch()[0].tolist()
