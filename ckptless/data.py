@@ -479,7 +479,24 @@ def protects_data_position(registry: StateRegistry) -> bool:
 
     True for :class:`ResumableLoader` / :class:`ResumableSampler` (what
     :func:`resumable` returns included) and any object declaring
-    ``__ckptless_data_position__ = True``. The job loop warns once when this
-    is False: without a data position a recovered run feeds different batches.
+    ``__ckptless_data_position__ = True``, and any object of the user's own
+    (not a module, optimizer, LR scheduler or grad scaler: a cursor, an
+    iterator state) protected beside the model: that is what a script keeps
+    its position in when it does not use ours (a false alarm on every worker
+    otherwise). The job loop warns once when this is False: without a data
+    position a recovered run feeds different batches.
     """
-    return any(getattr(obj, DATA_POSITION_ATTR, False) is True for _, obj in registry.items())
+    import torch
+
+    known = (torch.nn.Module, torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler)
+    for name, obj in registry.items():
+        declared = getattr(obj, DATA_POSITION_ATTR, None)
+        if declared is not None:  # said either way: only True counts
+            if declared is True:
+                return True
+            continue
+        if name.startswith("_") or name in ("rng", "scaler") or isinstance(obj, known):
+            continue
+        if type(obj).__module__.split(".", 1)[0] not in ("torch", "ckptless"):
+            return True  # the user's own Stateful: their data position, as far as anyone can tell
+    return False

@@ -392,9 +392,10 @@ class Job:
         else:
             from ckptless.data import protects_data_position
 
-            if not protects_data_position(self.registry):
-                log.warning("ckptless: no data position is protected: after a recovery the resumed ranks will "
-                            "not replay the same batches (protect one, e.g. data=ckptless.data.resumable(loader))")
+            if not protects_data_position(self.registry) and self.rank == 0:
+                log.warning("ckptless: no protected object holds a data position: after a recovery the resumed "
+                            "ranks will not replay the same batches unless the batches come from protected state "
+                            "(the RNG, a step counter); protect one, e.g. data=ckptless.data.resumable(loader)")
         self.spec = RunSpec(train_step, steps, start_step)
         rank_reads.stop()  # a pre-built spare's setup ends here
         # The script's setup objects (torch's modules, the model) live for the whole job: frozen out

@@ -385,7 +385,19 @@ def test_protects_data_position() -> None:
     assert not protects_data_position(reg)
     reg.protect(other=Anything())
     assert not protects_data_position(reg)
-    for obj in (Declared(), ResumableSampler(4), resumable(DataLoader(_ds(), batch_size=2))):
+    class Cursor:  # the script's own position keeper (no declaration): counts
+        def state_dict(self) -> dict[str, Any]:
+            return {"i": 0}
+
+        def load_state_dict(self, s: dict[str, Any]) -> None:
+            pass
+
+    sched_only = StateRegistry()
+    opt = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
+    sched_only.protect(model=torch.nn.Linear(2, 2), optimizer=opt,
+                       scheduler=torch.optim.lr_scheduler.StepLR(opt, 1))
+    assert not protects_data_position(sched_only)
+    for obj in (Declared(), ResumableSampler(4), resumable(DataLoader(_ds(), batch_size=2)), Cursor()):
         r = StateRegistry()
         r.protect(data=obj)
         assert protects_data_position(r)
