@@ -101,6 +101,7 @@ class LaunchConfig:
     spares: int = 0
     snapshot_every: int = 0
     snapshot_dir: str | None = None
+    fresh_start: bool = False
     goodput_dir: str | None = None
     hang_timeout: float | None = None
     lease_ttl: float = 2.0
@@ -251,6 +252,8 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
     add("--spares", action=env, type=int, default=0, help="Hot spare workers per node.")
     add("--snapshot-every", action=env, type=int, default=0, help="Disk snapshot every M steps (0: off).")
     add("--snapshot-dir", action=env, type=str, default=None, help="Directory for disk snapshots.")
+    add("--fresh-start", action=check_env, help="Start from step 0 although --snapshot-dir holds this job's "
+        "snapshots (e.g. of another world size): they are set aside, unchanged, in <dir>/<id>.set-aside-<time>.")
     add("--goodput-dir", action=env, type=str, default=None, help="Directory for the goodput ledger.")
     add("--hang-timeout", action=env, type=float, default=None,
         help="SIGKILL a worker whose progress stalls this many seconds.")
@@ -458,6 +461,8 @@ def config_from_namespace(ns: argparse.Namespace, environ: Mapping[str, str] | N
     _check(ns.snapshot_every >= 0, "snapshot_every", ns.snapshot_every, "must be >= 0 (0 = off)")
     _check(ns.snapshot_every == 0 or bool(ns.snapshot_dir), "snapshot_dir", ns.snapshot_dir,
            "--snapshot-every needs --snapshot-dir")
+    _check(not ns.fresh_start or bool(ns.snapshot_dir), "fresh_start", True,
+           "--fresh-start sets a job's snapshots aside: it needs the --snapshot-dir that holds them")
     _check(ns.hang_timeout is None or ns.hang_timeout > 0, "hang_timeout", ns.hang_timeout, "must be > 0")
     _check(ns.lease_ttl > 0, "lease_ttl", ns.lease_ttl, "must be > 0")
     _check(ns.node_grace > 0, "node_grace", ns.node_grace, "must be > 0")

@@ -11,6 +11,7 @@ import hashlib
 import logging
 import os
 import sys
+from typing import TYPE_CHECKING
 
 from ckptless.coordinator.client import EtcdClient
 from ckptless.coordinator.keyspace import Keyspace
@@ -18,6 +19,9 @@ from ckptless.coordinator.rendezvous import NodeInfo, RoundState
 from ckptless.errors import ConfigError
 from ckptless.launcher.args import LaunchConfig
 from ckptless.recovery.plan import Assignment, DiskFallback
+
+if TYPE_CHECKING:  # importing ckptless.snapshot imports torch: deferred to the restart itself
+    from ckptless.snapshot.restart import WorldMismatch
 
 log = logging.getLogger("ckptless.agent")
 
@@ -56,12 +60,34 @@ def rank_offsets(participants: tuple[NodeInfo, ...]) -> list[tuple[NodeInfo, int
     return out
 
 
-def resume_from_disk(cfg: LaunchConfig, world_size: int, ranks: tuple[Assignment, ...]) -> DiskFallback | None:
-    """A whole job started again: generation 0 resumes from the newest verified snapshot, if any."""
+def resume_from_disk(cfg: LaunchConfig, world_size: int, ranks: tuple[Assignment, ...],
+                     node_rank: int = 0) -> DiskFallback | None:
+    """A whole job started again: generation 0 resumes from the newest verified snapshot, if any.
+
+    Called on every node after the rendezvous, before any worker is spawned.
+    Every node refuses (one :class:`ConfigError`) a start whose world size
+    does not match the job's complete snapshots: resuming is impossible and
+    training from step 0 beside them is what lost a user's last good
+    snapshot (issue 17); every node checks because each would otherwise wait
+    for a membership that never comes. With ``--fresh-start`` node 0 sets
+    the old snapshots aside, unchanged, and the job starts from step 0. Only
+    node 0 chooses the snapshot (it writes the membership).
+    """
     if not cfg.snapshot_dir:
         return None
-    from ckptless.snapshot import choose_snapshot
+    from ckptless.snapshot import check_world, choose_snapshot, set_aside
 
+    if cfg.fresh_start:
+        moved = set_aside(cfg.snapshot_dir, cfg.run_id) if node_rank == 0 else None
+        if moved is not None:
+            print(f"ckptless-run: --fresh-start: job {cfg.run_id} starts from step 0; its previous snapshots "
+                  f"were set aside, unchanged, in {moved}", file=sys.stderr, flush=True)
+        return None
+    mismatch = check_world(cfg.snapshot_dir, cfg.run_id, world_size)
+    if mismatch is not None:
+        raise world_mismatch_error(cfg.run_id, mismatch)
+    if node_rank != 0:
+        return None
     info, rejected = choose_snapshot(cfg.snapshot_dir, cfg.run_id, world_size)
     for step, why in rejected:
         log.warning("not resuming from snapshot step %d: %s", step, why)
@@ -71,3 +97,16 @@ def resume_from_disk(cfg: LaunchConfig, world_size: int, ranks: tuple[Assignment
           file=sys.stderr, flush=True)
     return DiskFallback(cfg.run_id, 0, ranks, (), info.step,
                         f"whole-job restart: resuming from the newest verified snapshot (step {info.step})", (), 0)
+
+
+def world_mismatch_error(run_id: str, m: WorldMismatch) -> ConfigError:
+    """One line: what does not match, where, and the two ways on (neither loses a snapshot)."""
+    from ckptless.snapshot.restart import SET_ASIDE
+
+    steps = ", ".join(str(s) for s in m.steps[:8]) + (", ..." if len(m.steps) > 8 else "")
+    return ConfigError(
+        "world_size", m.job_world,
+        f"job {run_id!r} has complete disk snapshots in {m.job_dir} written by a world of {m.world_size} ranks "
+        f"(steps {steps}), and a start of {m.job_world} ranks cannot resume from them. To resume, relaunch with "
+        f"{m.world_size} ranks (--nnodes x --nproc-per-node); to start from step 0 instead, add --fresh-start, "
+        f"which sets those snapshots aside unchanged (in {m.job_dir}{SET_ASIDE}<time>; nothing is deleted)")

@@ -81,6 +81,8 @@ ROWS: tuple[FlagRow, ...] = (
     FlagRow("--spare-refill", ("--spares", "1", "--spare-any-rank", "--spare-refill"), job="spare-any"),
     FlagRow("--snapshot-every", ("--snapshot-every", "3", "--snapshot-dir", "{out}/snap"), job="snapshot"),
     FlagRow("--snapshot-dir", ("--snapshot-every", "3", "--snapshot-dir", "{out}/snap"), job="snapshot"),
+    FlagRow("--fresh-start", ("--snapshot-every", "3", "--snapshot-dir", "{out}/snap", "--fresh-start"),
+            job="snapshot", note="a fresh directory: nothing to set aside; a kill mid-run still recovers in place"),
     FlagRow("--goodput-dir", ("--goodput-dir", "{out}/goodput"), job="telemetry"),
     FlagRow("--hang-timeout", ("--hang-timeout", "20"), job="snapshot"),
     FlagRow("--lease-ttl", ("--lease-ttl", "1.5"), job="snapshot"),

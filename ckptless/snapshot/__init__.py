@@ -12,6 +12,10 @@ Public API::
     if info is not None:
         step = load_snapshot(info, registry, rank)   # re-verifies this rank's files; exact restore
 
+    # a whole-job start (the launcher): refuse a world that does not match the snapshots, or set them aside
+    mismatch = check_world("/shared/snaps", "job", world_size)   # WorldMismatch | None
+    moved = set_aside("/shared/snaps", "job")                      # --fresh-start: renamed, never deleted
+
 See docs/snapshots.md for the on-disk layout and the completion protocol.
 """
 
@@ -19,13 +23,16 @@ from ckptless.snapshot.choose import choose_snapshot, latest_complete, list_comp
 from ckptless.snapshot.config import SnapshotConfig
 from ckptless.snapshot.integrity import FileSum, SnapshotIntegrityError
 from ckptless.snapshot.reader import (
-    FORMAT, MARKER, PartRecord, SnapshotInfo, forget_verified, load_snapshot, step_dir, verify_snapshot,
+    FORMAT, MARKER, PartRecord, SnapshotInfo, forget_verified, load_snapshot, read_marker, step_dir,
+    verify_snapshot,
 )
+from ckptless.snapshot.restart import StoredSnapshot, WorldMismatch, check_world, set_aside, stored_snapshots
 from ckptless.snapshot.retention import SnapshotEntry, plan_retention
 from ckptless.snapshot.writer import SnapshotWriter
 
 __all__ = [
     "FORMAT", "MARKER", "FileSum", "PartRecord", "SnapshotConfig", "SnapshotEntry", "SnapshotInfo",
-    "SnapshotIntegrityError", "SnapshotWriter", "choose_snapshot", "forget_verified", "latest_complete",
-    "list_complete", "load_snapshot", "plan_retention", "step_dir", "verify_snapshot",
+    "SnapshotIntegrityError", "SnapshotWriter", "StoredSnapshot", "WorldMismatch", "check_world",
+    "choose_snapshot", "forget_verified", "latest_complete", "list_complete", "load_snapshot", "plan_retention",
+    "read_marker", "set_aside", "step_dir", "stored_snapshots", "verify_snapshot",
 ]

@@ -245,7 +245,23 @@ def marker_bytes(info: SnapshotInfo) -> bytes:
     return _marker_text({**body, "marker_sha256": _canonical_sha256(body)})
 
 
-def _read_marker(path: Path, job_id: str, world_size: int, step_hint: int) -> SnapshotInfo:
+def read_marker(path: Path, job_id: str, step_hint: int | None = None) -> SnapshotInfo:
+    """The marker of step directory ``path`` as it stands, whatever world wrote it.
+
+    Checks everything the marker alone can tell (format, self-digest and
+    canonical bytes, job id, step, one ``ranks`` entry per rank of its own
+    ``world_size``) but reads no part record: the result says which world
+    wrote the snapshot, not that the snapshot is loadable (that is
+    :func:`verify_snapshot`). Why apart: a starting job must learn the
+    snapshots' world size to refuse a mismatched restart, and retention must
+    recognise another world's snapshots, without knowing that size up front.
+    Raises :class:`SnapshotError` naming the field.
+    """
+    if step_hint is None:
+        m = STEP_RE.match(path.name)
+        if m is None:
+            raise _bad(path, "<dirname>", path.name, "not a step_NNNNNNNN directory")
+        step_hint = int(m.group(1))
     marker = path / MARKER
     doc, raw = _read_json(marker)
     fmt = doc["format"]
@@ -259,7 +275,9 @@ def _read_marker(path: Path, job_id: str, world_size: int, step_hint: int) -> Sn
             raise _corrupt(marker, "<bytes>", len(raw), "not byte-identical to its canonical form: corrupt",
                            step_hint)
     _field(doc, marker, "job_id", str, job_id)
-    _field(doc, marker, "world_size", int, world_size)
+    world_size = _field(doc, marker, "world_size", int)
+    if world_size < 1:
+        raise _bad(marker, "world_size", world_size, "must be >= 1")
     step = _field(doc, marker, "step", int, step_hint)
     gen = _field(doc, marker, "generation", int)
     wall = doc.get("wall_time")
@@ -274,6 +292,13 @@ def _read_marker(path: Path, job_id: str, world_size: int, step_hint: int) -> Sn
             raise _bad(marker, f"ranks[{r}]", ent, "expected {rank, part_sha256}")
         digests.append(ent["part_sha256"])
     return SnapshotInfo(path, job_id, step, world_size, gen, float(wall), tuple(digests), fmt)
+
+
+def _read_marker(path: Path, job_id: str, world_size: int, step_hint: int) -> SnapshotInfo:
+    info = read_marker(path, job_id, step_hint)
+    if info.world_size != world_size:
+        raise _bad(path / MARKER, "world_size", info.world_size, f"expected {world_size}")
+    return info
 
 
 def _read_part(info: SnapshotInfo, rank: int, field_owner: Path) -> PartRecord:

@@ -46,6 +46,7 @@ from ckptless.snapshot.reader import (
     MARKER, METADATA, PartRecord, SnapshotInfo, tensor_views, failed_name, marker_bytes, part_name, scan_steps,
     sha256_file, short_error, step_dir,
 )
+from ckptless.snapshot.restart import foreign_owner, marker_world
 from ckptless.snapshot.retention import SnapshotEntry, plan_retention
 from ckptless.state.capture import Capturer, StateImage
 from ckptless.state.registry import StateRegistry
@@ -287,6 +288,10 @@ class SnapshotWriter:
         t0 = time.perf_counter()
         sdir = step_dir(self.config.directory, self.config.job_id, step)
         try:
+            owner = foreign_owner(sdir, self.config.job_id, self.world_size)
+            if owner is not None:  # another run's snapshot: writing here would destroy it (issue 17)
+                raise SnapshotError(f"{sdir} holds {owner}, written by another run: left untouched, so the "
+                                    f"snapshot of step {step} is skipped")
             self._write_part(image, sdir, step, generation)
             if self.rank == 0:
                 self.last_complete = self._complete(sdir, step, generation)
@@ -354,11 +359,19 @@ class SnapshotWriter:
         return info
 
     def _retain(self) -> None:
-        """Rank 0: apply the retention plan. A deleted snapshot loses its marker first."""
-        found = scan_steps(self.config.directory, self.config.job_id)
-        entries = [SnapshotEntry(s, (p / MARKER).exists()) for s, p in found]
+        """Rank 0: apply the retention plan. A deleted snapshot loses its marker first.
+
+        Each complete snapshot's marker is read for its world size (a small
+        JSON file), so another world's snapshots are never deleted.
+        """
+        job = self.config.job_id
+        found = scan_steps(self.config.directory, job)
+        entries = []
+        for s, p in found:
+            done = (p / MARKER).exists()
+            entries.append(SnapshotEntry(s, done, marker_world(p, job) if done else None))
         paths = dict(found)
-        for s in plan_retention(entries, self.config.keep):
+        for s in plan_retention(entries, self.config.keep, self.world_size):
             p = paths[s]
             try:
                 (p / MARKER).unlink(missing_ok=True)
@@ -369,8 +382,9 @@ class SnapshotWriter:
             log.info("retention: deleted %s", p)
 
     def _mark_failed(self, sdir: Path, err: BaseException) -> None:
+        """Tell rank 0 this rank's part will not come (never inside another run's complete snapshot)."""
         try:
-            if sdir.is_dir():
+            if sdir.is_dir() and foreign_owner(sdir, self.config.job_id, self.world_size) is None:
                 _atomic_write(sdir / failed_name(self.rank), str(err).encode("utf-8", "replace"))
         except OSError:
             pass  # the disk may be full: rank 0 then hits its deadline instead
