@@ -1,5 +1,6 @@
 """Node-local /dev/shm peer store (issue 8): per-holder file names, re-attach after
-SIGKILL, at-rest verification, owner records and cleanup. Real files, real processes."""
+SIGKILL, at-rest verification, owner records and cleanup. Real files, real processes.
+A full /dev/shm and a lost node's files (issue 17): tests/test_node_local_shm.py."""
 
 from __future__ import annotations
 

@@ -317,16 +317,21 @@ def test_sweep_removes_what_older_engines_left_and_close_removes_its_own(shm_dir
     assert own_files(shm_dir, JOB, "n", 1) == [] and len(own_files(shm_dir, JOB, "n", 2)) == 2
 
 
-def test_full_shm_falls_back_to_memory_instead_of_sigbus(shm_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_full_shm_falls_back_to_memory_instead_of_sigbus(shm_dir: str, monkeypatch: pytest.MonkeyPatch,
+                                                         caplog: pytest.LogCaptureFixture) -> None:
     def full(fd: int, off: int, n: int) -> None:
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(os, "posix_fallocate", full)
+    caplog.set_level("WARNING", logger="ckptless.mirror.shm")
     files = OwnImageFiles(shm_dir, JOB, "n", 1)
     buf, path = files.allocate(1 << 20)
     assert path is None and buf.numel() == 1 << 20 and "No space" in files.disabled_reason
+    assert files.allocate(2 << 20)[1] is None  # a regrown buffer (a bigger version) too, without a second warning
     files.publish(path, _image(1)[0])  # a buffer in memory is never announced
     assert own_files(shm_dir, JOB, "n", 1) == []
+    (msg,) = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert "rank 1" in msg and "ENOSPC" in msg and shm_dir in msg and f"{1 << 20} bytes" in msg, msg
 
 
 # --- the respawn's restore ------------------------------------------------------------------------------

@@ -1,5 +1,6 @@
 """The node-local tier end to end (issue 9): a worker respawned on its node restores its own image
-from the node's shared memory, not from its peers. Real etcd, real launcher, real SIGKILL.
+from the node's shared memory, not from its peers; a lost node's files do not outlive it on a shared
+host (issue 17). Real etcd, real launcher, real SIGKILL.
 
 Reference job: tests/scripts/train_ref.py, 2 agents x 2 workers, K = 1, ``--shm-dir`` in a private
 directory under /dev/shm. Rank 1 holds before step 5; the test waits until the committed v5 of its own
@@ -19,6 +20,7 @@ from typing import Any
 import pytest
 
 from ckptless.coordinator.embedded import EmbeddedEtcd
+from ckptless.mirror.shm import list_files, node_tag
 from ckptless.recovery.plan import RecoveryPlan
 
 from .recovery_harness import Cluster, assert_bitwise_equal, flip_byte, run_fault_free, wait_membership
@@ -170,3 +172,43 @@ def test_own_image_corrupted_after_the_agent_checked_it_falls_back_to_peers(
     assert "corrupt chunk" in c.log_text()
     assert len(c.pids(VICTIM)) == 2, "the respawn whose node-local copy was bad must stay (not be killed)"
     assert_bitwise_equal(c.finals(), baseline)
+
+
+def test_lost_nodes_shm_files_are_removed_by_the_survivors(module_etcd: EmbeddedEtcd, tmp_path: Path,
+                                                          shm_dir: Path, baseline: Finals) -> None:
+    """Issue 17: with --shm-dir and a spare agent, node 1 lost at step 6: the job ended well, but the
+    dead node's files stayed in the shm dir after exit (GBs of RAM at real sizes). On one host the
+    survivors share the directory: they remove a dead agent's group at the next generation, and the
+    job leaves nothing behind. Rank 0 holds at step 8 (after the recovery) so the removal is seen
+    while the job still runs, not only at its end."""
+    out = tmp_path / "nllost"
+    out.mkdir()
+    c = Cluster(module_etcd.endpoint, out, f"nllost-{uuid.uuid4().hex[:6]}",
+                env={"REF_PAUSE_RANK": "2", "REF_PAUSE_STEP": "6", "REF_PAUSE_RANK2": "0", "REF_PAUSE_STEP2": "8",
+                     "REF_PAUSE_RELEASE": "release"})
+    shm = ("--shm-dir", str(shm_dir))
+
+    def files_of(node: str) -> list[str]:
+        return [f.name for f in list_files(str(shm_dir)) if f.node == node_tag(node)]
+
+    try:
+        c.start_leader_then_others(*shm)
+        c.start_agent(*shm, "--spares", "2", nproc=0)
+        c.paused_pid(2)
+        victim = c.agent_of_rank(2)
+        assert victim is not c.leader_agent()
+        m0 = c.membership()
+        assert m0 is not None
+        lost_node = m0.worker_of(2).node_id
+        wait_until(lambda: len(files_of(lost_node)) > 1, 60, f"the victim node's replicas and own images in {shm_dir}")
+        os.kill(victim.pid, signal.SIGKILL)  # the whole node: agent and (by PDEATHSIG) its workers
+        wait_membership(c, 1)
+        c.paused_pid(0, "2")  # the job runs on, held here after the recovery
+        wait_until(lambda: not files_of(lost_node), 20, f"the lost node's files gone from {shm_dir} mid-job")
+        assert list_files(str(shm_dir)), "the live nodes' files went too"
+        c.release("release2")
+        c.wait(expect_fail=[victim])
+    finally:
+        c.kill_all()
+    assert_bitwise_equal(c.finals(), baseline)
+    assert sorted(os.listdir(shm_dir)) == [], "files left in the shm dir after the job"

@@ -31,7 +31,10 @@ checksums again before anything is restored.
 
 Lifetime: the files belong to the node's owner record like every other
 ckptless file in ``shm_dir`` (:mod:`ckptless.mirror.shm`): the agent removes
-them when the job ends, a start-up cleanup removes a dead agent's. An engine
+them when the job ends, a start-up cleanup removes a dead agent's, and so do
+the surviving agents of the job when a lost node shared their directory.
+A buffer the directory cannot take (ENOSPC) is plain memory instead, said
+once per rank: the image is then not offered to a respawn. An engine
 removes its own files on :meth:`OwnImageFiles.close`, and at its first commit
 the files older engines of the rank left (a predecessor process, an earlier
 generation of this one), which nothing reads once a newer image committed.
@@ -48,7 +51,7 @@ from dataclasses import dataclass
 import torch
 
 from ckptless.errors import IntegrityError, ManifestError
-from ckptless.mirror.shm import own_files, own_path, unlink_quiet
+from ckptless.mirror.shm import FallbackNotice, own_files, own_path, reserve_mapping, unlink_quiet
 from ckptless.state.checksum import bad_chunks
 from ckptless.state.manifest import Manifest
 
@@ -73,8 +76,13 @@ class OwnImageFiles:
         self.token = secrets.token_hex(4)
         self._seq = itertools.count()
         self._swept = False
-        self.disabled_reason = ""  # set when a buffer could not be placed in shm_dir (then: memory)
+        self.notice = FallbackNotice(shm_dir, f"rank {rank}", "a respawn on this node will pull it from peers")
         os.makedirs(shm_dir, exist_ok=True)
+
+    @property
+    def disabled_reason(self) -> str:
+        """Why a buffer could not be placed in ``shm_dir`` (then: memory); "" while every one was."""
+        return self.notice.reason
 
     def _path(self, index: int, ext: str) -> str:
         return own_path(self.shm_dir, self.job_id, self.node, self.rank, self.token, index, ext)
@@ -82,25 +90,18 @@ class OwnImageFiles:
     def allocate(self, nbytes: int) -> tuple[torch.Tensor, str | None]:
         """A buffer of ``nbytes`` backed by a fresh file, or (anonymous memory, None) if shm is full.
 
-        The file's pages are reserved up front (``posix_fallocate``): a full
-        tmpfs then fails here with ENOSPC instead of killing the training
-        process with SIGBUS on its first write into the mapping.
+        The file's pages are reserved up front (:func:`reserve_mapping`): a
+        full tmpfs then fails here with ENOSPC instead of killing the training
+        process with SIGBUS on its first write into the mapping. The first
+        fallback is a warning naming the directory, the errno and the size.
         """
         nbytes = max(nbytes, 1)
         path = self._path(next(self._seq), "bin")
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-            try:
-                os.posix_fallocate(fd, 0, nbytes)
-            finally:
-                os.close(fd)
-            return torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8), path
+            return reserve_mapping(path, nbytes, create_new=True), path
         except (OSError, RuntimeError) as exc:
             unlink_quiet(path)
-            if not self.disabled_reason:
-                self.disabled_reason = f"{type(exc).__name__}: {exc}"
-                log.warning("rank %d: own image buffer of %d bytes not placed in %s (%s): kept in memory, "
-                            "a respawn on this node will pull it from peers", self.rank, nbytes, self.shm_dir, exc)
+            self.notice.report("own image buffer", nbytes, exc)
             return torch.empty(nbytes, dtype=torch.uint8), None
 
     def publish(self, path: str | None, manifest: Manifest) -> None:
@@ -113,10 +114,9 @@ class OwnImageFiles:
             with open(tmp, "wb") as f:
                 f.write(manifest.to_bytes())
             os.replace(tmp, target)
-        except OSError as exc:
+        except OSError as exc:  # full: the image stays usable here, only a respawn cannot find it
             unlink_quiet(tmp)
-            log.warning("rank %d: could not record own image v%d in %s: %s", self.rank, manifest.version,
-                        self.shm_dir, exc)
+            self.notice.report(f"manifest of own image v{manifest.version}", len(manifest.to_bytes()), exc)
 
     def retract(self, path: str | None) -> None:
         """The buffer at ``path`` no longer holds the committed image (or is about to be rewritten)."""

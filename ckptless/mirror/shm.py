@@ -11,10 +11,28 @@ agent after a recovery never meets its previous incarnation's files.
 
 Why owner records: ``/dev/shm`` is RAM and outlives every process; a job whose
 agent was SIGKILLed would pin its replicas until reboot. Each agent writes
-``<group>.owner.json`` (its pid and the process start time from
-``/proc/<pid>/stat``, so a reused pid is not mistaken for the agent) *before*
-it spawns workers; :func:`cleanup_stale` deletes every group whose recorded
-agent is gone and never touches a group whose agent is alive.
+``<group>.owner.json`` (its pid, the process start time from
+``/proc/<pid>/stat`` so a reused pid is not mistaken for the agent, and its pid
+namespace) *before* it spawns workers; :func:`cleanup_stale` deletes every
+group whose recorded agent is gone and never touches a group whose agent is
+alive, nor one recorded from another pid namespace (containers sharing
+``/dev/shm``), whose pid means nothing here.
+
+Who removes a lost node's files (issue 17): on a real cluster they sit in the
+lost machine's own ``/dev/shm`` and go with its next start-up sweep. Where
+several agents share one directory (one host), the agents that survive do it:
+:func:`remove_dead_groups` at every new generation (a node lost on this host
+is freed within a recovery, not at the end) and :func:`finish_job` at exit
+(the job leaves nothing behind). Both judge only by the owner record, so a
+group of a live agent, whatever the coordinator thinks of its node (a
+partition), is never touched.
+
+Why buffers are reserved (:func:`reserve_mapping`): a tmpfs file is sparse, so
+a full ``/dev/shm`` used to show up only when a page was first written through
+the mapping: SIGBUS in Python, and inside a Gloo receive a failure that
+surfaced only as the round's timeout (every mirror round timed out; issue 17). ``posix_fallocate`` turns that into ENOSPC
+at allocation, where the caller falls back to memory and says so once
+(:class:`FallbackNotice`).
 
 Layout (``<job>`` = :func:`file_prefix`, ``<n>`` = 8 hex digits of the node id)::
 
@@ -31,13 +49,22 @@ a file; :mod:`ckptless.mirror.ownimage` writes and reads the own-image files.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
+import logging
 import os
 import re
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+
+import torch
+
+from ckptless.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 OWNER_RECORD_FORMAT = 1
 
@@ -174,6 +201,63 @@ def _remove(shm_dir: str, files: list[ShmFile]) -> list[str]:
     return removed
 
 
+# --- buffers --------------------------------------------------------------------------------------
+def reserve_mapping(path: str, nbytes: int, *, create_new: bool = False) -> torch.Tensor:
+    """A shared mapping of ``path`` whose first ``nbytes`` are backed by reserved pages.
+
+    Creates the file (``create_new``: it must not exist yet) or grows an
+    existing one; ``posix_fallocate`` reserves every page now, so a full
+    filesystem raises ``OSError`` (ENOSPC) here instead of a SIGBUS, or a
+    silently stuck Gloo receive, on the first write into the mapping. It also
+    sets the size: ``torch.from_file`` growing a file itself was observed to
+    zero byte 0. The caller removes ``path`` when this raises.
+    """
+    nbytes = max(nbytes, 1)  # zero-length mappings are not allowed
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | (os.O_EXCL if create_new else 0), 0o600)
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+    finally:
+        os.close(fd)
+    return torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
+
+
+def os_error_text(exc: BaseException) -> str:
+    """``ENOSPC (No space left on device)``: the errno's name first, the one a user searches for."""
+    if isinstance(exc, OSError) and exc.errno is not None:
+        return f"{errno.errorcode.get(exc.errno, f'errno {exc.errno}')} ({exc.strerror or exc})"
+    return f"{type(exc).__name__}: {exc}"
+
+
+class FallbackNotice:
+    """Says once per process and (who, directory), as a warning, that ``shm_dir`` could not take a buffer.
+
+    Why once: with a full ``/dev/shm`` every slot, every version and every
+    generation's engine would say the same; the first message names the
+    directory, the errno and the bytes needed, later ones go to the debug log.
+    ``reason`` keeps this notice's first cause.
+    """
+
+    _warned: set[tuple[str, str]] = set()  # (who, shm_dir) already warned about in this process
+    _lock = threading.Lock()
+
+    def __init__(self, shm_dir: str, who: str, consequence: str) -> None:
+        self.shm_dir, self.who, self.consequence = shm_dir, who, consequence
+        self.reason = ""
+
+    def report(self, what: str, nbytes: int, exc: BaseException) -> None:
+        text = os_error_text(exc)
+        self.reason = self.reason or text
+        with self._lock:
+            first = (self.who, self.shm_dir) not in self._warned
+            self._warned.add((self.who, self.shm_dir))
+        if not first:
+            log.debug("%s: %s of %d bytes not placed in %s: %s", self.who, what, nbytes, self.shm_dir, text)
+            return
+        log.warning("%s: %s of %d bytes could not be placed in %s: %s. Kept in memory only: %s. Later ones "
+                    "that do not fit are handled the same way, without another warning; free space there or "
+                    "choose another --shm-dir.", self.who, what, nbytes, self.shm_dir, text, self.consequence)
+
+
 # --- owner records --------------------------------------------------------------------------------
 def process_start_time(pid: int) -> int | None:
     """Start time (clock ticks since boot, /proc/<pid>/stat field 22) of a live process.
@@ -206,6 +290,18 @@ def agent_alive(pid: int, start_time: int | None) -> bool:
     return now is not None and (start_time is None or now == start_time)
 
 
+def pid_namespace(pid: int | str = "self") -> str | None:
+    """The pid namespace of ``pid`` (``pid:[4026531836]``), None where it cannot be read.
+
+    Why: a pid recorded by an agent in another container that shares
+    ``/dev/shm`` means nothing in this one; such a group is never judged dead.
+    """
+    try:
+        return os.readlink(f"/proc/{pid}/ns/pid")
+    except OSError:
+        return None
+
+
 @dataclass(frozen=True)
 class OwnerRecord:
     job_id: str
@@ -213,23 +309,32 @@ class OwnerRecord:
     pid: int
     start_time: int | None
     written: float
+    pid_ns: str | None = None  # None: an older record, or not readable (then judged as before)
 
 
 def register_owner(shm_dir: str, job_id: str, pid: int | None = None, *, node: str | None = None) -> str:
     """Record that agent ``pid`` (default: this process) owns the job's files on ``node``.
 
     Call before spawning workers, so files never exist unowned. Written
-    atomically (tmp + rename); re-registering replaces the record.
+    atomically (tmp + rename); re-registering replaces the record. A
+    directory that cannot take even this record (full, read-only) raises
+    :class:`ConfigError` naming it and the errno: every file of the job
+    would be unowned there.
     """
     pid = os.getpid() if pid is None else pid
-    os.makedirs(shm_dir, exist_ok=True)
     path = owner_record_path(shm_dir, job_id, node)
     doc = {"format": OWNER_RECORD_FORMAT, "job_id": job_id, "node": node, "pid": pid,
-           "start_time": process_start_time(pid), "written": time.time()}
+           "start_time": process_start_time(pid), "pid_ns": pid_namespace(pid), "written": time.time()}
     tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(doc, f)
-    os.replace(tmp, path)
+    try:
+        os.makedirs(shm_dir, exist_ok=True)
+        with open(tmp, "w") as f:
+            json.dump(doc, f)
+        os.replace(tmp, path)
+    except OSError as exc:
+        unlink_quiet(tmp)
+        raise ConfigError("shm_dir", shm_dir, f"cannot write this node's owner record there: "
+                                              f"{os_error_text(exc)}") from exc
     return path
 
 
@@ -238,9 +343,10 @@ def read_owner(path: str) -> OwnerRecord | None:
     try:
         with open(path, "rb") as f:
             doc = json.loads(f.read())
-        start = doc.get("start_time")
+        start, ns = doc.get("start_time"), doc.get("pid_ns")
         return OwnerRecord(str(doc["job_id"]), None if doc.get("node") is None else str(doc["node"]),
-                           int(doc["pid"]), None if start is None else int(start), float(doc.get("written", 0.0)))
+                           int(doc["pid"]), None if start is None else int(start), float(doc.get("written", 0.0)),
+                           None if ns is None else str(ns))
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
 
@@ -260,28 +366,38 @@ def cleanup_job(shm_dir: str, job_id: str, *, only_node: str | None = None) -> l
 
 
 def cleanup_stale(shm_dir: str, is_alive: Callable[[int, int | None], bool] = agent_alive,
-                  orphan_grace_s: float | None = None) -> list[str]:
+                  orphan_grace_s: float | None = None, *, job_id: str | None = None) -> list[str]:
     """Remove the files of every group whose recorded agent is gone; returns paths removed.
 
     A group whose owner record names a live agent (``is_alive(pid, start_time)``)
-    is kept. A group without a readable record (pre-issue-8 files, or a store
-    used without an agent) is removed only when ``orphan_grace_s`` is given,
-    no live agent is recorded for the same job, and none of its files changed
-    for that long; by default such files are left alone.
+    is kept, and so is one recorded from another pid namespace (its pid cannot
+    be judged here). A group without a readable record (pre-issue-8 files, or
+    a store used without an agent) is removed only when ``orphan_grace_s`` is
+    given, no live agent is recorded for the same job, and none of its files
+    changed for that long; by default such files are left alone. ``job_id``:
+    only that job's groups are considered.
     """
     groups: dict[str, list[ShmFile]] = {}
     for f in list_files(shm_dir):
         groups.setdefault(f.group, []).append(f)
+    here = pid_namespace()
     verdict: dict[str, bool | None] = {}  # group -> agent alive (None: no record)
     for group, files in groups.items():
         rec = next((f for f in files if f.kind == "owner" and not f.tmp), None)
         owner = None if rec is None else read_owner(os.path.join(shm_dir, rec.name))
-        verdict[group] = None if owner is None else is_alive(owner.pid, owner.start_time)
+        if owner is None:
+            verdict[group] = None
+        else:  # a foreign namespace's agent counts as alive: never removed, and its job is live
+            foreign = owner.pid_ns is not None and here is not None and owner.pid_ns != here
+            verdict[group] = foreign or is_alive(owner.pid, owner.start_time)
     live_jobs = {files[0].job for g, files in groups.items() if verdict[g]}
+    only = None if job_id is None else file_prefix(job_id)
     now = time.time()
     removed: list[str] = []
     for group, files in groups.items():
         alive = verdict[group]
+        if only is not None and files[0].job != only:
+            continue
         if alive is False:
             removed += _remove(shm_dir, files)
         elif alive is None and orphan_grace_s is not None and files[0].job not in live_jobs:
@@ -289,6 +405,37 @@ def cleanup_stale(shm_dir: str, is_alive: Callable[[int, int | None], bool] = ag
             if now - newest >= orphan_grace_s:
                 removed += _remove(shm_dir, files)
     return removed
+
+
+def remove_dead_groups(shm_dir: str, job_id: str) -> list[str]:
+    """The job's groups whose agent died (a node lost on this host): removed now; never raises.
+
+    For a surviving agent on every new generation: a lost node's replicas and
+    own images are read by no one (only its own agent and its workers used
+    them), and at real sizes they pin GBs of RAM until the job ends. A failure
+    to look is logged, not raised: cleanup never costs the job anything.
+    """
+    try:
+        removed = cleanup_stale(shm_dir, job_id=job_id)
+    except OSError as exc:
+        log.warning("could not sweep dead nodes' files of job %r from %s: %s", job_id, shm_dir, os_error_text(exc))
+        return []
+    if removed:
+        nodes = sorted({f.node or "" for f in map(parse_name, map(os.path.basename, removed)) if f is not None})
+        log.info("removed %d file(s) of job %r's dead node(s) %s from %s", len(removed), job_id, nodes, shm_dir)
+    return removed
+
+
+def finish_job(shm_dir: str, job_id: str, node: str | None) -> list[str]:
+    """An agent's exit: its own group, then every group of the job whose agent is dead.
+
+    Why both: the own group is this agent's to remove (its workers are
+    stopped); a group of a node lost earlier may still be here when it shared
+    this host, and the last agent to leave must not leave it behind (issue 17:
+    a lost node's 15 files outlived a job that ended well). Groups of agents
+    still running are left to them.
+    """
+    return cleanup_job(shm_dir, job_id, only_node=node) + remove_dead_groups(shm_dir, job_id)
 
 
 def _mtime(path: str) -> float:

@@ -12,7 +12,10 @@ losing them. The payload is written first; the manifest JSON beside it is
 written (atomically) only after the payload verified, and removed before a
 slot is rewritten, so a crash mid-write never leaves a manifest that lies.
 Files are named by (job, node, owner, holder, slot) (:mod:`ckptless.mirror.shm`):
-holders of one owner that share a host never share a file.
+holders of one owner that share a host never share a file. A slot whose pages
+the directory cannot reserve (ENOSPC) is held in memory instead, with one
+warning: the round still commits, only that replica would not outlive this
+process (issue 17: a full ``/dev/shm`` made every round time out, forever).
 
 Why verdicts are cached: a replica is checksummed when it lands; at rest it can
 still rot (a bit flip, a stray writer). :meth:`PeerStore.verified_replicas`
@@ -35,8 +38,10 @@ from typing import Protocol
 
 import torch
 
-from ckptless.errors import ConfigError, IntegrityError, ManifestError, MirrorError, StaleGeneration
-from ckptless.mirror.shm import file_prefix, holder_files, slot_path, stat_signature, unlink_quiet
+from ckptless.errors import ConfigError, IntegrityError, MirrorError, StaleGeneration
+from ckptless.mirror.shm import (
+    FallbackNotice, file_prefix, holder_files, reserve_mapping, slot_path, stat_signature, unlink_quiet,
+)
 from ckptless.state.checksum import bad_chunks
 from ckptless.state.layout import manifest_layout_key
 from ckptless.state.manifest import Manifest
@@ -93,6 +98,7 @@ class _Slot:
     bad: list[int] | None = None
     epoch: int = 0
     layout: str | None = None  # ``complete``'s layout key, computed on first ask
+    in_file: bool = False  # ``buffer`` maps its shm file (else: memory, and no manifest file is written)
 
     def forget(self) -> None:
         self.complete = None
@@ -143,6 +149,8 @@ class PeerStore:
         self._lock = threading.Lock()
         self.rejected: list[tuple[str, str]] = []  # (path, reason) from attach()
         self._pinned: int | None = None
+        self.fallback = FallbackNotice(shm_dir or "", f"holder rank {holder}",
+                                       "it does not outlive this process: a respawned holder gets it mirrored again")
         if shm_dir is not None:
             os.makedirs(shm_dir, exist_ok=True)
             if not keep_files:
@@ -180,19 +188,20 @@ class PeerStore:
             unlink_quiet(os.path.join(self.shm_dir, f.name))
 
     def _ensure_capacity(self, owner: int, idx: int, slot: _Slot, nbytes: int) -> torch.Tensor:
+        """The slot's buffer, grown to ``nbytes``: its shm file's pages reserved, or memory if they cannot be."""
         nbytes = max(nbytes, 1)  # zero-length mappings are not allowed
         if slot.buffer is not None and slot.capacity >= nbytes:
             return slot.buffer
-        slot.buffer = None  # drop the old mapping before growing
-        if self.shm_dir is None:
-            slot.buffer = torch.empty(nbytes, dtype=torch.uint8)
-        else:
+        slot.buffer, slot.in_file = None, False  # drop the old mapping before growing
+        if self.shm_dir is not None:
             path = self._path(owner, idx, "bin")
-            # Grow with truncate first: torch.from_file growing a file itself clobbers byte 0.
-            with open(path, "ab"):
-                pass
-            os.truncate(path, nbytes)
-            slot.buffer = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
+            try:
+                slot.buffer, slot.in_file = reserve_mapping(path, nbytes), True
+                return slot.buffer
+            except (OSError, RuntimeError) as exc:  # full (ENOSPC), or cannot map: this replica stays in memory
+                unlink_quiet(path)
+                self.fallback.report(f"replica of owner {owner}", nbytes, exc)
+        slot.buffer = torch.empty(nbytes, dtype=torch.uint8)
         return slot.buffer
 
     def _stat(self, owner: int, idx: int) -> tuple[int, int, int, int] | None:
@@ -285,15 +294,25 @@ class PeerStore:
             slot.writing = None
             slot.complete, slot.layout = m, None
             slot.verified(self._stat(owner, idx))
-            if self.shm_dir is not None:
-                # The temp name is this holder's own (the path is), so two holders
-                # of one owner never rename each other's file away (issue 8).
-                path = self._path(owner, idx, "json")
-                tmp = path + ".tmp"
-                with open(tmp, "wb") as f:
-                    f.write(m.to_bytes())
-                os.replace(tmp, path)
+            if slot.in_file:
+                self._record(owner, idx, m)
             return m
+
+    def _record(self, owner: int, idx: int, m: Manifest) -> None:
+        """Write the slot's manifest file; a full directory costs only the re-attach, never the round.
+
+        The temp name is this holder's own (the path is), so two holders of
+        one owner never rename each other's file away (issue 8).
+        """
+        path = self._path(owner, idx, "json")
+        tmp = path + ".tmp"
+        try:
+            with open(tmp, "wb") as f:
+                f.write(m.to_bytes())
+            os.replace(tmp, path)
+        except OSError as exc:
+            unlink_quiet(tmp)
+            self.fallback.report(f"manifest of owner {owner}'s replica v{m.version}", len(m.to_bytes()), exc)
 
     def abort(self, owner: int) -> None:
         """Forget a partially written image (the newest complete one is untouched)."""
@@ -481,42 +500,23 @@ class PeerStore:
     def attach(cls, shm_dir: str, job_id: str, *, holder: int, node: str | None = None) -> PeerStore:
         """Re-open the replicas a previous incarnation of this holder left in ``shm_dir``.
 
-        Only this (job, node, holder)'s files are considered. Slots with a
-        manifest (written after their payload completed) whose checksums verify
-        are kept; the rest are listed in ``store.rejected`` (their payload stays
-        as a reusable slot). Leftover temp files of a crashed write are removed.
+        Only this (job, node, holder)'s files are considered; see
+        :func:`ckptless.mirror.reattach.reattach` for which slots are kept.
         """
-        store = cls(job_id, 0, shm_dir, holder=holder, node=node, keep_files=True)
-        for f in holder_files(shm_dir, job_id, node, holder):
-            path = os.path.join(shm_dir, f.name)
-            if f.tmp:
-                unlink_quiet(path)
-                continue
-            if f.kind != "bin":
-                continue
-            assert f.owner is not None and f.slot is not None
-            owner, idx = f.owner, f.slot
-            slot = store._owners.setdefault(owner, _Owner()).slots[idx]
-            stat = stat_signature(path)
-            size = os.path.getsize(path)
-            if size > 0:
-                slot.buffer = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
-            mpath = store._path(owner, idx, "json")
-            if not os.path.exists(mpath):
-                continue  # payload never completed: an empty, reusable slot
-            try:
-                with open(mpath, "rb") as fh:
-                    m = Manifest.from_bytes(fh.read())
-                if m.job_id != job_id or m.owner != owner:
-                    raise ManifestError(f"manifest names job {m.job_id!r} owner {m.owner}")
-                if m.total_bytes > size or slot.buffer is None and m.total_bytes:
-                    raise ManifestError(f"payload file holds {size} bytes, manifest wants {m.total_bytes}")
-                if m.total_bytes and bad_chunks(slot.buffer, m.chunk_bytes, list(m.chunk_checksums), m.total_bytes):  # type: ignore[arg-type]
-                    raise IntegrityError("checksum mismatch")
-            except (ManifestError, IntegrityError, OSError) as exc:
-                store.rejected.append((path, str(exc)))
-                continue
-            slot.complete = m
-            slot.verified(stat)
-            store._generation = max(store._generation, m.generation)
-        return store
+        from ckptless.mirror.reattach import reattach  # the restart path, kept out of the hot module
+
+        return reattach(cls(job_id, 0, shm_dir, holder=holder, node=node, keep_files=True))
+
+    def adopt(self, owner: int, idx: int, buffer: torch.Tensor | None, manifest: Manifest | None,
+              stat: tuple[int, int, int, int] | None) -> None:
+        """Restart only: slot ``idx`` of ``owner`` maps its file (``buffer``) and holds ``manifest`` (verified).
+
+        ``manifest`` None: an empty, reusable slot.
+        """
+        with self._lock:
+            slot = self._owners.setdefault(owner, _Owner()).slots[idx]
+            slot.buffer, slot.in_file = buffer, buffer is not None
+            if manifest is not None:
+                slot.complete = manifest
+                slot.verified(stat)
+                self._generation = max(self._generation, manifest.generation)
