@@ -211,6 +211,24 @@ class LocalCluster:
         for _ in range(self.spec.spare_nodes):
             self._start_agent(0, self.spec.spares_per_spare_node, self.spec.spare_node_args)
 
+    def _workdir(self) -> Path:
+        """This run's own working directory: a link to every entry of the caller's, made once.
+
+        Why: the fault-free run and the faulty run must not share files a script writes where it
+        runs (the DDP tutorial writes ``snapshot.pt`` and resumes from it when it exists: the
+        faulty run resumed from the fault-free run's). Reading relative paths still works
+        through the links; what a run creates stays in its own directory."""
+        work = self.out / "work"
+        if not work.exists():
+            work.mkdir(parents=True)
+            here = Path.cwd()
+            for entry in here.iterdir():
+                try:
+                    (work / entry.name).symlink_to(entry)
+                except OSError:
+                    pass  # a name we cannot link: that path is simply not there for the script
+        return work
+
     def _start_agent(self, nproc: int, spares: int, extra_args: tuple[str, ...] = ()) -> Agent:
         s = self.spec
         args = ["--nnodes", str(s.nodes), "--nproc-per-node", str(nproc), "--rdzv-id", self.job_id,
@@ -239,9 +257,10 @@ class LocalCluster:
             env["GLOO_SOCKET_IFNAME"] = NS_IF
         log = self.out / "logs" / f"agent{len(self.agents)}.log"
         with open(log, "wb") as f:
-            proc = subprocess.Popen([*prefix, sys.executable, "-m", "ckptless.launcher.main", *args, str(s.script),
-                                     *self.script_args()], env=env, stdout=f, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.DEVNULL, start_new_session=True)
+            proc = subprocess.Popen([*prefix, sys.executable, "-m", "ckptless.launcher.main", *args,
+                                     str(Path(s.script).resolve()), *self.script_args()], env=env, stdout=f,
+                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+                                    cwd=self._workdir())
         agent = Agent(len(self.agents), proc, log, spare_only=nproc == 0)
         self.agents.append(agent)
         return agent

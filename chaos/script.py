@@ -78,7 +78,7 @@ if _spec is not None and _spec.loader is not None:
     _spec.loader.exec_module(_mod)
 """
 # Library warnings that explain a FAIL (printed as a hint beside it).
-HINTS = ("no data position is protected", "nothing protected besides RNG")
+HINTS = ("no protected object holds a data position", "nothing protected besides RNG")
 
 
 @dataclass(frozen=True)
@@ -179,9 +179,9 @@ class ScriptVerdict:
 
 
 # --- the plan ---------------------------------------------------------------------------------
-def read_digests(directory: Path) -> dict[int, dict[str, Any]]:
+def read_digests(directory: Path, name: str = "digest") -> dict[int, dict[str, Any]]:
     found: dict[int, dict[str, Any]] = {}
-    for p in sorted(directory.glob("digest_rank*.json")):
+    for p in sorted(directory.glob(f"{name}_rank*.json")):
         doc = json.loads(p.read_text())
         found[int(doc["rank"])] = doc
     return found
@@ -285,7 +285,7 @@ def compare_digests(got: Mapping[int, Mapping[str, Any]], want: Mapping[int, Map
     by_diff: dict[tuple[str, ...], list[int]] = {}
     for r in range(world):
         if r not in got:
-            problems.append(f"rank {r} wrote no digest in the faulty run (it never reached job.close())")
+            problems.append(f"rank {r} wrote no digest in the faulty run (it never finished training)")
             continue
         a, b = got[r], want[r]
         if a.get("step") != b.get("step"):
@@ -344,9 +344,9 @@ def run_script(name: str, job: ScriptJob, out: Path, rank: int | None = None, at
     base = run_job(job.spec(faulty=False, site=site), out / "fault-free", "fault-free", timeout_s=timeout_s or 1800.0, log=log)
     world = job.world_size
     if base.problems or len(base.digests) != world:
-        why = "; ".join(base.problems) or f"{len(base.digests)} of {world} ranks wrote a digest at job.close()"
-        hint = ("" if base.digests or base.problems else " -- does the script call job.close() (or use `with "
-                "ckptless.init() as job:`) after training with ckptless.init/protect/run?")
+        why = "; ".join(base.problems) or f"{len(base.digests)} of {world} ranks wrote a digest at the end of training"
+        hint = ("" if base.digests or base.problems else " -- does the script train with ckptless.init/protect and "
+                "job.run() or job.steps()?")
         raise CkptlessError(f"the fault-free run failed: {why}{hint}\n{base.tail}")
     steps = int(base.digests[0]["step"])
     plan = faults(steps) if faults is not None else plan_faults(name, job, steps, rank, at)
@@ -358,7 +358,12 @@ def run_script(name: str, job: ScriptJob, out: Path, rank: int | None = None, at
                   pause_timeout_s=limit, log=log)
     v = ScriptVerdict(name, script, False, "", faults=plan, baseline=base, faulty=bad)
     v.reasons += bad.problems
-    if not bad.problems or bad.digests:
+    start_diff = compare_digests(read_digests(out / name / "digest", "init"),
+                                 read_digests(out / "fault-free" / "digest", "init"), world)
+    if start_diff:  # not a recovery verdict: the two runs never started from the same state
+        v.reasons.append("the two runs started from different states (" + "; ".join(start_diff)[:400]
+                         + "): seed every random stream before building the model and data")
+    elif not bad.problems or bad.digests:
         v.reasons += compare_digests(bad.digests, base.digests, world)
     incidents = len({f.step for f in plan})
     if bad.generation is not None and bad.generation < incidents:

@@ -398,6 +398,8 @@ class Job:
                             "(the RNG, a step counter); protect one, e.g. data=ckptless.data.resumable(loader)")
         self.spec = RunSpec(train_step, steps, start_step)
         rank_reads.stop()  # a pre-built spare's setup ends here
+        if self.ctx.role == "member" and self.ctx.generation == 0:
+            self._write_digest("init")  # only when a chaos runner asked: the state training starts from
         # The script's setup objects (torch's modules, the model) live for the whole job: frozen out
         # of the cyclic GC, the full collection a recovery runs to close the failed generation's
         # sockets (groups.release_all) scans only what was made since, e.g. 0.13-0.3 s -> ~1 ms.
@@ -438,6 +440,7 @@ class Job:
                                                     "`with job.guard():` so that a failure inside it is recovered")
                 step = it.send(outcome)
         except StopIteration:
+            self._write_digest()
             return
 
     @contextmanager
@@ -468,15 +471,21 @@ class Job:
         self._drive()
         if not is_terminal(self._state):
             raise RecoveryError(f"rank {self.rank}: the worker stopped in state {self._state}")
+        self._write_digest()  # the run is over: a script that never calls close() is judged too
         return RunResult(steps - start_step, steps, self.committed_version, self.generation, self.recoveries)
 
     # --- the end --------------------------------------------------------------------------------------
-    def close(self) -> None:
-        """Stop mirroring and snapshots and leave the groups (idempotent)."""
-        if self.spec is not None and not self._closed:
+    def _write_digest(self, name: str = "digest") -> None:
+        """The protected state's digest, only when a chaos runner asked (``CKPTLESS_DIGEST_DIR``)."""
+        if self.spec is not None:
             from ckptless.state.digest import write_digest
 
-            write_digest(self.registry, self.rank, self.spec.steps)  # only when a chaos runner asked
+            write_digest(self.registry, self.rank, self.spec.steps, name=name)
+
+    def close(self) -> None:
+        """Stop mirroring and snapshots and leave the groups (idempotent)."""
+        if not self._closed:
+            self._write_digest()
         self._closed = True
         if self.snapshots is not None:
             try:

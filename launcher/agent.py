@@ -65,6 +65,7 @@ from ckptless.worker.heartbeat import read_progress
 from ckptless.worker.ledger import leader_sink
 
 log = logging.getLogger("ckptless.agent")
+UNPORTED_WARN_S = float(os.environ.get("CKPTLESS_UNPORTED_WARN_S", "60"))  # see _warn_if_unported
 
 
 class NodeAgent:
@@ -98,6 +99,7 @@ class NodeAgent:
         self._reexec_pending: set[int] = set()
         self.spares = SparePool(self.keyspace, self.node_id, lambda: self._client,
                                 any_rank=cfg.spare_any_rank, refill=cfg.spare_refill)
+        self._unported_warned = False
         self._lost_since: float | None = None  # when our lease was found lost and could not be renewed
         self._incident_t: dict[int, float] = {}  # generation -> when its incident opened (for metrics)
         self._published_t: dict[int, float] = {}
@@ -161,8 +163,11 @@ class NodeAgent:
             self._outbox.put(self.keyspace.worker_exit(rank), with_local_image, f"the exit of rank {rank}")
         elif slot.rank is not None:
             self._outbox.put(self.keyspace.worker_exit(slot.rank), rec.to_json(), f"the exit of rank {slot.rank}")
-        else:  # a spare that died is never assigned: it leaves the pool at once
+        else:  # a spare that died is never assigned: it leaves the pool at once, and says it died (the
+            # leader may have assigned it a rank just before: it must see that worker dead at once)
             self._outbox.delete(self.spares.key(slot.worker_id), f"spare {slot.worker_id}")
+            if not ex.succeeded:
+                self._outbox.put(self.keyspace.spare_exit(slot.worker_id), rec.to_json(), f"the exit of {slot.worker_id}")
         if not ex.succeeded and not ex.requested:
             log.error("%s", rec.describe())
             if slot.rank is not None:
@@ -233,6 +238,10 @@ class NodeAgent:
                              name="ckptless-respawn", daemon=True).start()
         for lr in list(self._reexec_pending):
             self._reexec_if_assigned(lr)
+        if self.cfg.shm_dir:  # a node lost on this host: its shm files go now, not at the end (issue 17)
+            from ckptless.mirror.shm import remove_dead_groups
+
+            remove_dead_groups(self.cfg.shm_dir, self.cfg.run_id)
 
     def _respawn_all(self, group: WorkerGroup, assignments: list[Assignment], generation: int) -> None:
         for a in assignments:
@@ -438,15 +447,19 @@ class NodeAgent:
             threading.Thread(target=self._watch_hangs, name="ckptless-hang", daemon=True).start()
 
             code = None
+            spawned_at = time.monotonic()
             while code is None:
                 self._wake.wait(0.5)
                 self._wake.clear()
                 if self._session is not None and self._session.done.is_set():
                     self._renew_session()
                 self._update_metrics()
+                self._warn_if_unported(spawned_at)
                 self._maybe_warm(group)
                 self._maybe_refill(group)
                 code = self._done()
+            if code == 0:
+                self._warn_if_unported(spawned_at, at_end=True)
             # Pending exit records get their time to land, unless etcd is known to be gone.
             self._outbox.drain(timeout=1.0 if self._lost_since is not None else OUTBOX_DRAIN_S)
             self._stopping.set()  # stops the hang watcher and the outbox retries
@@ -475,7 +488,7 @@ class NodeAgent:
                  result.rank_offset + cfg.nproc_per_node - 1, result.world_size)
         ranks = tuple(Assignment(p_off + lr, f"{p.node_id}/w{lr}", p.node_id, "survivor")
                       for p, p_off in rank_offsets(result.participants) for lr in range(p.nproc))
-        resume = resume_from_disk(cfg, result.world_size, ranks) if result.node_rank == 0 else None
+        resume = resume_from_disk(cfg, result.world_size, ranks, result.node_rank)  # every node: may refuse
         initial = Membership(0, result.world_size, result.master.host, result.master.store_port, ranks, resume)
         if self.recovery and result.world_size > 1:
             self._membership = write_initial_membership(
@@ -485,13 +498,34 @@ class NodeAgent:
             self._membership = initial
         return result
 
+    def _warn_if_unported(self, spawned_at: float, at_end: bool = False) -> None:
+        """A script that never calls ``ckptless.init()`` trains unprotected: say so once, early (no rank of
+        this node wrote a heartbeat, which ``ckptless.init()`` starts, within UNPORTED_WARN_S), or at the
+        end of a job shorter than that."""
+        if self._unported_warned or not self.recovery or (
+                not at_end and time.monotonic() - spawned_at < UNPORTED_WARN_S):
+            return
+        ranked = [s for s in self.slots.all() if s.rank is not None]
+        if not ranked or any(read_progress(s.heartbeat_file) is not None for s in ranked):
+            self._unported_warned = True  # ported (or nothing to say)
+            return
+        if not at_end and not all(s.alive for s in ranked):
+            return
+        self._unported_warned = True
+        print(f"ckptless-run: warning: no worker of this node called ckptless.init() within {UNPORTED_WARN_S:.0f}s: "
+              "the script runs unprotected (a failure will not be recovered; it still calls "
+              "init_process_group itself?). See docs/porting.md.", file=sys.stderr, flush=True)
+
     def _maybe_warm(self, group: WorkerGroup) -> None:
-        """Start the fork server once every local rank trains: its import then costs no start-up time."""
+        """Start the fork server once every local rank reached ``ckptless.init()`` (its heartbeat file
+        exists): their own ``import torch`` is done, so the server's does not delay it, and a failure
+        during the setup or the first steps already finds a warm respawn (waiting for the first
+        trained step instead left the job without one for 4-30 s, 19.5 s at W32 here)."""
         if self._warm_started or not group.warm_enabled:
             return
         ranked = [s for s in self.slots.all() if s.rank is not None and s.alive]
         progress = [read_progress(s.heartbeat_file) for s in ranked]
-        if ranked and all(p is not None and p.get("state") == "training" for p in progress):
+        if ranked and all(p is not None for p in progress):
             self._warm_started = True
             threading.Thread(target=group.start_server, name="ckptless-warm", daemon=True).start()
 
@@ -554,12 +588,12 @@ class NodeAgent:
         d = self.cfg.shm_dir
         if not d:
             return
-        from ckptless.mirror.shm import cleanup_job, cleanup_stale, register_owner
+        from ckptless.mirror.shm import cleanup_stale, finish_job, register_owner
 
         os.makedirs(d, exist_ok=True)
         cleanup_stale(d)
         register_owner(d, self.cfg.run_id, node=self.node_id)
-        stack.callback(lambda: cleanup_job(d, self.cfg.run_id, only_node=self.node_id))
+        stack.callback(lambda: finish_job(d, self.cfg.run_id, self.node_id))
 
     def _without_recovery(self, world_size: int) -> None:
         """World size 1 (nothing to mirror to) or --replicas 0: a failure ends the job, like torchrun."""

@@ -79,7 +79,7 @@ def test_script_without_data_position_fails(tmp_path: Path, capsys: pytest.Captu
     assert code == 1, text
     assert line.startswith("FAIL kill-worker"), line
     assert "model" in line and "differ" in line, line  # the objects that differ are named
-    assert "no data position is protected" in line  # and the library's warning explains why
+    assert "no protected object holds a data position" in line  # and the library's warning explains why
     # the job itself recovered: the FAIL is the script's, not a crash
     assert "generation 1" in text and "lost ranks [1]" in text
 

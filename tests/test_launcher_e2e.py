@@ -76,6 +76,16 @@ def test_same_worker_env_as_torchrun(tmp_path: Path) -> None:
         assert any(k.startswith("CKPTLESS_") for k in ours[rank])
 
 
+def test_unported_script_is_told_it_runs_unprotected() -> None:
+    """A torchrun script that never calls ckptless.init() trains, exits 0, and is told it ran unprotected."""
+    env = child_env()
+    res = subprocess.run([*RUN, "--standalone", "--nproc-per-node", "2", str(SCRIPTS / "unported.py")],
+                         env=env, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "no worker of this node called ckptless.init()" in res.stderr
+    assert "runs unprotected" in res.stderr
+
+
 def test_two_agents_form_one_job_on_external_etcd(etcd: EmbeddedEtcd, tmp_path: Path) -> None:
     common = ["--nnodes", "2", "--nproc-per-node", "2", "--rdzv-id", "two-nodes", "--rdzv-endpoint", etcd.endpoint]
     agents = [_agent(*common, str(SCRIPTS / "hold_worker.py"), str(tmp_path)) for _ in range(2)]

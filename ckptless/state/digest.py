@@ -45,13 +45,17 @@ def registry_digest(registry: StateRegistry) -> dict[str, str]:
     return {name: object_digest(obj.state_dict()) for name, obj in registry.items()}
 
 
-def write_digest(registry: StateRegistry, rank: int, step: int, directory: str | None = None) -> str | None:
-    """Write ``digest_rank<R>.json`` if a runner asked for it (``CKPTLESS_DIGEST_DIR``); returns the path."""
+def write_digest(registry: StateRegistry, rank: int, step: int, directory: str | None = None,
+                 name: str = "digest") -> str | None:
+    """Write ``<name>_rank<R>.json`` if a runner asked for it (``CKPTLESS_DIGEST_DIR``); returns the path.
+
+    ``name`` ``"init"``: the state a first-generation rank starts training from (a runner compares
+    two runs' initial states first: an unseeded script never started from the same state)."""
     d = directory if directory is not None else os.environ.get(ENV)
     if not d:
         return None
     os.makedirs(d, exist_ok=True)
-    path = os.path.join(d, f"digest_rank{rank}.json")
+    path = os.path.join(d, f"{name}_rank{rank}.json")
     tmp = f"{path}.{os.getpid()}.tmp"
     with open(tmp, "w") as f:
         json.dump({"rank": rank, "step": step, "objects": registry_digest(registry)}, f, indent=1, sort_keys=True)
