@@ -274,9 +274,12 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
         help="Keep this node's --spares N: once a spare took a rank and that recovery is over (every rank here "
              "trains again), start a new one, so later failures also find a warm spare.")
     add("--spare-any-rank", action=check_env,
-        help="The script's setup (up to job.run()) builds the same objects on every rank and keeps nothing "
-             "rank-specific outside protected state, so a pre-built spare may take any lost rank whose image has "
-             "its standby rank's layout, without re-running the setup (checked; otherwise it restarts as that rank).")
+        help="The default with pre-built spares (kept for compatibility): a pre-built spare may take any lost rank "
+             "whose image has its standby rank's layout in place, without re-running the setup, when its setup "
+             "read no rank (RANK/LOCAL_RANK, dist.get_rank(), job.rank) and made no group; otherwise it restarts "
+             "as that rank.")
+    add("--no-spare-any-rank", dest="spare_rank_bound", action="store_true",
+        help="Pre-built spares take only their standby rank in place and restart as any other rank.")
     # positional
     add("training_script", type=str, help="Training script (or module with -m), then its arguments.")
     add("training_script_args", nargs=argparse.REMAINDER)
@@ -458,6 +461,11 @@ def config_from_namespace(ns: argparse.Namespace, environ: Mapping[str, str] | N
     _check(not ns.spare_refill or ns.spares >= 1, "spare_refill", True, "needs --spares N (N >= 1) to keep")
     _check(not ns.spare_any_rank or (ns.spares >= 1 and ns.spare_prebuild), "spare_any_rank", True,
            "needs pre-built spares: --spares N (N >= 1), without --no-spare-prebuild")
+    _check(not (ns.spare_any_rank and ns.spare_rank_bound), "spare_any_rank", True,
+           "--spare-any-rank and --no-spare-any-rank contradict each other")
+    # Any-rank adoption is the default for pre-built spares: a spare helps whichever rank is lost, and
+    # it is safe, since a spare whose setup read its rank restarts as the lost rank instead.
+    any_rank = ns.spares >= 1 and ns.spare_prebuild and not ns.spare_rank_bound
     _check(ns.snapshot_every >= 0, "snapshot_every", ns.snapshot_every, "must be >= 0 (0 = off)")
     _check(ns.snapshot_every == 0 or bool(ns.snapshot_dir), "snapshot_dir", ns.snapshot_dir,
            "--snapshot-every needs --snapshot-dir")
@@ -481,7 +489,7 @@ def config_from_namespace(ns: argparse.Namespace, environ: Mapping[str, str] | N
         min_nodes=min_nodes, max_nodes=max_nodes, nproc_per_node=nproc, nproc_per_node_spec=ns.nproc_per_node,
         rdzv_backend=backend, rdzv_endpoint=endpoint, run_id=run_id, rdzv_configs=parse_rdzv_conf(ns.rdzv_conf),
         signals_to_handle=_parse_signals(ns.signals_to_handle), shutdown_timeout=shutdown,
-        training_script_args=tuple(ns.training_script_args), local_ranks_filter=ranks_filter,
+        training_script_args=tuple(ns.training_script_args), local_ranks_filter=ranks_filter, spare_any_rank=any_rank,
         redirects=parse_std(ns.redirects, nproc, "redirects"), tee=parse_std(ns.tee, nproc, "tee"),
         duplicate_stdout_filters=tuple(ns.duplicate_stdout_filters),
         duplicate_stderr_filters=tuple(ns.duplicate_stderr_filters),

@@ -117,15 +117,16 @@ def test_worker_killed_spare_on_another_agent_takes_its_rank(module_etcd: Embedd
 
 def test_any_rank_spare_takes_another_rank_as_built(module_etcd: EmbeddedEtcd, tmp_path: Path,
                                                     baseline: dict) -> None:
-    """--spare-any-rank: the spare built as rank 0 takes lost rank 1 in the same process (the
-    planner saw equal layout keys): no re-exec, no second setup, and still bitwise equal."""
+    """By default (no flag: --spare-any-rank is the default now), the spare built as rank 0 takes lost
+    rank 1 in the same process (the planner saw equal layout keys; its setup read no rank): no re-exec,
+    no second setup, and still bitwise equal."""
     import json
 
     c = _cluster(module_etcd, tmp_path, "anyrank", REF_PAUSE_RANK="1", REF_PAUSE_STEP="5")
     try:
         c.start_agent()
         c.start_agent()
-        c.start_agent("--spares", "1", "--spare-any-rank", nproc=0)
+        c.start_agent("--spares", "1", nproc=0)
         pid = c.paused_pid(1)
         wait_until(lambda: any(c.out.glob("standby_*.json")), 120, "the spare built and standing by")
         standby = {json.loads(p.read_text())["pid"]: json.loads(p.read_text())["rank"]
