@@ -94,9 +94,10 @@ def run_ckptless(out: str) -> None:
     RSS_BEFORE_STATE = _memory()["rss"]  # torch + ckptless imported, nothing protected yet
     job = ckptless.init()
     t_init = time.monotonic()
-    rank = dist.get_rank()  # a pre-built spare: its standby rank (it may be assigned another)
+    # The setup reads no rank: a pre-built spare may then take any lost rank with its objects as built
+    # (its values are replaced by the received image; only the layout, the same on every rank, matters).
     t0 = time.monotonic()
-    model, opt = _build(rank)
+    model, opt = _build(0)
     job.protect(model=model, optimizer=opt)
     t_built = time.monotonic()
     if job.ctx.role == "spare":  # built (a pre-built spare: as its standby rank) and about to wait

@@ -181,10 +181,14 @@ def _phases(evs: list[dict[str, Any]], t_kill: float, gen: int, victim: int) -> 
     fst = [e["t_monotonic"] for e in after if e["kind"] == "first_step_after_recovery" and e["generation"] == gen]
     start = [e["t_monotonic"] for e in after if e["kind"] == "job_start" and e["generation"] == gen
              and e["rank"] == victim]
+    rep = [e["t_monotonic"] for e in after if e["kind"] == "reprotect_done" and e["generation"] == gen]
     t_det, t_ref, t_tra, t_rol, t_fst = min(det), max(ref), max(tra), max(rol), max(fst)
+    # The window a second loss would hit: every rank resumed -> every rank's image held by K peers
+    # again (the last reprotect_done). Without the node-local tier, a holder lost there loses a K=1 job.
     return {"detect": t_det - t_kill, "reform": t_ref - t_det, "transfer": t_tra - t_ref,
             "rollback": t_rol - t_tra, "reprotect_step": t_fst - t_rol, "total": t_fst - t_kill,
-            "repl": (min(start) - t_kill) if start else float("nan")}
+            "repl": (min(start) - t_kill) if start else float("nan"),
+            "unprotected": (max(rep) - t_rol) if rep else float("nan")}
 
 
 def _steady_step(evs: list[dict[str, Any]], gen: int) -> float:
@@ -202,13 +206,13 @@ def _steady_step(evs: list[dict[str, Any]], gen: int) -> float:
 
 #: Bench modes -> the label their rows carry. "spare": the victim is the spare's standby rank (it
 #: only receives bytes: the best case); "spare-other": another rank dies, so the rank-exact spare
-#: restarts as it (setup on the critical path: the likely case with one spare and W ranks);
-#: "spare-any": another rank dies and the spare takes it as built (--spare-any-rank).
+#: bound to it (--no-spare-any-rank) restarts as it (setup on the critical path);
+#: "spare-any": another rank dies and the spare takes it as built (any-rank adoption, the default).
 #: "standby": no spare node; the ranks' own agent keeps one spare (--spares 1 --spare-any-rank
 #: --spare-refill), every kill hits a rank it was not built as, and each recovery's refill is
 #: pre-built before the next kill: what a respawn costs when every node keeps a standby.
-MODE_LABELS = {"spare": "spare", "spare-other": "spare, other rank (re-exec)",
-               "spare-any": "spare, other rank (--spare-any-rank)",
+MODE_LABELS = {"spare": "spare", "spare-other": "spare, other rank (re-exec, --no-spare-any-rank)",
+               "spare-any": "spare, other rank (any-rank, default)",
                "standby": "standby on the node (any rank, refilled)", "respawn": "respawn"}
 
 
@@ -237,6 +241,8 @@ def run_ckptless(etcd_ep: str, size: int, world: int, spares: int, respawns: int
         shm = Path(SHM_ROOT) / job
         shm.mkdir(parents=True)
         common += ["--shm-dir", str(shm)]
+    else:  # replicas in worker memory only (the launcher's default is /dev/shm where writable)
+        common += ["--no-shm-dir"]
     procs: list[subprocess.Popen[bytes]] = []
     logs = []
 
@@ -256,7 +262,7 @@ def run_ckptless(etcd_ep: str, size: int, world: int, spares: int, respawns: int
               *(["--spares", "1", "--spare-any-rank", "--spare-refill"] if standby and spares else []))
         if spares and not standby:
             agent("--nproc-per-node", "0", "--spares", str(spares),
-                  *(["--spare-any-rank"] if spare_mode == "spare-any" else []))
+                  *(["--no-spare-any-rank"] if spare_mode == "spare-other" else []))
         for i, (victim, step) in enumerate(pauses):
             doc = _wait_file(out / f"pause{i}.json", 300, procs)
             if i < spares:  # the spares must be warm and built (a refilled standby: the new one too)
@@ -510,8 +516,9 @@ def resumed_table(ck: list[Recovery], tr: list[Restart]) -> str:
     """
     lines = ["| state/rank | world | mode | ckptless resumed s | torchrun+DCP cold resumed s | ratio "
              "| ckptless first step done s | torchrun+DCP cold first step done s | ratio "
-             "| first step's own duration: ckptless / ckptless steady step / torchrun s |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| first step's own duration: ckptless / ckptless steady step / torchrun s "
+             "| unprotected window s (resumed -> re-protected) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     keys = sorted({(r.size, r.world) for r in ck}, key=lambda k: (k[1], k[0]))
     for size, world in keys:
         cold = [r for r in tr if (r.size, r.world, r.cache) == (size, world, "cold")]
@@ -527,8 +534,9 @@ def resumed_table(ck: list[Recovery], tr: list[Restart]) -> str:
             r2 = f"{statistics.median(t_tot) / statistics.median(tot):.1f}x" if cold else "-"
             own = (f"{_mm([r.reprotect_step for r in rs])} / {_mm([r.phases.get('steady_step', float('nan')) for r in rs])}"
                    f" / {_mm([r.total - r.load for r in cold])}")
+            window = _mm([r.phases.get("unprotected", float("nan")) for r in rs])
             lines.append(f"| {size // MIB} MiB | {world} | {mode} | {_mm(res)} | {_mm(t_res)} | {r1} "
-                         f"| {_mm(tot)} | {_mm(t_tot)} | {r2} | {own} |")
+                         f"| {_mm(tot)} | {_mm(t_tot)} | {r2} | {own} | {window} |")
     return "\n".join(lines)
 
 

@@ -71,6 +71,7 @@ class ClusterSpec:
     spare_nodes: int = 0
     spares_per_spare_node: int = 2
     spare_node_args: tuple[str, ...] = ()  # extra ckptless-run flags of the spare-only agents
+    agent_args: tuple[str, ...] = ()  # extra ckptless-run flags of every agent
     hang_timeout: float | None = None
     snapshot_every: int = 0
     lease_ttl: float = 1.0
@@ -233,7 +234,7 @@ class LocalCluster:
         s = self.spec
         args = ["--nnodes", str(s.nodes), "--nproc-per-node", str(nproc), "--rdzv-id", self.job_id,
                 "--rdzv-endpoint", self.endpoint, "--lease-ttl", str(s.lease_ttl),
-                "--goodput-dir", str(self.goodput_dir), *extra_args]
+                "--goodput-dir", str(self.goodput_dir), *s.agent_args, *extra_args]
         if spares:
             args += ["--spares", str(spares)]
         if s.hang_timeout:

@@ -159,8 +159,9 @@ def catalogue() -> dict[str, Scenario]:
              [Fault(5, FaultKind.RESTART_ETCD, (0,))]),
         _one("two-groups", f"SIGKILL ranks {a} and {b} at step 5 (distinct groups)", "both rebuilt from memory",
              base, PAIR, [Fault(5, FaultKind.KILL_WORKER, (a, b))]),
-        _one("beyond-k-disk", f"SIGKILL ranks 0 and {holder} (its only holder) at step 7, --snapshot-every 2",
-             "mirror lost: fall back to the disk snapshot", ClusterSpec(steps=STEPS, snapshot_every=2),
+        _one("beyond-k-disk", f"SIGKILL ranks 0 and {holder} (its only holder) at step 7, --snapshot-every 2, "
+             "--no-shm-dir", "mirror lost: fall back to the disk snapshot (the node-local tier, on by default, "
+             "would have kept both images)", ClusterSpec(steps=STEPS, snapshot_every=2, agent_args=("--no-shm-dir",)),
              ScheduleConfig(steps=STEPS, max_concurrent=2, allow_beyond_k=True),
              [Fault(7, FaultKind.KILL_WORKER, (0, holder))], expect_disk=True),
         _one("spare-any-refill", "SIGKILL rank 1 at step 4, rank 2 at step 9; one spare, --spare-any-rank "

@@ -18,46 +18,30 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
-import signal
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
-from enum import IntFlag
 from typing import Any
 
 from ckptless.errors import ConfigError
+from ckptless.launcher.arg_values import (DEFAULT_ETCD_PORT, Endpoint, Std, _check, _parse_signals,  # noqa: F401
+                                          parse_endpoint, parse_nnodes, parse_rdzv_conf, parse_std, resolve_nproc)
 
-DEFAULT_ETCD_PORT = 2379
 DEFAULT_SHUTDOWN_TIMEOUT = 30.0
 BACKEND_ALIASES = {"ckptless": "ckptless", "etcd": "ckptless", "etcd-v2": "ckptless", "static": "static"}
 PLACEMENTS = ("ring", "group", "mixed")
+
+DEFAULT_SHM_DIR = "/dev/shm/ckptless"
+
+
+def default_shm_dir() -> str | None:
+    """The node-local tier is on by default where /dev/shm is writable: a rank's own committed image
+    then outlives its worker, so a second loss right after a recovery (before re-protection committed)
+    is recovered from the node instead of ending a K = 1 job."""
+    return DEFAULT_SHM_DIR if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+
+
 NUMA_MODES = ["node", "socket", "exclusive", "core-complex"]  # torch.numa.binding._AffinityMode values
-_VALUE_RE = re.compile(r"^[0123]$")
-_MAPPING_RE = re.compile(r"^(\d:[0123],)*(\d:[0123])$")
-
-
-class Std(IntFlag):
-    """Which standard streams of a worker go to a file (same bits as torchrun's Std)."""
-
-    NONE = 0
-    OUT = 1
-    ERR = 2
-    ALL = 3
-
-
-@dataclass(frozen=True)
-class Endpoint:
-    """A host and port; ``str()`` gives ``host:port`` with IPv6 bracketed."""
-
-    host: str
-    port: int
-
-    def __str__(self) -> str:
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"{host}:{self.port}"
-
-
 @dataclass(frozen=True)
 class LaunchConfig:
     """Everything ``ckptless-run`` was asked to do, resolved and validated."""
@@ -263,8 +247,11 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
     add("--metrics-port", action=env, type=int, default=None,
         help="Serve Prometheus metrics on this port (0: any free port; default: off).")
     add("--shm-dir", action=env, type=str, default=None,
-        help="Keep peer replicas and each rank's own committed image in files here (e.g. /dev/shm): they "
-             "survive a worker's death, and a rank respawned on this node restores its own image from them.")
+        help="Keep peer replicas and each rank's own committed image in files here: they survive a worker's "
+             f"death, and a rank respawned on this node restores its own image from them (default: {DEFAULT_SHM_DIR} "
+             "where /dev/shm is writable; a full dir degrades to memory with one warning).")
+    add("--no-shm-dir", dest="shm_off", action="store_true",
+        help="Keep replicas and own images in the workers' memory only (they die with the worker).")
     add("--no-warm-respawn", dest="warm_respawn", action="store_false",
         help="Respawn failed workers cold (a fresh python) instead of from this agent's warm fork server.")
     add("--no-spare-prebuild", dest="spare_prebuild", action="store_false",
@@ -296,104 +283,6 @@ def _standalone_id(ns: argparse.Namespace) -> str:
     key = "\0".join([os.path.abspath(ns.snapshot_dir), os.path.abspath(ns.training_script),
                      *ns.training_script_args])
     return "standalone-" + hashlib.sha256(key.encode()).hexdigest()[:16]
-
-
-# --- resolution -------------------------------------------------------------
-def parse_nnodes(value: str) -> tuple[int, int]:
-    """``"N"`` or ``"MIN:MAX"`` -> (min, max) with 0 < min <= max."""
-    parts = value.split(":")
-    _check(len(parts) <= 2, "nnodes", value, 'expected "N" or "MIN:MAX"')
-    try:
-        lo, hi = int(parts[0]), int(parts[-1])
-    except ValueError as exc:
-        raise ConfigError("nnodes", value, 'expected "N" or "MIN:MAX" with integers') from exc
-    _check(0 < lo <= hi, "nnodes", value, "need 0 < MIN <= MAX")
-    return lo, hi
-
-
-def resolve_nproc(value: str) -> int:
-    """An int, or cpu/gpu/xpu/auto resolved the way torchrun does (torch imported only then)."""
-    n = int(value) if value.lstrip("-").isdigit() else _count_devices(value)
-    _check(n >= 0, "nproc_per_node", value, "must be >= 1 (or 0 with --spares: a spare-only node)")
-    return n
-
-
-def _count_devices(kind: str) -> int:
-    if kind == "cpu":
-        return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    _check(kind in ("gpu", "xpu", "auto"), "nproc_per_node", kind, "expected an int or cpu, gpu, xpu, auto")
-    import torch  # lazy: only device counting needs it
-
-    if kind == "gpu":
-        _check(torch.cuda.is_available(), "nproc_per_node", kind, "CUDA is not available")
-        return int(torch.cuda.device_count())
-    if kind == "xpu":
-        _check(torch.xpu.is_available(), "nproc_per_node", kind, "XPU is not available")
-        return int(torch.xpu.device_count())
-    if torch.accelerator.is_available():
-        return int(torch.accelerator.device_count())
-    return _count_devices("cpu")
-
-
-def parse_endpoint(value: str, default_port: int = DEFAULT_ETCD_PORT, field_name: str = "rdzv_endpoint",
-                   ) -> Endpoint:
-    """``host``, ``host:port``, ``[v6]:port`` or ``http://host:port`` -> Endpoint."""
-    raw = value.strip()
-    rest = (raw.split("://", 1)[1] if "://" in raw else raw).rstrip("/")
-    port_s: str | None = None
-    if rest.startswith("["):  # [v6] or [v6]:port
-        host, sep, tail = rest[1:].partition("]")
-        if not sep or (tail and not tail.startswith(":")):
-            raise ConfigError(field_name, value, "malformed [IPv6]:PORT")
-        port_s = tail[1:] if tail else None
-    elif rest.count(":") == 1:
-        host, port_s = rest.split(":")
-    else:  # plain host, or a bare IPv6 address without a port
-        host = rest
-    _check(bool(host), field_name, value, "missing host")
-    port = default_port
-    if port_s is not None:
-        try:
-            port = int(port_s)
-        except ValueError as exc:
-            raise ConfigError(field_name, value, "port is not an integer") from exc
-    _check(0 < port < 65536, field_name, value, "port must be in 1..65535")
-    return Endpoint(host, port)
-
-
-def parse_std(value: str, nproc: int, field_name: str) -> tuple[Std, ...]:
-    """torchrun's ``--redirects``/``--tee`` syntax -> one Std per local rank."""
-    if _VALUE_RE.match(value):
-        return tuple(Std(int(value)) for _ in range(nproc))
-    if _MAPPING_RE.match(value):
-        per_rank = {int(k): Std(int(v)) for k, v in (m.split(":") for m in value.split(","))}
-        return tuple(per_rank.get(i, Std.NONE) for i in range(nproc))
-    raise ConfigError(field_name, value, "expected 0-3 or LOCAL_RANK:0-3,... (1=stdout, 2=stderr, 3=both)")
-
-
-def parse_rdzv_conf(value: str) -> dict[str, str]:
-    """``k=v,k2=v2`` -> dict (same rules as torch's _parse_rendezvous_config)."""
-    out: dict[str, str] = {}
-    if not value.strip():
-        return out
-    for kv in value.strip().split(","):
-        key, _, val = kv.partition("=")
-        _check(bool(key.strip() and val.strip()), "rdzv_conf", value, "expected <k1>=<v1>,...,<kN>=<vN>")
-        out[key.strip()] = val.strip()
-    return out
-
-
-def _parse_signals(value: str) -> tuple[str, ...]:
-    names = tuple(s.strip() for s in value.split(",") if s.strip())
-    for name in names:
-        _check(isinstance(getattr(signal, name, None), signal.Signals), "signals_to_handle", value,
-               f"unknown signal {name!r}")
-    return names
-
-
-def _check(ok: bool, name: str, value: object, reason: str) -> None:
-    if not ok:
-        raise ConfigError(name, value, reason)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -463,6 +352,8 @@ def config_from_namespace(ns: argparse.Namespace, environ: Mapping[str, str] | N
            "needs pre-built spares: --spares N (N >= 1), without --no-spare-prebuild")
     _check(not (ns.spare_any_rank and ns.spare_rank_bound), "spare_any_rank", True,
            "--spare-any-rank and --no-spare-any-rank contradict each other")
+    _check(not (ns.shm_off and ns.shm_dir), "shm_dir", ns.shm_dir, "--shm-dir and --no-shm-dir contradict each other")
+    shm_dir = ns.shm_dir if ns.shm_dir else (None if ns.shm_off else default_shm_dir())
     # Any-rank adoption is the default for pre-built spares: a spare helps whichever rank is lost, and
     # it is safe, since a spare whose setup read its rank restarts as the lost rank instead.
     any_rank = ns.spares >= 1 and ns.spare_prebuild and not ns.spare_rank_bound
@@ -490,6 +381,7 @@ def config_from_namespace(ns: argparse.Namespace, environ: Mapping[str, str] | N
         rdzv_backend=backend, rdzv_endpoint=endpoint, run_id=run_id, rdzv_configs=parse_rdzv_conf(ns.rdzv_conf),
         signals_to_handle=_parse_signals(ns.signals_to_handle), shutdown_timeout=shutdown,
         training_script_args=tuple(ns.training_script_args), local_ranks_filter=ranks_filter, spare_any_rank=any_rank,
+        shm_dir=shm_dir,
         redirects=parse_std(ns.redirects, nproc, "redirects"), tee=parse_std(ns.tee, nproc, "tee"),
         duplicate_stdout_filters=tuple(ns.duplicate_stdout_filters),
         duplicate_stderr_filters=tuple(ns.duplicate_stderr_filters),

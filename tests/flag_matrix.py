@@ -75,6 +75,7 @@ ROWS: tuple[FlagRow, ...] = (
     FlagRow("--mirror-every", ("--mirror-every", "2"), job="mirror"),
     FlagRow("--placement", ("--placement", "mixed"), job="mirror"),
     FlagRow("--shm-dir", ("--shm-dir", "{shm}"), job="mirror"),
+    FlagRow("--no-shm-dir", ("--no-shm-dir",), job="telemetry", note="replicas in worker memory only"),
     FlagRow("--spares", ("--spares", "1"), job="spare-lazy"),
     FlagRow("--no-spare-prebuild", ("--spares", "1", "--no-spare-prebuild"), job="spare-lazy"),
     FlagRow("--spare-any-rank", ("--spares", "1", "--spare-any-rank"), job="spare-any"),

@@ -237,8 +237,10 @@ def test_corrupt_newest_snapshot_then_beyond_k_loss(module_etcd: EmbeddedEtcd, t
                  REF_PAUSE_RANK2=str(holder), REF_PAUSE_STEP2="5", REF_PAUSE_RANK3=str(a), REF_PAUSE_STEP3="3",
                  REF_PAUSE_RELEASE="release")
     try:
-        c.start_agent("--snapshot-every", "2", "--snapshot-dir", str(snaps))
-        c.start_agent("--snapshot-every", "2", "--snapshot-dir", str(snaps))
+        # Replicas in worker memory only: with the node-local tier (the default) the two dead ranks'
+        # own images would outlive them and no disk would be needed.
+        c.start_agent("--snapshot-every", "2", "--snapshot-dir", str(snaps), "--no-shm-dir")
+        c.start_agent("--snapshot-every", "2", "--snapshot-dir", str(snaps), "--no-shm-dir")
         c.paused_pid(a, "3")
         jdir = snaps / c.job_id
         wait_until(lambda: (jdir / "step_00000002" / "COMPLETE.json").exists(), 60, "snapshot step 2 complete")
@@ -262,11 +264,11 @@ def test_corrupt_newest_snapshot_then_beyond_k_loss(module_etcd: EmbeddedEtcd, t
 # --- 6./7. the /dev/shm peer store --------------------------------------------------------------
 @pytest.mark.slow  # CI budget: kill recovery and K=2 shm naming are also exercised by CI's other e2e tests
 def test_shm_k2_single_host_clean_run(module_etcd: EmbeddedEtcd, tmp_path: Path, shm_dir: Path, baseline: Run) -> None:
-    """--nnodes 1 --nproc-per-node 4 --replicas 2 with CKPTLESS_SHM_DIR: holders of one owner share /dev/shm.
+    """--nnodes 1 --nproc-per-node 4 --replicas 2 --shm-dir: holders of one owner share /dev/shm.
     Was: ENOENT on a .json.tmp -> unrecoverable; files left in /dev/shm."""
-    c = _cluster(module_etcd.endpoint, tmp_path, "shmk2", CKPTLESS_SHM_DIR=str(shm_dir))
+    c = _cluster(module_etcd.endpoint, tmp_path, "shmk2")
     try:
-        c.start_agent("--replicas", "2", nnodes="1", nproc=4)
+        c.start_agent("--replicas", "2", "--shm-dir", str(shm_dir), nnodes="1", nproc=4)
         c.wait(timeout=120)
     finally:
         c.kill_all()
@@ -285,10 +287,9 @@ def test_corrupt_shm_replica_rebuilt_from_other_holder(module_etcd: EmbeddedEtcd
     holders = ring_holders(4, per_node=4, replicas=2)[1]
     assert len(holders) == 2
     bad = holders[0]
-    c = _cluster(module_etcd.endpoint, tmp_path, "shmbad", CKPTLESS_SHM_DIR=str(shm_dir), REF_PAUSE_RANK="1",
-                 REF_PAUSE_STEP="5")
+    c = _cluster(module_etcd.endpoint, tmp_path, "shmbad", REF_PAUSE_RANK="1", REF_PAUSE_STEP="5")
     try:
-        c.start_agent("--replicas", "2", nnodes="1", nproc=4)
+        c.start_agent("--replicas", "2", "--shm-dir", str(shm_dir), nnodes="1", nproc=4)
         victim = c.paused_pid(1)
 
         def replicas_of_v5() -> list[Path]:

@@ -233,15 +233,21 @@ def test_leader_agent_killed(module_etcd: EmbeddedEtcd, tmp_path: Path, baseline
     _survivors_kept_pids(c, lost)
 
 
-def test_more_than_k_failures_in_one_group_fall_back_to_disk(module_etcd: EmbeddedEtcd, tmp_path: Path, baseline: dict) -> None:
+@pytest.mark.parametrize("node_local", [False, True], ids=["memory-only", "default-shm"])
+def test_more_than_k_failures_in_one_group_fall_back_to_disk(module_etcd: EmbeddedEtcd, tmp_path: Path, baseline: dict,
+                                                             node_local: bool) -> None:
+    """A rank and its only holder die together (K = 1). With replicas in worker memory only
+    (--no-shm-dir) that is beyond K: disk. With the node-local tier (the default where /dev/shm is
+    writable) each dead rank's own committed image outlived it on its node: a memory plan, no disk."""
     a = 0
     holder = ring_holders()[a][0]
     snaps = tmp_path / "snaps"
     c = _cluster(module_etcd, tmp_path, "disk", REF_PAUSE_RANK=str(a), REF_PAUSE_STEP="7",
                  REF_PAUSE_RANK2=str(holder), REF_PAUSE_STEP2="7")
+    flags = ("--snapshot-every", "2", "--snapshot-dir", str(snaps), *(() if node_local else ("--no-shm-dir",)))
     try:
-        c.start_agent("--snapshot-every", "2", "--snapshot-dir", str(snaps))
-        c.start_agent("--snapshot-every", "2", "--snapshot-dir", str(snaps))
+        c.start_agent(*flags)
+        c.start_agent(*flags)
         pa, ph = c.paused_pid(a), c.paused_pid(holder, "2")
         wait_until(lambda: any(snaps.rglob("COMPLETE.json")), 60, "a complete snapshot")
         os.kill(pa, signal.SIGKILL)
@@ -251,6 +257,10 @@ def test_more_than_k_failures_in_one_group_fall_back_to_disk(module_etcd: Embedd
         c.kill_all()
     assert_bitwise_equal(c.finals(), baseline)
     m = c.membership()
+    if node_local:
+        assert m is not None and type(m.decision).__name__ == "RecoveryPlan", m
+        assert {a.rank for a in m.decision.node_local} == {a, holder}, m.decision  # type: ignore[union-attr]
+        return
     assert m is not None and type(m.decision).__name__ == "DiskFallback"
     assert "restored disk snapshot" in c.tail(100000) or "disk snapshot step" in c.tail(100000)
 

@@ -267,6 +267,7 @@ def _discard_newer_own(inputs: RestoreInputs, version: int) -> None:
 def _from_disk(decision: DiskFallback, inputs: RestoreInputs) -> RestoreOutcome:
     from ckptless.snapshot import load_snapshot, step_dir, verify_snapshot
     from ckptless.snapshot.reader import scan_steps
+    from ckptless.snapshot.restart import foreign_owner
 
     directory = inputs.snapshot_dir
     step = decision.snapshot_step
@@ -282,8 +283,8 @@ def _from_disk(decision: DiskFallback, inputs: RestoreInputs) -> RestoreOutcome:
         # Snapshots newer than the one we resume from belong to a timeline being replayed; their
         # step directories will be written again. Rank 0 removes them before training resumes.
         for newer, path in scan_steps(directory, inputs.job_id):
-            if newer > loaded:
-                shutil.rmtree(Path(path), ignore_errors=True)
+            if newer > loaded and foreign_owner(Path(path), inputs.job_id, world) is None:
+                shutil.rmtree(Path(path), ignore_errors=True)  # never another world's complete snapshot
     if inputs.peer_store is not None:
         inputs.peer_store.discard_newer(loaded)
     _discard_newer_own(inputs, loaded)
