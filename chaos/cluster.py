@@ -51,6 +51,10 @@ class ChaosTimeout(CkptlessError):
     """A bounded wait of the chaos runner ran past its deadline."""
 
 
+class AgentExited(CkptlessError):
+    """An agent of the chaos cluster ended before the job it was to run started (its log says why)."""
+
+
 def wait_for(cond: Callable[[], bool], timeout_s: float, what: str, interval_s: float = 0.01) -> float:
     """Poll ``cond`` until true (a condition, never a guess at timing); return the time taken."""
     start = time.monotonic()
@@ -205,8 +209,16 @@ class LocalCluster:
             self.etcd = EmbeddedEtcd(data_dir=self.out / "etcd", log_path=self.out / "logs" / "etcd.log",
                                      host=host).start()
             self._endpoint = self.etcd.endpoint
-        self._start_agent(self.spec.nproc_per_node, self.spec.spares_per_node)
-        wait_for(lambda: bool(self.client().get_prefix(self.keyspace.election_prefix)[0]), 120, "a leader")
+        first = self._start_agent(self.spec.nproc_per_node, self.spec.spares_per_node)
+
+        def leader_or_exit() -> bool:
+            """A leader is elected, or the first agent already exited (a config error): say so at once."""
+            if first.proc.poll() is not None:
+                tail = first.log.read_text(errors="replace")[-2000:] if first.log.exists() else ""
+                raise AgentExited(f"agent 0 exited {first.proc.returncode} before a leader was elected:\n{tail}")
+            return bool(self.client().get_prefix(self.keyspace.election_prefix)[0])
+
+        wait_for(leader_or_exit, 120, "a leader")
         for _ in range(self.spec.nodes - 1):
             self._start_agent(self.spec.nproc_per_node, self.spec.spares_per_node)
         for _ in range(self.spec.spare_nodes):

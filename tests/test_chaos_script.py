@@ -174,3 +174,17 @@ def test_digest_of_a_zero_dim_tensor() -> None:
     from ckptless.state.digest import object_digest
 
     assert object_digest({"step": torch.tensor(3.0)}) != object_digest({"step": torch.tensor(4.0)})
+
+
+def test_agent_that_exits_at_start_is_named_at_once(tmp_path: Path) -> None:
+    """An agent that ends before a leader exists (here a config error: --spare-refill without spares)
+    is reported at once with its log, not after a 120 s wait for a leader."""
+    import time
+
+    from ckptless.chaos.cluster import AgentExited, ClusterSpec, LocalCluster
+
+    t0 = time.monotonic()
+    with pytest.raises(AgentExited, match="spare_refill"):
+        with LocalCluster(ClusterSpec(agent_args=("--spare-refill",)), tmp_path, "bad-flags"):
+            pass
+    assert time.monotonic() - t0 < 60

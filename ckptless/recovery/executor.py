@@ -288,6 +288,9 @@ def _from_disk(decision: DiskFallback, inputs: RestoreInputs) -> RestoreOutcome:
     if inputs.peer_store is not None:
         inputs.peer_store.discard_newer(loaded)
     _discard_newer_own(inputs, loaded)
-    log.warning("rank %d: restored disk snapshot of step %d (%d steps lost: %s)",
-                inputs.rank, loaded, decision.steps_lost, decision.reason)
+    if inputs.membership.generation == 0:  # a whole-job restart: the worker logs the previous run's loss
+        log.info("rank %d: restored disk snapshot of step %d (%s)", inputs.rank, loaded, decision.reason)
+    else:
+        log.warning("rank %d: restored disk snapshot of step %d (%d steps lost: %s)",
+                    inputs.rank, loaded, decision.steps_lost, decision.reason)
     return RestoreOutcome(loaded, "disk", 0, decision.steps_lost)

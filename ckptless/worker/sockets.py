@@ -23,8 +23,12 @@ generation's sockets are those that appeared while its communicators were
 being built (:func:`recording`): the socket descriptors open after the build
 that were not open before it, each kept with its inode so a reused descriptor
 number is never touched. A socket another thread of this process opened in
-that window would be counted too; the store client and the etcd client are
-opened before any formation starts and are not.
+that window would be counted too, and shut down when that generation ends;
+the store client and the etcd client are opened before any formation starts
+and are not. The one formation that runs beside user code is a replacement's
+mirror group, formed while its script's setup runs (``transfer ahead``): a
+connection the setup opens in those milliseconds (a metrics client) would be
+ended at the next failure. Listening sockets are never shut down.
 
 Cost: one ``/proc/self/fd`` scan before and after each formation (O(open fds),
 about 2W + 10 per rank today), one ``shutdown`` per recorded socket per
