@@ -185,6 +185,6 @@ def test_agent_that_exits_at_start_is_named_at_once(tmp_path: Path) -> None:
 
     t0 = time.monotonic()
     with pytest.raises(AgentExited, match="spare_refill"):
-        with LocalCluster(ClusterSpec(agent_args=("--spare-refill",)), tmp_path, "bad-flags"):
-            pass
+        with LocalCluster(ClusterSpec(agent_args=("--spare-refill",)), tmp_path, "bad-flags") as cluster:
+            cluster.start()
     assert time.monotonic() - t0 < 60
