@@ -269,8 +269,12 @@ class RecoveryLeader:
 
     def _published(self, decision: RecoveryPlan | DiskFallback) -> Event:
         resume = decision.resume_version if isinstance(decision, RecoveryPlan) else decision.snapshot_step
+        # The ranks the plan replaces: a node loss is often known only now (the incident opened on a
+        # survivor's report, before the node's lease ran out), so the report takes them from here too.
+        replaced = sorted(a.rank for a in decision.assignments if a.source != "survivor")
         self._on_event("plan_published", {"generation": decision.generation, "resume_step": resume,
-                                          "decision": "memory" if isinstance(decision, RecoveryPlan) else "disk"})
+                                          "decision": "memory" if isinstance(decision, RecoveryPlan) else "disk",
+                                          "lost": ",".join(map(str, replaced))})
         return Published(decision.generation, self._now())
 
     def _end(self, status: JobStatus) -> None:
