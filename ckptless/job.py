@@ -291,6 +291,8 @@ class Job:
         if first and self.ctx.role == "spare":
             os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(m.world_size)})
         self.ledger.set_rank(rank)
+        if first and self.ctx.role == "spare":  # its start had no rank to be written under: the report's
+            self.ledger.emit(EventKind.JOB_START, generation=m.generation, role="spare")  # "replacement ready"
         groups.ensure_default_group(self.store_for(m), rank, m.world_size, self.ctx.collective_timeout_s)
 
     def _reexec(self, rank: int | None) -> None:

@@ -30,7 +30,11 @@ from typing import Any
 import torch.distributed as dist
 
 RANK_VARIABLES = frozenset({"RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK"})
-_INTERNAL = ("ckptless", "torch", "os", "_collections_abc", "collections", "importlib", "threading")
+# Frames skipped on the way to the script's own: mapping plumbing, and stdlib code that copies the whole
+# environment for a child (``subprocess.run`` in a setup reads every variable, RANK among them, without
+# the script asking for its rank).
+_INTERNAL = ("ckptless", "torch", "os", "_collections_abc", "collections", "importlib", "threading",
+             "subprocess", "multiprocessing", "concurrent", "asyncio", "copy")
 
 _lock = threading.Lock()
 _reads: list[str] = []
@@ -68,11 +72,22 @@ def note(what: str) -> None:
                 _reads.append(entry)
 
 
+_copying = threading.local()
+
+
 class _WatchedEnviron(os._Environ):
     def __getitem__(self, key: str) -> str:
-        if key in RANK_VARIABLES:
+        if key in RANK_VARIABLES and not getattr(_copying, "on", False):
             note(f"os.environ[{key!r}]")
         return str(super().__getitem__(key))
+
+    def copy(self) -> dict[str, str]:
+        """A copy of the whole environment (for a child process) asks for no rank."""
+        _copying.on = True
+        try:
+            return dict(self)
+        finally:
+            _copying.on = False
 
 
 def _watched_get_rank(*args: Any, **kwargs: Any) -> int:
