@@ -42,7 +42,7 @@ sysdeps:
 browser: sysdeps
 
 # The main job: a fault-injected training run on the embedded etcd, ending in a goodput report
-# (2 agents x 2 workers + a spare node; a node loss, a worker kill and a hang; ~3-4 min on 2 cores;
+# (2 agents x 2 workers + a spare node; a node loss, a worker kill and a hang; ~1.5 min on 2 cores;
 # docs/chaos.md, "The demo").
 demo: $(STAMP)
 	$(VENV)/bin/ckptless-chaos demo
