@@ -3,8 +3,10 @@
 Why in the library: a fault "around step 5" or "while the leader publishes"
 is a flaky test; the chaos runner needs the process itself to stop at an exact
 point, say so, and wait (bounded) for the signal it is about to receive. With
-``CKPTLESS_CHAOS_DIR`` unset (every normal run), :func:`pause_point` costs one
-dictionary lookup and does nothing.
+``CKPTLESS_CHAOS_DIR`` unset (every normal run), :func:`pause_point` costs two
+lookups and does nothing. Both variables are read through
+:mod:`ckptless.environment`, when a point is first reached (and again after the
+process's settings were re-read, e.g. a forked worker installing its own).
 
 Protocol: ``CKPTLESS_CHAOS_POINTS`` lists ``tag=point`` items (comma
 separated). When the process reaches ``point`` (e.g. ``step:r1:5`` -- rank 1
@@ -20,21 +22,25 @@ import json
 import os
 import time
 
+from ckptless import environment
+from ckptless.environment import ProcessEnv
+
 HOLD_S = 120.0
-_points: dict[str, str] | None = None
+_points: tuple[ProcessEnv, dict[str, str]] | None = None  # parsed once per settings object
 
 
 def _load() -> dict[str, str]:
     global _points
-    if _points is None:
-        spec = os.environ.get("CKPTLESS_CHAOS_POINTS", "") if os.environ.get("CKPTLESS_CHAOS_DIR") else ""
+    env = environment.current()
+    if _points is None or _points[0] is not env:
+        spec = env.chaos_points if env.chaos_dir else ""
         found: dict[str, str] = {}
         for item in filter(None, (x.strip() for x in spec.split(","))):
             tag, _, point = item.partition("=")
             if tag and point:
                 found[point] = tag
-        _points = found
-    return _points
+        _points = (env, found)
+    return _points[1]
 
 
 def active() -> bool:
@@ -49,7 +55,8 @@ def pause_point(point: str, **info: object) -> None:
     tag = points.get(point)
     if tag is None:
         return
-    d = os.environ["CKPTLESS_CHAOS_DIR"]
+    d = environment.current().chaos_dir
+    assert d is not None  # points are parsed only when it is set
     os.makedirs(d, exist_ok=True)
     marker = os.path.join(d, f"paused_{tag}.json")
     if os.path.exists(marker):

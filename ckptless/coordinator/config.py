@@ -2,22 +2,13 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from ckptless import environment
 from ckptless.errors import ConfigError
 
 DEFAULT_ETCD_PORT = 2379
-
-#: Environment variables for etcd credentials, read by agents *and* workers (workers inherit them).
-AUTH_ENV = {
-    "CKPTLESS_ETCD_USER": "user",
-    "CKPTLESS_ETCD_PASSWORD": "password",
-    "CKPTLESS_ETCD_CA_CERT": "ca_cert",
-    "CKPTLESS_ETCD_CERT_KEY": "cert_key",
-    "CKPTLESS_ETCD_CERT": "cert_cert",
-}
 
 
 def parse_endpoint(text: str, field_name: str = "endpoints") -> tuple[str, int]:
@@ -97,8 +88,13 @@ class EtcdConfig:
 
     @classmethod
     def from_env(cls, endpoints: str | tuple[str, ...], env: Mapping[str, str] | None = None) -> EtcdConfig:
-        """Endpoints plus TLS/auth from ``CKPTLESS_ETCD_*`` (one rule for agents and workers alike)."""
-        e = os.environ if env is None else env
-        creds = {fieldname: (e.get(var) or None) for var, fieldname in AUTH_ENV.items()}
+        """Endpoints plus TLS/auth from ``CKPTLESS_ETCD_*`` (one rule for agents, workers and ``ckptless
+        status`` alike; workers inherit the variables from their agent).
+
+        ``env`` None: this process's settings (:func:`ckptless.environment.current`); else the
+        variables are parsed from ``env`` by the same table (:data:`ckptless.environment.VARIABLES`).
+        """
+        settings = environment.current() if env is None else environment.ProcessEnv.from_mapping(env)
+        creds = settings.etcd_credentials()
         eps = tuple(x for x in endpoints.split(",") if x.strip()) if isinstance(endpoints, str) else endpoints
         return cls(eps, **creds)  # type: ignore[arg-type]

@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from ckptless import environment
 from ckptless.errors import EtcdServerError
 
 log = logging.getLogger(__name__)
@@ -29,7 +30,7 @@ log = logging.getLogger(__name__)
 
 def etcd_binary() -> Path:
     """Path of the bundled etcd binary (or ``$CKPTLESS_ETCD_BINARY``, or etcd on PATH)."""
-    override = os.environ.get("CKPTLESS_ETCD_BINARY")
+    override = environment.current().etcd_binary
     if override:
         return Path(override)
     try:

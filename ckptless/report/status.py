@@ -16,8 +16,7 @@ that figure is shown with its generation, clearly as a past value.
 from __future__ import annotations
 
 import json
-import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import IO, Any
 
 from rich.console import Console
@@ -29,10 +28,6 @@ from ckptless.coordinator.config import EtcdConfig
 from ckptless.coordinator.keyspace import Keyspace
 from ckptless.errors import CkptlessError, CoordinatorError
 from ckptless.recovery.wire import membership_from_json, report_from_json, spare_from_json
-
-_AUTH = {"CKPTLESS_ETCD_USER": "user", "CKPTLESS_ETCD_PASSWORD": "password", "CKPTLESS_ETCD_CA_CERT": "ca_cert",
-         "CKPTLESS_ETCD_CERT_KEY": "cert_key", "CKPTLESS_ETCD_CERT": "cert_cert"}
-
 
 @dataclass(frozen=True)
 class Member:
@@ -66,9 +61,9 @@ class JobStatus:
 
 
 def _config(endpoint: str, timeout_s: float) -> EtcdConfig:
-    creds = {name: os.environ.get(var) or None for var, name in _AUTH.items()}
-    return EtcdConfig(tuple(e for e in endpoint.split(",") if e.strip()), connect_timeout_s=timeout_s,
-                      call_deadline_s=timeout_s, request_timeout_s=min(2.0, timeout_s), **creds)  # type: ignore[arg-type]
+    """The agents' own connection rule (endpoints plus ``CKPTLESS_ETCD_*`` credentials), with our timeouts."""
+    return replace(EtcdConfig.from_env(endpoint), connect_timeout_s=timeout_s, call_deadline_s=timeout_s,
+                   request_timeout_s=min(2.0, timeout_s))
 
 
 def read_status(endpoint: str, job_id: str, timeout_s: float = 5.0) -> JobStatus:

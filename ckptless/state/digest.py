@@ -21,10 +21,9 @@ from typing import Any
 
 import torch
 
+from ckptless import environment
 from ckptless.state.registry import StateRegistry
 from ckptless.state.tree import encode
-
-ENV = "CKPTLESS_DIGEST_DIR"
 
 
 def object_digest(state: Any) -> str:
@@ -51,7 +50,7 @@ def write_digest(registry: StateRegistry, rank: int, step: int, directory: str |
 
     ``name`` ``"init"``: the state a first-generation rank starts training from (a runner compares
     two runs' initial states first: an unseeded script never started from the same state)."""
-    d = directory if directory is not None else os.environ.get(ENV)
+    d = directory if directory is not None else environment.current().digest_dir
     if not d:
         return None
     os.makedirs(d, exist_ok=True)

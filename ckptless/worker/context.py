@@ -2,15 +2,19 @@
 
 Why from the environment: ``ckptless-run`` gives workers exactly torchrun's
 variables plus ``CKPTLESS_*`` ones, so a script runs unchanged under either
-launcher and ckptless needs no side channel to start.
+launcher and ckptless needs no side channel to start. They are parsed here,
+once, from :func:`ckptless.environment.environ`; a worker's process-wide knobs
+are :class:`ckptless.environment.ProcessEnv`. :meth:`WorkerContext.describe`
+and ``ProcessEnv.describe`` together are its effective configuration (its
+ledger's ``job_start`` event carries them).
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from ckptless import environment
 from ckptless.errors import ConfigError
 
 
@@ -77,9 +81,13 @@ class WorkerContext:
     standby_rank: int | None = None  # a spare that builds the script's objects as this rank while it waits
     mirror_buffers: int = 2  # owner capture buffers (MirrorConfig.pool_buffers); 1 = the (2 + 2K) x S memory budget
 
+    def describe(self) -> dict[str, object]:
+        """Printable: every field (none is secret)."""
+        return dict(self.__dict__)
+
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> WorkerContext:
-        e = os.environ if env is None else env
+        e = environment.environ() if env is None else env
         world = _int(e, "WORLD_SIZE", low=1)
         role = e.get("CKPTLESS_ROLE", "member")
         if role not in ("member", "replacement", "spare"):

@@ -16,9 +16,8 @@ import os
 import traceback
 from typing import Any
 
+from ckptless import environment
 from ckptless.recovery.view import EXIT_KINDS, MAX_TRACEBACK_CHARS, ErrorSummary, ExitKind
-
-ENV = "CKPTLESS_EXIT_FILE"
 
 
 def summarize(exc: BaseException) -> ErrorSummary:
@@ -29,7 +28,7 @@ def summarize(exc: BaseException) -> ErrorSummary:
 
 def write(kind: ExitKind, error: ErrorSummary | None = None, path: str | None = None) -> None:
     """Record how this worker is about to end (best effort: never raises)."""
-    target = path if path is not None else os.environ.get(ENV)
+    target = path if path is not None else environment.current().exit_file
     if not target:
         return
     doc: dict[str, Any] = {"kind": kind, "pid": os.getpid(), "error": None if error is None else error.to_doc()}
@@ -44,7 +43,7 @@ def write(kind: ExitKind, error: ErrorSummary | None = None, path: str | None = 
 
 def written() -> bool:
     """Has this process already recorded how it ends (a record with its own pid)?"""
-    target = os.environ.get(ENV)
+    target = environment.current().exit_file
     if not target:
         return False
     kind, _ = read(target, pid=os.getpid())

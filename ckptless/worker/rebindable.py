@@ -37,7 +37,6 @@ cuda tensors (written device-agnostically, untested here).
 
 from __future__ import annotations
 
-import os
 import threading
 from datetime import timedelta
 from typing import Any
@@ -46,6 +45,7 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import _create_work_from_future
 
+from ckptless import environment
 from ckptless.errors import CollectiveError, ConfigError
 
 GLOO = dist.ProcessGroup.BackendType.GLOO
@@ -59,8 +59,9 @@ def new_gloo(store: dist.Store, rank: int, size: int, timeout: timedelta) -> dis
     many hosts), which peers on other nodes cannot reach ("connectFullMesh ...
     Connection refused"); ``GLOO_SOCKET_IFNAME`` still wins when set.
     """
-    addr = os.environ.get("CKPTLESS_LOCAL_ADDR")
-    if not addr or os.environ.get("GLOO_SOCKET_IFNAME"):
+    env = environment.current()
+    addr = env.local_addr
+    if not addr or env.gloo_socket_ifname:
         return dist.ProcessGroupGloo(store, rank, size, timeout)
     opts = dist.ProcessGroupGloo._Options()
     opts._timeout = timeout
@@ -215,6 +216,12 @@ class RebindableGroup(dist.ProcessGroup):
         took): every later collective on it raises instead of answering locally, which would be a
         silently wrong result for code that kept a reference from the setup."""
         self._retired = why
+
+    def answers_locally(self) -> bool:
+        """True while every collective on this group stays in this process (unbound or local-only).
+        Asked by state that replays collectives on restore (``ckptless.state.ddp``), by duck typing,
+        so that the state package does not depend on the worker's."""
+        return self._live is None
 
     @property
     def _live(self) -> dist.ProcessGroup | None:

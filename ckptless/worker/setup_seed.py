@@ -28,12 +28,8 @@ from __future__ import annotations
 
 import logging
 import random
-from collections.abc import Mapping
-
 import numpy as np
 import torch
-
-from ckptless.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -41,31 +37,19 @@ DEFAULT_SEED = 20_260_101
 _ENTROPY_FLOOR = 2**32
 
 
-def job_seed(env: Mapping[str, str]) -> int:
-    raw = env.get("CKPTLESS_SEED", "")
-    if not raw:
-        return DEFAULT_SEED
-    try:
-        seed = int(raw)
-    except ValueError as exc:
-        raise ConfigError("CKPTLESS_SEED", raw, "must be an integer in [0, 2**32)") from exc
-    if not 0 <= seed < 2**32:
-        raise ConfigError("CKPTLESS_SEED", raw, "must be an integer in [0, 2**32)")
-    return seed
-
-
 def script_seeded_torch() -> bool:
     return torch.initial_seed() < _ENTROPY_FLOOR
 
 
-def seed_if_unseeded(env: Mapping[str, str], announce: bool) -> int | None:
-    """Seed torch, ``random`` and NumPy with the job's seed unless the script seeded torch already.
+def seed_if_unseeded(job_seed: int | None, announce: bool) -> int | None:
+    """Seed torch, ``random`` and NumPy with the job's seed (``CKPTLESS_SEED``; None:
+    :data:`DEFAULT_SEED`) unless the script seeded torch already.
 
     Returns the seed used (None: the script's own seeding is kept). ``announce``: say so (once per
     job: rank 0 of the first generation), since the script's setup now draws fixed numbers."""
     if script_seeded_torch():
         return None
-    seed = job_seed(env)
+    seed = DEFAULT_SEED if job_seed is None else job_seed
     torch.manual_seed(seed)  # every device's generator too
     random.seed(seed)
     np.random.seed(seed)
