@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, replace
 
 from ckptless.errors import CkptlessError
 from ckptless.mirror.placement import compute_placement
+from ckptless.recovery.decision import Assignment, DiskFallback, RecoveryPlan
 from ckptless.recovery.facts import ReplicaFact, Worker, WorkerReport
 from ckptless.recovery.gather import plan_from_view
 from ckptless.recovery.leader_machine import (
@@ -31,7 +32,6 @@ from ckptless.recovery.leader_machine import (
     State,
     step,
 )
-from ckptless.recovery.plan import Assignment, DiskFallback, RecoveryPlan
 from ckptless.recovery.view import ExitRecord, JobStatus, JobView, ReportRecord
 from ckptless.recovery.wire import Membership
 

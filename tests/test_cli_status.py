@@ -12,8 +12,8 @@ from ckptless.coordinator.client import EtcdClient
 from ckptless.coordinator.embedded import EmbeddedEtcd
 from ckptless.coordinator.keyspace import Keyspace
 from ckptless.coordinator.rendezvous import NodeInfo
+from ckptless.recovery.decision import Assignment
 from ckptless.recovery.facts import Worker, WorkerReport
-from ckptless.recovery.plan import Assignment
 from ckptless.recovery.wire import Membership, membership_to_json, report_to_json, spare_to_json
 
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 
 from ckptless.mirror.store import PeerStore
+from ckptless.recovery.decision import Assignment, RecoveryPlan
 from ckptless.recovery.facts import ReplicaFact, Worker, WorkerReport
-from ckptless.recovery.plan import Assignment, RecoveryPlan
 from ckptless.recovery.wire import (decision_from_doc, decision_to_doc, report_from_json, report_to_json,
                                     spare_from_json, spare_to_json)
 from ckptless.state.capture import Capturer

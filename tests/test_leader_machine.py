@@ -7,6 +7,7 @@ version 4; see tests/leader_sim.py. Independent pairs: (0, 1) and (2, 3).
 
 from __future__ import annotations
 
+from ckptless.recovery.decision import RecoveryPlan, Unrecoverable
 from ckptless.recovery.facts import ReplicaFact, Worker, WorkerReport
 from ckptless.recovery.leader_machine import (
     AwaitingFormation,
@@ -28,7 +29,6 @@ from ckptless.recovery.leader_machine import (
     Watching,
     step,
 )
-from ckptless.recovery.plan import RecoveryPlan, Unrecoverable
 from ckptless.recovery.view import ExitRecord, JobStatus, ReportRecord
 
 from .leader_sim import CFG, Leader, World, fresh_leader

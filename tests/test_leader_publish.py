@@ -13,9 +13,9 @@ from ckptless.coordinator.client import EtcdClient
 from ckptless.coordinator.keyspace import Keyspace
 from ckptless.coordinator.session import Session
 from ckptless.errors import CoordinatorUnavailable
+from ckptless.recovery.decision import RecoveryPlan
 from ckptless.recovery.leader import RecoveryLeader, write_initial_membership
 from ckptless.recovery.leader_machine import LeaderConfig, Published, PublishRejected
-from ckptless.recovery.plan import RecoveryPlan
 from ckptless.recovery.wire import membership_from_json
 
 from .leader_sim import World

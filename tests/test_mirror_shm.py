@@ -28,6 +28,7 @@ from hypothesis import strategies as st
 import ckptless.mirror.store as store_mod
 from ckptless.errors import ConfigError, IntegrityError
 from ckptless.mirror import MirrorConfig, MirrorEngine, cleanup_job, cleanup_stale, register_owner
+from ckptless.mirror.reattach import attach
 from ckptless.mirror.shm import (
     agent_alive, file_prefix, holder_files, list_files, node_tag, owner_record_path, parse_name,
     process_start_time, read_owner, slot_path,
@@ -94,7 +95,7 @@ def test_two_holders_of_one_owner_share_a_directory_without_collision(shm_dir: s
     m2, buf2 = make_image(1, 2)
     b.begin(m2)[:10].copy_(buf2[:10])
     for holder, want in ((2, [1]), (3, [1])):
-        t = PeerStore.attach(shm_dir, JOB, holder=holder, node="host")
+        t = attach(shm_dir, JOB, holder=holder, node="host")
         assert t.versions(1) == want and not t.rejected
         assert t.verified_replicas() == [(1, 1, len(m.chunk_checksums))]
         assert torch.equal(t.get(1, 1).buffer, buf)  # type: ignore[union-attr]
@@ -167,7 +168,7 @@ def test_engine_k2_on_one_host_mirrors_cleanly_and_leaves_per_holder_files(tmp_p
         assert sorted({o for o, _, _ in res["verified"]}) == owners
     # Every holder re-attaches exactly its own, bitwise-correct replicas, then removes them.
     for h in range(world):
-        t = PeerStore.attach(shm_dir, JOB, holder=h, node="host")
+        t = attach(shm_dir, JOB, holder=h, node="host")
         assert not t.rejected and t.owners() == [o for o in range(world) if o != h]
         for o in t.owners():
             img = t.latest(o)
@@ -190,15 +191,15 @@ def test_sigkilled_holder_reattached_by_new_process_finds_exactly_its_own(shm_di
             s.put(*make_image(0, v)); s.put(*make_image(1, v))
         m3, b3 = make_image(0, 3)
         s.begin(m3)[:1000].copy_(b3[:1000])  # killed mid-write: the slot of owner 0 v1 is gone
-        open(s._path(1, 0, "json") + ".tmp", "wb").write(b"partial")  # and mid-rename of a manifest
+        open(s.files.path(1, 0, "json") + ".tmp", "wb").write(b"partial")  # and mid-rename of a manifest
         os.kill(os.getpid(), signal.SIGKILL)
         """)
     assert child.returncode == -signal.SIGKILL, child.stderr
     probe = run_py(f"""
         import json
-        from ckptless.mirror.store import PeerStore
+        from ckptless.mirror.reattach import attach
         from tests.test_mirror_shm import JOB
-        t = PeerStore.attach({shm_dir!r}, JOB, holder=2, node="host")
+        t = attach({shm_dir!r}, JOB, holder=2, node="host")
         print(json.dumps({{"verified": t.verified_replicas(), "rejected": t.rejected}}))
         """)
     assert probe.returncode == 0, probe.stderr
@@ -206,8 +207,8 @@ def test_sigkilled_holder_reattached_by_new_process_finds_exactly_its_own(shm_di
     n = len(make_image(0, 1)[0].chunk_checksums)
     assert got["verified"] == [[0, 2, n], [1, 1, n], [1, 2, n]] and got["rejected"] == []
     assert not any(f.tmp for f in list_files(shm_dir))  # attach removed the crashed write's temp file
-    assert PeerStore.attach(shm_dir, JOB, holder=3, node="host").verified_replicas() == [(1, 5, n)]
-    assert PeerStore.attach(shm_dir, JOB, holder=2, node="elsewhere").owners() == []
+    assert attach(shm_dir, JOB, holder=3, node="host").verified_replicas() == [(1, 5, n)]
+    assert attach(shm_dir, JOB, holder=2, node="elsewhere").owners() == []
 
 
 def test_fresh_store_discards_what_its_predecessor_left(shm_dir: str) -> None:
@@ -217,7 +218,7 @@ def test_fresh_store_discards_what_its_predecessor_left(shm_dir: str) -> None:
     keep.put(*make_image(0, 1))
     PeerStore(JOB, shm_dir=shm_dir, holder=1, node="host")  # not attach: starts empty, on disk too
     assert holder_files(shm_dir, JOB, "host", 1) == []
-    assert PeerStore.attach(shm_dir, JOB, holder=2, node="host").versions(0) == [1]
+    assert attach(shm_dir, JOB, holder=2, node="host").versions(0) == [1]
 
 
 def test_close_unlink_removes_this_holders_files_only(shm_dir: str) -> None:
@@ -254,7 +255,7 @@ def test_bit_flip_at_rest_is_not_reported_and_can_be_dropped(shm_dir: str) -> No
         s.verify(1, 2)
     assert s.drop(1, 2) and not s.drop(1, 2)
     assert s.versions(1) == [1] and s.check_at_rest().corrupt == []
-    assert PeerStore.attach(shm_dir, JOB, holder=2, node="host").versions(1) == [1]  # not re-attached either
+    assert attach(shm_dir, JOB, holder=2, node="host").versions(1) == [1]  # not re-attached either
     # Repaired from another holder: the same (owner, version) is accepted again.
     s.put(*imgs[(1, 2)])
     assert (1, 2, n) in s.verified_replicas()

@@ -14,6 +14,7 @@ import torch
 
 from ckptless.errors import ConfigError, IntegrityError, StaleGeneration
 from ckptless.mirror.config import MirrorConfig
+from ckptless.mirror.reattach import attach
 from ckptless.mirror.store import PeerStore, StaleVersion, file_prefix
 from ckptless.state.checksum import chunk_checksums
 from ckptless.state.manifest import Manifest
@@ -143,17 +144,17 @@ def test_shm_backing_survives_and_reattaches(shm_dir: str) -> None:
     s.begin(m3)[:100].copy_(b3[:100])  # crash mid-write: slot of v1 has no manifest any more
     names = os.listdir(shm_dir)
     assert all(n.startswith(file_prefix("job/x")) for n in names)
-    t = PeerStore.attach(shm_dir, "job/x", holder=1, node="n0")
+    t = attach(shm_dir, "job/x", holder=1, node="n0")
     assert t.versions(0) == [2] and t.versions(3) == [1, 2] and not t.rejected
     for owner, v in ((0, 2), (3, 1), (3, 2)):
         img = t.get(owner, v)
         m, b = imgs[(owner, v)]
         assert img is not None and img.manifest == m and torch.equal(img.buffer, b)
     # Another job sees nothing; corruption at rest is rejected on attach.
-    assert PeerStore.attach(shm_dir, "other", holder=1, node="n0").owners() == []
-    assert PeerStore.attach(shm_dir, "job/x", holder=2, node="n0").owners() == []
+    assert attach(shm_dir, "other", holder=1, node="n0").owners() == []
+    assert attach(shm_dir, "job/x", holder=2, node="n0").owners() == []
     t.get(3, 2).buffer[0] ^= 1  # type: ignore[union-attr]
-    u = PeerStore.attach(shm_dir, "job/x", holder=1, node="n0")
+    u = attach(shm_dir, "job/x", holder=1, node="n0")
     assert u.versions(3) == [1] and len(u.rejected) == 1
 
 
@@ -173,7 +174,7 @@ def test_shm_survives_sigkill_of_writer(shm_dir: str) -> None:
     )
     proc = subprocess.run([sys.executable, "-c", code], timeout=60)
     assert proc.returncode == -9
-    t = PeerStore.attach(shm_dir, "job", holder=0)
+    t = attach(shm_dir, "job", holder=0)
     img = t.latest(1)
     assert img is not None and img.manifest.version == 7
     assert torch.equal(img.buffer, torch.arange(30000, dtype=torch.int64).to(torch.uint8))

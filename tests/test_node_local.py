@@ -25,10 +25,11 @@ from ckptless.mirror import ownimage
 from ckptless.mirror.ownimage import NodeLocalImageError, OwnImageFiles
 from ckptless.mirror.shm import cleanup_job, list_files, own_files, own_path, parse_name
 from ckptless.recovery import PlanningFacts, PlanPolicy, RecoveryPlan, Unrecoverable, WaitForReplacement, Worker
+from ckptless.recovery.decision import Assignment, DiskFallback, LocalRestore
 from ckptless.recovery.executor import RestoreInputs, apply_decision
 from ckptless.recovery.facts import NodeLocalImage
 from ckptless.recovery.gather import plan_from_view
-from ckptless.recovery.plan import Assignment, DiskFallback, LocalRestore, plan_recovery
+from ckptless.recovery.plan import plan_recovery
 from ckptless.recovery.view import ExitRecord
 from ckptless.recovery.wire import Membership, decision_from_doc, decision_to_doc
 from ckptless.state.capture import Capturer

@@ -21,7 +21,7 @@ import pytest
 
 from ckptless.coordinator.embedded import EmbeddedEtcd
 from ckptless.mirror.shm import list_files, node_tag
-from ckptless.recovery.plan import RecoveryPlan
+from ckptless.recovery.decision import RecoveryPlan
 
 from .recovery_harness import Cluster, assert_bitwise_equal, flip_byte, run_fault_free, wait_membership
 from .waiting import wait_json, wait_until

@@ -20,6 +20,7 @@ import torch
 
 from ckptless.errors import ConfigError
 from ckptless.mirror import cleanup_stale, register_owner
+from ckptless.mirror.reattach import attach
 from ckptless.mirror.shm import file_prefix, finish_job, list_files, node_tag, parse_name, remove_dead_groups, slot_path
 from ckptless.mirror.store import PeerStore
 
@@ -83,7 +84,7 @@ def test_full_shm_from_the_start_holds_replicas_in_memory_and_says_so_once(
     (msg,) = fallback_warnings(caplog)
     assert "ENOSPC" in msg and tiny_tmpfs in msg and "50000 bytes" in msg and "holder rank 2" in msg, msg
     assert list_files(tiny_tmpfs) == []  # nothing half-made is left to mislead a re-attach
-    assert PeerStore.attach(tiny_tmpfs, JOB, holder=2, node="host").owners() == []
+    assert attach(tiny_tmpfs, JOB, holder=2, node="host").owners() == []
 
 
 def test_shm_filling_up_mid_job_moves_only_the_grown_slot_to_memory(
@@ -100,13 +101,13 @@ def test_shm_filling_up_mid_job_moves_only_the_grown_slot_to_memory(
     img = s.latest(0)
     assert img is not None and img.manifest.version == 3 and torch.equal(img.buffer, b3)
     assert {(f.slot, f.kind) for f in list_files(tiny_tmpfs)} == {(1, "bin"), (1, "json")}
-    assert PeerStore.attach(tiny_tmpfs, JOB, holder=2, node="host").versions(0) == [2]  # a respawn finds v2
+    assert attach(tiny_tmpfs, JOB, holder=2, node="host").versions(0) == [2]  # a respawn finds v2
     m4, b4 = make_image(0, 4, nbytes=100_000)
     s.put(m4, b4)  # v2's slot grows in place, into the pages v1's file gave back: a file again
     assert s.versions(0) == [3, 4] and torch.equal(s.get(0, 4).buffer, b4)  # type: ignore[union-attr]
     (msg,) = fallback_warnings(caplog)
     assert "ENOSPC" in msg and "100000 bytes" in msg and "replica of owner 0" in msg, msg
-    t = PeerStore.attach(tiny_tmpfs, JOB, holder=2, node="host")
+    t = attach(tiny_tmpfs, JOB, holder=2, node="host")
     assert t.versions(0) == [4] and not t.rejected
 
 
@@ -123,7 +124,7 @@ def test_manifest_that_does_not_fit_costs_the_reattach_not_the_round(
     (msg,) = fallback_warnings(caplog)
     assert "ENOSPC" in msg and "manifest of owner 0's replica v1" in msg, msg
     assert [f.kind for f in list_files(tiny_tmpfs)] == ["bin"]  # no manifest, no temp file
-    t = PeerStore.attach(tiny_tmpfs, JOB, holder=2, node="host")
+    t = attach(tiny_tmpfs, JOB, holder=2, node="host")
     assert t.owners() == [] and not t.rejected  # an empty, reusable slot
 
 
@@ -136,7 +137,7 @@ def test_reattach_drops_a_sparse_slot_that_a_full_tmpfs_could_not_back(tiny_tmpf
     open(bin_path, "wb").close()
     os.truncate(bin_path, 1 << 20)  # sparse: no page reserved
     fill(tiny_tmpfs)
-    t = PeerStore.attach(tiny_tmpfs, JOB, holder=2, node="host")
+    t = attach(tiny_tmpfs, JOB, holder=2, node="host")
     ((path, why),) = t.rejected
     assert path == bin_path and "ENOSPC" in why, t.rejected
     assert t.owners() == [] and list_files(tiny_tmpfs) == []

@@ -418,7 +418,8 @@ def test_a_standby_ranks_layout_is_known_from_its_own_image() -> None:
 
 
 def test_adoption_needs_equal_keys_at_the_resume_version_itself() -> None:
-    from ckptless.recovery.plan import Assignment, prebuilt_adoptions
+    from ckptless.recovery.decision import Assignment
+    from ckptless.recovery.plan import prebuilt_adoptions
 
     fits = Worker("b/spare", "b", standby_rank=3, any_rank=True)
     f = _layouts(_example(spares=(fits,)), {1: "L", 3: "L"})

@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 
 from ckptless.coordinator.embedded import EmbeddedEtcd
-from ckptless.recovery.plan import RecoveryPlan
+from ckptless.recovery.decision import RecoveryPlan
 
 from .recovery_harness import Cluster, assert_bitwise_equal, run_fault_free, wait_membership
 

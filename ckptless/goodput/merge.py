@@ -6,14 +6,12 @@ saw a different part of an incident, so a report built from rank 0 alone
 showed ``detection 0.000`` when another rank noticed first and disagreed
 with the replacement's own file. Here every rank's events are merged per
 incident, where an incident is one generation change (generation N-1 fails,
-generation N resumes):
+generation N resumes). Where an incident starts and where each of its phases
+ends is :mod:`ckptless.goodput.incidents` (in short: it starts at the kill, the
+leader's or a rank's first signal; every phase ends at the LAST rank, never
+before the previous one, so the phases are consecutive and sum to the
+downtime). From those boundaries:
 
-* the incident starts at the earliest of its ``fault_injected`` (the kill),
-  ``incident_opened`` (the leader) and any rank's ``failure_detected``;
-* detection ends when the last survivor (or the leader) knows;
-* each later phase (re-formation, transfer, disk restore, rollback, first
-  step) ends when the LAST rank reaches it, and never before the previous
-  phase ended, so the phases are consecutive and sum to the downtime;
 * kill -> first step runs from the injection to the last rank's
   ``first_step_after_recovery``;
 * re-protection (background) runs from there to the last ``reprotect_done``.
@@ -44,6 +42,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from ckptless.goodput.accounting import Category, StepTime, account
+from ckptless.goodput.incidents import (
+    PHASE_KIND, Fault, IncidentBounds, assign_faults, attr_number, clamp_in_order, collect_incidents, incident_bounds,
+)
 from ckptless.goodput.ledger import AttrValue, Event, EventKind, Ledger
 
 K = EventKind
@@ -68,19 +69,7 @@ GOOGLE = {
 }
 # Consecutive phases of one incident, in order (each ends at the last rank's event).
 PHASES = ("detection", "reformation", "transfer", "disk_restore", "rollback", "first_step")
-_PHASE_KIND = {"reformation": K.GROUPS_REFORMED, "transfer": K.TRANSFER_DONE,
-               "disk_restore": K.DISK_RESTORE, "rollback": K.ROLLBACK_DONE}
 _STEP_KINDS = (K.STEP_DONE, K.FIRST_STEP_AFTER_RECOVERY)
-
-
-@dataclass(frozen=True)
-class Fault:
-    """An injected (or detector-reported) fault: when, what, against whom."""
-
-    t: float
-    kind: str
-    target: str
-    rank: int | None
 
 
 @dataclass(frozen=True)
@@ -172,10 +161,6 @@ class JobAnalysis:
         return len(self.ranks)
 
 
-def _num(v: AttrValue) -> float | None:
-    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
-
-
 def _clock(events: Sequence[Event]) -> tuple[str, str, list[float]]:
     """Each event's time on one clock: wall where known, else monotonic (+ the median offset)."""
     walls = [e.t_wall - e.t_monotonic for e in events if e.t_wall is not None]
@@ -200,181 +185,30 @@ def _order(p: tuple[float, Event]) -> tuple[object, ...]:
             -1 if e.step is None else e.step, e.t_monotonic, sorted((k, repr(v)) for k, v in e.attrs.items()))
 
 
-def _lost(text: AttrValue) -> tuple[int, ...]:
-    if isinstance(text, int) and not isinstance(text, bool):
-        return (text,)
-    if not isinstance(text, str):
-        return ()
-    return tuple(sorted({int(p) for p in text.replace(";", ",").split(",") if p.strip().isdigit()}))
+def _freeze(v: IncidentBounds, index: int, steps_lost: int, lost_work_s: float) -> IncidentView:
+    """The report's record of one incident, its phases as durations."""
+    i = v.inc
+    phases: dict[str, float] = {}
+    prev = v.started
+    for name in PHASES[:-1]:
+        if name in v.bounds:
+            phases[name] = v.bounds[name] - prev
+            prev = v.bounds[name]
+    if v.resumed is not None:
+        phases["first_step"] = v.resumed - prev
+    resume = min(i.resume) if i.resume else (min(i.disk_step) if i.disk_step else None)
+    return IncidentView(
+        index=index, generation=i.gen, lost_ranks=tuple(sorted(i.lost or i.replaced)),
+        faults=tuple(sorted(i.faults, key=lambda f: f.t)),
+        decision=i.decision or ("memory" if i.first else None), started_at=v.started,
+        start_source=v.source, detected_by=tuple(sorted(i.detect.items(), key=lambda p: p[1])),
+        ends=dict(v.bounds), phases=phases, marks=tuple(i.marks), resumed_at=v.resumed,
+        reprotected_at=max(i.reprotect) if i.reprotect else None, resume_step=resume,
+        steps_lost=steps_lost, lost_work_s=lost_work_s, interrupted=v.interrupted)
 
 
-def _fault(t: float, e: Event) -> Fault:
-    target = e.attrs.get("target", e.attrs.get("rank", e.rank))
-    rank = int(target) if isinstance(target, int) and not isinstance(target, bool) else (
-        int(target) if isinstance(target, str) and target.isdigit() else None)
-    return Fault(t, str(e.attrs.get("kind", "fault")), "-" if target is None else str(target), rank)
-
-
-@dataclass
-class _Inc:
-    gen: int
-    detect: dict[int | None, float] = field(default_factory=dict)
-    opened: list[float] = field(default_factory=list)
-    faults: list[Fault] = field(default_factory=list)
-    phase: dict[str, list[float]] = field(default_factory=dict)
-    first: list[float] = field(default_factory=list)
-    reprotect: list[float] = field(default_factory=list)
-    any_t: list[float] = field(default_factory=list)
-    lost: set[int] = field(default_factory=set)
-    replaced: set[int] = field(default_factory=set)
-    decision: str | None = None
-    resume: list[int] = field(default_factory=list)
-    disk_step: list[int] = field(default_factory=list)
-    marks: list[tuple[int | None, str, float]] = field(default_factory=list)
-
-    def signal(self) -> float | None:
-        ts = list(self.detect.values()) + self.opened
-        return min(ts) if ts else (min(self.any_t) if self.any_t else None)
-
-
-def _collect(tl: list[tuple[float, Event]], base: int) -> tuple[dict[int, _Inc], list[Fault]]:
-    incs: dict[int, _Inc] = {}
-    faults: list[Fault] = []
-
-    def inc(n: int) -> _Inc:
-        return incs.setdefault(n, _Inc(n))
-
-    for t, e in tl:
-        a = e.attrs
-        if e.kind is K.FAULT_INJECTED:
-            faults.append(_fault(t, e))
-        elif e.kind is K.FAILURE_DETECTED:
-            i = inc(e.generation + 1)
-            if e.rank not in i.detect:  # a rank's first detection of this generation's failure
-                i.detect[e.rank] = t
-                i.marks.append((e.rank, "detection", t))
-            fault_t = _num(a.get("fault_t"))
-            if fault_t is not None:  # a monotonic fault time from the detector: same offset as its event
-                faults.append(Fault(fault_t + (t - e.t_monotonic), "fault", "-" if e.rank is None else str(e.rank),
-                                    None))
-        elif e.kind is K.INCIDENT_OPENED:
-            ag = a.get("generation")
-            failed = min(e.generation, ag) if isinstance(ag, int) and not isinstance(ag, bool) else e.generation
-            if failed + 1 <= base:
-                continue
-            i = inc(failed + 1)
-            i.opened.append(t)
-            i.lost.update(_lost(a.get("lost")))
-            i.marks.append((None, "incident opened", t))
-        elif e.kind is K.PLAN_PUBLISHED:
-            ag = a.get("generation")
-            new = max(e.generation, ag) if isinstance(ag, int) and not isinstance(ag, bool) else e.generation
-            if new <= base:
-                continue
-            i = inc(new)
-            i.any_t.append(t)
-            i.marks.append((None, "plan published", t))
-            i.decision = str(a.get("decision")) if a.get("decision") is not None else i.decision
-            i.lost.update(_lost(a.get("lost")))
-            r = _num(a.get("resume_step", a.get("resume")))
-            if r is not None:
-                i.resume.append(int(r))
-        elif e.generation > base:
-            i = inc(e.generation)
-            i.any_t.append(t)
-            if e.kind in (K.GROUPS_REFORMED, K.TRANSFER_DONE, K.DISK_RESTORE, K.ROLLBACK_DONE):
-                name = next(p for p, k in _PHASE_KIND.items() if k is e.kind)
-                i.phase.setdefault(name, []).append(t)
-                i.marks.append((e.rank, name, t))
-                if e.kind is K.ROLLBACK_DONE and e.step is not None:
-                    i.resume.append(e.step)
-                if e.kind is K.DISK_RESTORE and e.step is not None:
-                    i.disk_step.append(e.step)
-                    i.decision = i.decision or "disk"
-            elif e.kind is K.FIRST_STEP_AFTER_RECOVERY:
-                i.first.append(t)
-                i.marks.append((e.rank, "first_step", t))
-            elif e.kind is K.REPROTECT_DONE:
-                i.reprotect.append(t)
-                i.marks.append((e.rank, "reprotection", t))
-            elif e.kind is K.JOB_START and e.rank is not None and a.get("role", "member") != "member":
-                i.replaced.add(e.rank)
-                i.marks.append((e.rank, "joined", t))
-    return incs, faults
-
-
-def _assign_faults(incs: list[_Inc], faults: list[Fault]) -> list[Fault]:
-    """Give each fault to the first incident signalled after it (and after the previous one's signal).
-
-    A fault whose target rank is known not to be lost in that incident (a slowed
-    worker, an etcd restart) is left unmatched and listed as such.
-    """
-    left = sorted(faults, key=lambda f: f.t)
-    unmatched: list[Fault] = []
-    prev = -math.inf
-    for i in incs:
-        sig = i.signal()
-        if sig is None:
-            continue
-        lost = i.lost or i.replaced
-        for f in [f for f in left if prev < f.t <= sig]:
-            left.remove(f)
-            (i.faults if f.rank is None or not lost or f.rank in lost else unmatched).append(f)
-        prev = sig
-    return unmatched + left
-
-
-@dataclass
-class _View:
-    """An incident's merged boundaries while they are being clamped."""
-
-    inc: _Inc
-    started: float
-    source: str
-    bounds: dict[str, float]
-    resumed: float | None
-    interrupted: bool = False
-
-    def freeze(self, index: int, steps_lost: int, lost_work_s: float) -> IncidentView:
-        i = self.inc
-        phases: dict[str, float] = {}
-        prev = self.started
-        for name in PHASES[:-1]:
-            if name in self.bounds:
-                phases[name] = self.bounds[name] - prev
-                prev = self.bounds[name]
-        if self.resumed is not None:
-            phases["first_step"] = self.resumed - prev
-        resume = min(i.resume) if i.resume else (min(i.disk_step) if i.disk_step else None)
-        return IncidentView(
-            index=index, generation=i.gen, lost_ranks=tuple(sorted(i.lost or i.replaced)),
-            faults=tuple(sorted(i.faults, key=lambda f: f.t)),
-            decision=i.decision or ("memory" if i.first else None), started_at=self.started,
-            start_source=self.source, detected_by=tuple(sorted(i.detect.items(), key=lambda p: p[1])),
-            ends=dict(self.bounds), phases=phases, marks=tuple(i.marks), resumed_at=self.resumed,
-            reprotected_at=max(i.reprotect) if i.reprotect else None, resume_step=resume,
-            steps_lost=steps_lost, lost_work_s=lost_work_s, interrupted=self.interrupted)
-
-
-def _view(i: _Inc, job_start: float) -> _View:
-    """Start = earliest fault/leader/rank signal; each phase ends at its last rank, never before the last phase."""
-    sig = i.signal()
-    assert sig is not None  # every _Inc was created by an event with a time
-    cands = [(f.t, f"{f.kind} injected") for f in i.faults] + [(t, "leader opened the incident") for t in i.opened]
-    cands += [(t, "failure detected" if r is None else f"rank {r} detected the failure") for r, t in i.detect.items()]
-    started, source = min(cands) if cands else (sig, "first event of the new generation (no detection signal)")
-    started = max(started, job_start)
-    cur = max([*i.detect.values(), *i.opened, started])
-    bounds = {"detection": cur}
-    for name in ("reformation", "transfer", "disk_restore", "rollback"):
-        if i.phase.get(name):
-            cur = max(cur, *i.phase[name])
-            bounds[name] = cur
-    resumed = max(cur, *i.first) if i.first else None
-    return _View(i, started, source, bounds, resumed)
-
-
-def _job_ledger(tl: list[tuple[float, Event]], views: list[_View], job_start: float, job_end: float) -> Ledger:
+def _job_ledger(tl: list[tuple[float, Event]], views: list[IncidentBounds], job_start: float,
+                job_end: float) -> Ledger:
     """First start, last end, the slowest rank's time of each step, and the merged boundaries."""
     broken = {v.inc.gen - 1: v.started for v in views}
     step_t: dict[tuple[int, int], tuple[float, bool]] = {}
@@ -397,7 +231,7 @@ def _job_ledger(tl: list[tuple[float, Event]], views: list[_View], job_start: fl
             if name != "detection":
                 at = resume if name == "rollback" else (
                     min(i.disk_step) if name == "disk_restore" and i.disk_step else None)
-                synth.append((t, 1, Event(_PHASE_KIND[name], t, None, i.gen, at)))
+                synth.append((t, 1, Event(PHASE_KIND[name], t, None, i.gen, at)))
     synth.append((job_end, 3, Event(K.JOB_END, job_end)))
     synth.sort(key=lambda x: (x[0], x[1]))
     return Ledger(e for _, _, e in synth)
@@ -412,23 +246,16 @@ def analyze(events: Iterable[Event]) -> JobAnalysis:
     clock, note, times = _clock(evs)
     tl = sorted(zip(times, evs), key=_order)
     base = min(e.generation for e in evs)
-    raw, faults = _collect(tl, base)
+    raw, faults = collect_incidents(tl, base)
     order = [raw[n] for n in sorted(raw)]
-    unmatched = _assign_faults(order, faults)
+    unmatched = assign_faults(order, faults)
     starts = [t for t, e in tl if e.kind is K.JOB_START]
     ends = [t for t, e in tl if e.kind is K.JOB_END]
     job_start = min(starts) if starts else tl[0][0]
     job_end = max(max(ends) if ends else tl[-1][0], job_start)
 
-    views = [_view(i, job_start) for i in order]
-    for prev, nxt in zip(views, views[1:]):  # a later incident can only start after an earlier one
-        if nxt.started < prev.started:
-            nxt.started = prev.started
-            nxt.bounds = {k: max(v, nxt.started) for k, v in nxt.bounds.items()}
-            nxt.resumed = None if nxt.resumed is None else max(nxt.resumed, nxt.started)
-        if prev.resumed is None or prev.resumed > nxt.started:  # interrupted: the rest belongs to the next
-            prev.resumed, prev.interrupted = None, True
-            prev.bounds = {k: v for k, v in prev.bounds.items() if v <= nxt.started}
+    views = [incident_bounds(i, job_start) for i in order]
+    clamp_in_order(views)
 
     rep = account(_job_ledger(tl, views, job_start, job_end), ref_rank=None)
     seconds = {c: 0.0 for c in CATEGORIES}
@@ -444,7 +271,7 @@ def analyze(events: Iterable[Event]) -> JobAnalysis:
         while walked and walked[0].detected_at < det:
             walked.pop(0)
         acc = walked.pop(0) if walked and walked[0].detected_at == det else None
-        incidents.append(v.freeze(n, acc.steps_lost if acc else 0, acc.lost_work_s if acc else 0.0))
+        incidents.append(_freeze(v, n, acc.steps_lost if acc else 0, acc.lost_work_s if acc else 0.0))
     median = _refine(seconds, rep.steps, incidents, tl)
     snaps = tuple(sorted({e.step for _, e in tl if e.kind is K.SNAPSHOT_SAVED and e.step is not None}))
     return JobAnalysis(clock, note, rep.start, rep.end, seconds, rep.steps_done, rep.steps_lost, median,
@@ -467,7 +294,7 @@ def _refine(seconds: dict[str, float], kept: Sequence[StepTime], incidents: Sequ
 
     blocks: dict[int, list[tuple[float, float]]] = {}
     for t, e in tl:
-        b = _num(e.attrs.get("block_s")) if e.kind is K.SNAPSHOT_SAVED and e.step is not None else None
+        b = attr_number(e.attrs.get("block_s")) if e.kind is K.SNAPSHOT_SAVED and e.step is not None else None
         if b is not None and e.step is not None:
             blocks.setdefault(e.step, []).append((t, b))
     for idx, s in enumerate(kept):

@@ -1,21 +1,12 @@
 """Peer store: the images this rank holds for other ranks, double-buffered.
 
-Why two slots per owner: while version v+1 is being received, the newest
-complete version must stay intact (it may be the committed one recovery needs).
-So each owner has exactly two slots: the newest complete image and the one
-being written. Slots are reused for every version (no allocation once sizes are
-stable: fresh memory costs page faults at ~1 GB/s, reuse runs at ~4 GB/s).
+Two slots per owner (:mod:`ckptless.mirror.slots` says why): the newest
+complete image and the one being written, reused for every version.
 
-Why optional ``/dev/shm`` backing: a file-backed tensor survives the holder's
-own process crash, so a respawned holder re-attaches its replicas instead of
-losing them. The payload is written first; the manifest JSON beside it is
-written (atomically) only after the payload verified, and removed before a
-slot is rewritten, so a crash mid-write never leaves a manifest that lies.
-Files are named by (job, node, owner, holder, slot) (:mod:`ckptless.mirror.shm`):
-holders of one owner that share a host never share a file. A slot whose pages
-the directory cannot reserve (ENOSPC) is held in memory instead, with one
-warning: the round still commits, only that replica would not outlive this
-process (issue 17: a full ``/dev/shm`` made every round time out, forever).
+Optional ``/dev/shm`` backing (:mod:`ckptless.mirror.slot_files`): a slot's
+bytes then live in a file that outlives this process, and a respawned holder
+re-attaches them (:func:`ckptless.mirror.reattach.attach`). The rules here do
+not depend on where the bytes are.
 
 Why verdicts are cached: a replica is checksummed when it lands; at rest it can
 still rot (a bit flip, a stray writer). :meth:`PeerStore.verified_replicas`
@@ -30,18 +21,17 @@ from another job or an older generation (:class:`StaleGeneration`).
 
 from __future__ import annotations
 
-import os
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
 from ckptless.errors import ConfigError, IntegrityError, MirrorError, StaleGeneration
-from ckptless.mirror.shm import (
-    FallbackNotice, file_prefix, holder_files, reserve_mapping, slot_path, stat_signature, unlink_quiet,
-)
+from ckptless.mirror.shm import FallbackNotice, file_prefix
+from ckptless.mirror.slot_files import SlotFiles
+from ckptless.mirror.slots import OwnerSlots, Slot, image_key
 from ckptless.state.checksum import bad_chunks
 from ckptless.state.layout import manifest_layout_key
 from ckptless.state.manifest import Manifest
@@ -66,10 +56,6 @@ class StaleVersion(StaleGeneration, MirrorError):
     """An image is not newer than the one already held for its owner."""
 
 
-def _key(m: Manifest) -> tuple[int, int]:
-    return (m.generation, m.version)
-
-
 __all__ = ["AtRest", "Image", "PeerStore", "StaleVersion", "StoredImage", "file_prefix"]  # file_prefix: re-export
 
 
@@ -85,46 +71,6 @@ class AtRest:
     corrupt: list[tuple[int, int, list[int]]]
 
 
-@dataclass
-class _Slot:
-    buffer: torch.Tensor | None = None
-    complete: Manifest | None = None
-    writing: Manifest | None = None
-    # Verdict on ``complete``: when it last verified, the payload file's stat
-    # then, or the chunks found corrupt. ``epoch`` changes whenever the slot's
-    # content is replaced, so a check that raced with a rewrite is not recorded.
-    checked_at: float | None = None
-    stat: tuple[int, int, int, int] | None = None
-    bad: list[int] | None = None
-    epoch: int = 0
-    layout: str | None = None  # ``complete``'s layout key, computed on first ask
-    in_file: bool = False  # ``buffer`` maps its shm file (else: memory, and no manifest file is written)
-
-    def forget(self) -> None:
-        self.complete = None
-        self.layout = None
-        self.checked_at, self.stat, self.bad = None, None, None
-        self.epoch += 1
-
-    def verified(self, stat: tuple[int, int, int, int] | None) -> None:
-        self.checked_at, self.stat, self.bad = time.monotonic(), stat, None
-
-    @property
-    def capacity(self) -> int:
-        return 0 if self.buffer is None else self.buffer.numel()
-
-
-@dataclass
-class _Owner:
-    slots: tuple[_Slot, _Slot] = field(default_factory=lambda: (_Slot(), _Slot()))
-
-    def newest(self) -> int | None:
-        done = [i for i, s in enumerate(self.slots) if s.complete is not None]
-        if not done:
-            return None
-        return max(done, key=lambda i: _key(self.slots[i].complete))  # type: ignore[arg-type]
-
-
 class PeerStore:
     """Holds other ranks' images; thread-safe for one writer plus readers.
 
@@ -132,7 +78,7 @@ class PeerStore:
     e.g. the agent's node id) name the ``/dev/shm`` files; a file-backed store
     needs ``holder``, an in-memory one ignores both. A fresh file-backed store
     deletes what an earlier incarnation of the same (job, node, holder) left:
-    use :meth:`attach` to keep it.
+    use :func:`ckptless.mirror.reattach.attach` to keep it.
     """
 
     def __init__(self, job_id: str, generation: int = 0, shm_dir: str | None = None, *,
@@ -145,16 +91,17 @@ class PeerStore:
         self.shm_dir = shm_dir
         self.holder = holder
         self.node = node
-        self._owners: dict[int, _Owner] = {}
+        self._owners: dict[int, OwnerSlots] = {}
         self._lock = threading.Lock()
         self.rejected: list[tuple[str, str]] = []  # (path, reason) from attach()
         self._pinned: int | None = None
         self.fallback = FallbackNotice(shm_dir or "", f"holder rank {holder}",
                                        "it does not outlive this process: a respawned holder gets it mirrored again")
-        if shm_dir is not None:
-            os.makedirs(shm_dir, exist_ok=True)
+        self.files: SlotFiles | None = None  # where the slots' bytes live; None: memory only
+        if shm_dir is not None and holder is not None:  # (a holder is required with shm_dir: checked above)
+            self.files = SlotFiles(shm_dir, job_id, node, holder, self.fallback)
             if not keep_files:
-                self._unlink_files()
+                self.files.unlink_all()
 
     # --- generation -----------------------------------------------------------
     @property
@@ -177,35 +124,22 @@ class PeerStore:
         with self._lock:
             self._pinned = version
 
-    # --- paths ------------------------------------------------------------------
-    def _path(self, owner: int, slot: int, ext: str) -> str:
-        assert self.shm_dir is not None and self.holder is not None
-        return slot_path(self.shm_dir, self.job_id, self.node, owner, self.holder, slot, ext)
-
-    def _unlink_files(self) -> None:
-        assert self.shm_dir is not None and self.holder is not None
-        for f in holder_files(self.shm_dir, self.job_id, self.node, self.holder):
-            unlink_quiet(os.path.join(self.shm_dir, f.name))
-
-    def _ensure_capacity(self, owner: int, idx: int, slot: _Slot, nbytes: int) -> torch.Tensor:
+    # --- where a slot's bytes live ------------------------------------------------
+    def _ensure_capacity(self, owner: int, idx: int, slot: Slot, nbytes: int) -> torch.Tensor:
         """The slot's buffer, grown to ``nbytes``: its shm file's pages reserved, or memory if they cannot be."""
         nbytes = max(nbytes, 1)  # zero-length mappings are not allowed
         if slot.buffer is not None and slot.capacity >= nbytes:
             return slot.buffer
         slot.buffer, slot.in_file = None, False  # drop the old mapping before growing
-        if self.shm_dir is not None:
-            path = self._path(owner, idx, "bin")
-            try:
-                slot.buffer, slot.in_file = reserve_mapping(path, nbytes), True
-                return slot.buffer
-            except (OSError, RuntimeError) as exc:  # full (ENOSPC), or cannot map: this replica stays in memory
-                unlink_quiet(path)
-                self.fallback.report(f"replica of owner {owner}", nbytes, exc)
+        mapped = None if self.files is None else self.files.reserve(owner, idx, nbytes)
+        if mapped is not None:
+            slot.buffer, slot.in_file = mapped, True
+            return slot.buffer
         slot.buffer = torch.empty(nbytes, dtype=torch.uint8)
         return slot.buffer
 
     def _stat(self, owner: int, idx: int) -> tuple[int, int, int, int] | None:
-        return None if self.shm_dir is None else stat_signature(self._path(owner, idx, "bin"))
+        return None if self.files is None else self.files.stat(owner, idx)
 
     # --- write path -------------------------------------------------------------
     def check(self, manifest: Manifest) -> None:
@@ -222,10 +156,9 @@ class PeerStore:
             if newest is not None:
                 held = own.slots[newest].complete
                 assert held is not None
-                if _key(manifest) <= _key(held):
-                    raise StaleVersion(
-                        f"owner {manifest.owner}: (gen, version) {_key(manifest)} is not newer than held {_key(held)}"
-                    )
+                if image_key(manifest) <= image_key(held):
+                    raise StaleVersion(f"owner {manifest.owner}: (gen, version) {image_key(manifest)} "
+                                       f"is not newer than held {image_key(held)}")
 
     def begin(self, manifest: Manifest) -> torch.Tensor:
         """Reserve the writing slot for ``manifest``; returns the view to fill (total_bytes long).
@@ -239,28 +172,17 @@ class PeerStore:
             self.check(manifest)
             if manifest.generation > self._generation:
                 self._generation = manifest.generation
-            own = self._owners.setdefault(manifest.owner, _Owner())
-            idx = self._writable(own)
+            own = self._owners.setdefault(manifest.owner, OwnerSlots())
+            idx = own.writable(self._pinned)
             slot = own.slots[idx]
             slot.forget()
             slot.writing = manifest
-            if self.shm_dir is not None:
-                unlink_quiet(self._path(manifest.owner, idx, "json"))
+            if self.files is not None:
+                self.files.forget(manifest.owner, idx)
             buf = self._ensure_capacity(manifest.owner, idx, slot, manifest.total_bytes)
             return buf[: manifest.total_bytes]
 
-    def _writable(self, own: _Owner) -> int:
-        """An empty slot, else the older unpinned one; the pinned image always survives."""
-        def rank(i: int) -> tuple[int, int, int]:
-            m = own.slots[i].complete
-            if m is None:
-                return (0, 0, 0)
-            if m.version == self._pinned:
-                return (2, 0, 0)
-            return (1, *_key(m))
-        return min((0, 1), key=rank)
-
-    def _writing(self, owner: int) -> tuple[int, _Slot]:
+    def _writing(self, owner: int) -> tuple[int, Slot]:
         own = self._owners.get(owner)
         if own is not None:
             for i, s in enumerate(own.slots):
@@ -294,25 +216,9 @@ class PeerStore:
             slot.writing = None
             slot.complete, slot.layout = m, None
             slot.verified(self._stat(owner, idx))
-            if slot.in_file:
-                self._record(owner, idx, m)
+            if slot.in_file and self.files is not None:
+                self.files.record(owner, idx, m)
             return m
-
-    def _record(self, owner: int, idx: int, m: Manifest) -> None:
-        """Write the slot's manifest file; a full directory costs only the re-attach, never the round.
-
-        The temp name is this holder's own (the path is), so two holders of
-        one owner never rename each other's file away (issue 8).
-        """
-        path = self._path(owner, idx, "json")
-        tmp = path + ".tmp"
-        try:
-            with open(tmp, "wb") as f:
-                f.write(m.to_bytes())
-            os.replace(tmp, path)
-        except OSError as exc:
-            unlink_quiet(tmp)
-            self.fallback.report(f"manifest of owner {owner}'s replica v{m.version}", len(m.to_bytes()), exc)
 
     def abort(self, owner: int) -> None:
         """Forget a partially written image (the newest complete one is untouched)."""
@@ -342,13 +248,10 @@ class PeerStore:
             assert s.complete is not None and s.buffer is not None
             return StoredImage(s.complete, s.buffer[: s.complete.total_bytes])
 
-    def _find(self, owner: int, version: int) -> tuple[int, _Slot] | None:
+    def _find(self, owner: int, version: int) -> tuple[int, Slot] | None:
         """Slot holding ``version`` of ``owner`` (newest generation first), as :meth:`get` sees it."""
         own = self._owners.get(owner)
-        if own is None:
-            return None
-        hits = [(i, s) for i, s in enumerate(own.slots) if s.complete is not None and s.complete.version == version]
-        return max(hits, key=lambda h: _key(h[1].complete), default=None)  # type: ignore[arg-type]
+        return None if own is None else own.find(version)
 
     def get(self, owner: int, version: int) -> StoredImage | None:
         """The complete image of ``owner`` at ``version`` (newest generation first), if held."""
@@ -418,7 +321,7 @@ class PeerStore:
 
     def _check(self, wanted: set[tuple[int, int]], max_age_s: float | None) -> AtRest:
         now = time.monotonic()
-        todo: list[tuple[int, int, int, _Slot, int, Manifest, torch.Tensor]] = []
+        todo: list[tuple[int, int, int, Slot, int, Manifest, torch.Tensor]] = []
         verified: list[tuple[int, int, int]] = []
         corrupt: list[tuple[int, int, list[int]]] = []
         with self._lock:
@@ -466,10 +369,10 @@ class PeerStore:
                     dropped = True
             return dropped
 
-    def _forget(self, owner: int, idx: int, slot: _Slot) -> None:
+    def _forget(self, owner: int, idx: int, slot: Slot) -> None:
         slot.forget()
-        if self.shm_dir is not None:
-            unlink_quiet(self._path(owner, idx, "json"))
+        if self.files is not None:
+            self.files.forget(owner, idx)
 
     def discard_newer(self, version: int) -> None:
         """After a rollback to ``version``: forget complete images newer than it."""
@@ -492,21 +395,10 @@ class PeerStore:
         """Drop buffers; with ``unlink`` also delete this holder's shm files (job finished)."""
         with self._lock:
             self._owners.clear()
-            if unlink and self.shm_dir is not None:
-                self._unlink_files()
+            if unlink and self.files is not None:
+                self.files.unlink_all()
 
-    # --- restart ----------------------------------------------------------------------
-    @classmethod
-    def attach(cls, shm_dir: str, job_id: str, *, holder: int, node: str | None = None) -> PeerStore:
-        """Re-open the replicas a previous incarnation of this holder left in ``shm_dir``.
-
-        Only this (job, node, holder)'s files are considered; see
-        :func:`ckptless.mirror.reattach.reattach` for which slots are kept.
-        """
-        from ckptless.mirror.reattach import reattach  # the restart path, kept out of the hot module
-
-        return reattach(cls(job_id, 0, shm_dir, holder=holder, node=node, keep_files=True))
-
+    # --- restart (:mod:`ckptless.mirror.reattach` fills a fresh store) ---------------------
     def adopt(self, owner: int, idx: int, buffer: torch.Tensor | None, manifest: Manifest | None,
               stat: tuple[int, int, int, int] | None) -> None:
         """Restart only: slot ``idx`` of ``owner`` maps its file (``buffer``) and holds ``manifest`` (verified).
@@ -514,7 +406,7 @@ class PeerStore:
         ``manifest`` None: an empty, reusable slot.
         """
         with self._lock:
-            slot = self._owners.setdefault(owner, _Owner()).slots[idx]
+            slot = self._owners.setdefault(owner, OwnerSlots()).slots[idx]
             slot.buffer, slot.in_file = buffer, buffer is not None
             if manifest is not None:
                 slot.complete = manifest

@@ -24,7 +24,7 @@ from ckptless.mirror import ownimage
 from ckptless.mirror.store import PeerStore, StoredImage
 from ckptless.recovery.facts import ReplicaFact, WorkerReport
 from ckptless.state.layout import manifest_layout_key
-from ckptless.recovery.plan import Decision, DiskFallback, LocalRestore, RecoveryPlan
+from ckptless.recovery.decision import Decision, DiskFallback, LocalRestore, RecoveryPlan
 from ckptless.recovery.transfer import Received, execute_transfers
 from ckptless.recovery.wire import Membership
 from ckptless.state.capture import StateImage, restore

@@ -26,7 +26,8 @@ from ckptless.recovery.facts import (
     Worker,
     WorkerReport,
 )
-from ckptless.recovery.plan import Assignment, Decision, DiskFallback, RecoveryPlan, plan_recovery
+from ckptless.recovery.decision import Assignment, Decision, DiskFallback, RecoveryPlan
+from ckptless.recovery.plan import plan_recovery
 from ckptless.recovery.view import JobView, ReportRecord
 
 

@@ -57,7 +57,7 @@ from ckptless.recovery.leader_machine import (
     State,
     step,
 )
-from ckptless.recovery.plan import DiskFallback, RecoveryPlan
+from ckptless.recovery.decision import DiskFallback, RecoveryPlan
 from ckptless.recovery.view import JobStatus, JobView, parse_records
 from ckptless.recovery.wire import Membership, membership_from_json, membership_to_json, spare_from_json
 

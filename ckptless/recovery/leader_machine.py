@@ -28,7 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Literal, Union
 
-from ckptless.recovery.plan import Decision, DiskFallback, RecoveryPlan, Unrecoverable, WaitForReplacement
+from ckptless.recovery.decision import Decision, DiskFallback, RecoveryPlan, Unrecoverable, WaitForReplacement
 from ckptless.recovery.view import ExitRecord, JobStatus, JobView
 
 

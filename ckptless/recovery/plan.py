@@ -37,164 +37,32 @@ R9  Node-local tier: a lost rank assigned a respawn on its own node, whose
     agent verified a node-local copy of its own image at R (``facts.node_local``),
     restores R from that copy (a ``LocalRestore``); its holders send nothing
     for it. A spare, or a worker on another node, never uses it.
+
+What a decision looks like (:class:`RecoveryPlan`, :class:`DiskFallback`, ...)
+is :mod:`ckptless.recovery.decision`; this module holds only the rules that
+choose one.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal, NoReturn, Union
-
-from ckptless.errors import UnrecoverableError
+from ckptless.recovery.decision import (
+    Assignment,
+    Decision,
+    DiskFallback,
+    LocalRestore,
+    RecoveryPlan,
+    Rollback,
+    Stripe,
+    Transfer,
+    Unrecoverable,
+    WaitForReplacement,
+)
 from ckptless.recovery.facts import NodeLocalImage, PlanningFacts, Worker
-
-Source = Literal["survivor", "spare", "respawn"]
 
 
 def respawn_worker_id(node_id: str, generation: int, rank: int) -> str:
     """The id a respawned worker must use: deterministic and unique per plan."""
     return f"{node_id}/respawn-g{generation}-r{rank}"
-
-
-@dataclass(frozen=True)
-class Assignment:
-    """Who runs ``rank`` in the new generation and where it came from."""
-
-    rank: int
-    worker_id: str
-    node_id: str
-    source: Source
-
-
-@dataclass(frozen=True)
-class Stripe:
-    """Chunks ``[start, stop)`` of ``owner``'s image, fetched from ``source``.
-
-    If the stripe fails its checksum (or the source dies), the receiver tries
-    ``fallbacks`` in order; all of them hold the same version complete.
-    """
-
-    owner: int
-    start: int
-    stop: int
-    source: str
-    fallbacks: tuple[str, ...]
-
-    @property
-    def n_chunks(self) -> int:
-        return self.stop - self.start
-
-
-@dataclass(frozen=True)
-class Transfer:
-    """How rank ``owner`` (a replacement, or a worker lacking R) gets version R."""
-
-    owner: int
-    receiver: str
-    version: int
-    n_chunks: int
-    holders: tuple[str, ...]
-    stripes: tuple[Stripe, ...]
-
-
-@dataclass(frozen=True)
-class LocalRestore:
-    """R9: rank ``rank``'s new worker (a respawn on ``node_id``) restores ``version`` from the
-    node-local image its predecessor left there (``n_chunks`` chunks, captured in ``generation``)."""
-
-    rank: int
-    worker_id: str
-    node_id: str
-    version: int
-    n_chunks: int
-    generation: int
-
-
-@dataclass(frozen=True)
-class Rollback:
-    """A survivor that captured past R and must restore R from local memory."""
-
-    rank: int
-    worker_id: str
-    from_version: int
-    to_version: int
-
-
-@dataclass(frozen=True)
-class RecoveryPlan:
-    """Recover from peer memory: the normal, fast path."""
-
-    job_id: str
-    generation: int
-    assignments: tuple[Assignment, ...]
-    lost_ranks: tuple[int, ...]
-    resume_version: int
-    rollbacks: tuple[Rollback, ...]
-    transfers: tuple[Transfer, ...]
-    replace_mirrors: bool
-    owners_below_k: tuple[int, ...]
-    steps_lost: int
-    initial_ranks: tuple[int, ...] = ()  # R0: these ranks start from their freshly built state
-    # R2: these ranks go to a pre-built spare built as another rank of the same layout, which
-    # receives their image into the objects it built (no re-exec, no setup on the critical path)
-    adopt_prebuilt: tuple[int, ...] = ()
-    node_local: tuple[LocalRestore, ...] = ()  # R9: these ranks restore from node-local memory
-
-    @property
-    def resume_step(self) -> int:
-        """Training resumes with the step after the resumed version."""
-        return self.resume_version + 1
-
-    @property
-    def rank_to_worker(self) -> dict[int, str]:
-        return {a.rank: a.worker_id for a in self.assignments}
-
-
-@dataclass(frozen=True)
-class DiskFallback:
-    """Memory cannot cover the loss: every rank restores ``snapshot_step`` from disk."""
-
-    job_id: str
-    generation: int
-    assignments: tuple[Assignment, ...]
-    lost_ranks: tuple[int, ...]
-    snapshot_step: int
-    reason: str
-    lost_ranks_without_replica: tuple[int, ...]
-    steps_lost: int
-
-    @property
-    def rank_to_worker(self) -> dict[int, str]:
-        return {a.rank: a.worker_id for a in self.assignments}
-
-
-@dataclass(frozen=True)
-class WaitForReplacement:
-    """Recoverable, but some lost rank has no worker yet; re-plan when one joins.
-
-    The generation is *not* bumped: nothing has been decided yet.
-    """
-
-    job_id: str
-    generation: int
-    unassigned_ranks: tuple[int, ...]
-    then: Literal["memory", "disk"]
-    reason: str
-
-
-@dataclass(frozen=True)
-class Unrecoverable:
-    """Neither peer memory nor disk holds a complete image of every rank."""
-
-    job_id: str
-    generation: int
-    reason: str
-    lost_ranks_without_replica: tuple[int, ...]
-
-    def raise_error(self) -> NoReturn:
-        raise UnrecoverableError(f"job {self.job_id} gen {self.generation}: {self.reason}")
-
-
-Decision = Union[RecoveryPlan, DiskFallback, WaitForReplacement, Unrecoverable]
 
 
 # --- R3/R4: which version ----------------------------------------------------

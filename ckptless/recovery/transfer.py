@@ -23,7 +23,7 @@ import torch.distributed as dist
 from ckptless.errors import IntegrityError, RecoveryError
 from ckptless.mirror.store import PeerStore, StoredImage
 from ckptless.mirror.transport import Deadline, wait_all, wait_one
-from ckptless.recovery.plan import RecoveryPlan, Stripe, Transfer
+from ckptless.recovery.decision import RecoveryPlan, Stripe, Transfer
 from ckptless.recovery.wire import Membership
 from ckptless.state.checksum import crc_of
 from ckptless.state.manifest import Manifest

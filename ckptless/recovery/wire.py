@@ -13,18 +13,7 @@ from typing import Any
 
 from ckptless.errors import RecoveryError
 from ckptless.recovery.facts import ReplicaFact, Worker, WorkerReport
-from ckptless.recovery.plan import (
-    Assignment,
-    Decision,
-    DiskFallback,
-    LocalRestore,
-    RecoveryPlan,
-    Rollback,
-    Stripe,
-    Transfer,
-    Unrecoverable,
-    WaitForReplacement,
-)
+from ckptless.recovery.decision import Assignment, Decision, DiskFallback, LocalRestore, RecoveryPlan, Rollback, Stripe, Transfer, Unrecoverable, WaitForReplacement
 
 
 @dataclass(frozen=True)

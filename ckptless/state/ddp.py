@@ -281,9 +281,8 @@ class DDPReducerState:
         pg = self._ddp.process_group
         if pg.size() == 1:
             return
-        from ckptless.worker.rebindable import RebindableGroup  # lazy: state does not depend on workers
-
-        if isinstance(pg, RebindableGroup) and pg._live is None:
+        answers_locally = getattr(pg, "answers_locally", None)  # a ckptless group (worker/rebindable.py)
+        if callable(answers_locally) and answers_locally():
             return
         raise StateError(
             f"{self._name}: restoring a DDP reducer replays its bucket all-reduce and broadcast, which must stay "
