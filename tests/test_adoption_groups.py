@@ -49,10 +49,9 @@ def test_default_group_takes_another_rank_only_without_subgroups() -> None:
 
 def test_why_not_names_what_ties_the_spare_to_its_standby_rank() -> None:
     """Pure checks before an in-place adoption (no group made in this process)."""
-    from types import SimpleNamespace
 
     from ckptless.data import ResumableSampler
-    from ckptless.recovery.plan import Assignment, RecoveryPlan
+    from ckptless.recovery.decision import Assignment, RecoveryPlan
     from ckptless.recovery.wire import Membership
     from ckptless.state.registry import StateRegistry
     from ckptless.worker.adoption import why_not
@@ -72,9 +71,9 @@ def test_why_not_names_what_ties_the_spare_to_its_standby_rank() -> None:
     m = Membership(1, 2, "h", 1, plan.assignments, plan)
     ok = StateRegistry()
     ok.protect(data=ResumableSampler(8, seed=0, rank=0, world_size=2))  # ours: re-ranked by set_world
-    assert why_not(SimpleNamespace(registry=ok), m, 1) is None  # type: ignore[arg-type]
+    assert why_not(ok, m, 1) is None
     tied = StateRegistry()
     tied.protect(reader=ShardReader(0))
-    assert "holds rank 0" in (why_not(SimpleNamespace(registry=tied), m, 1) or "")  # type: ignore[arg-type]
+    assert "holds rank 0" in (why_not(tied, m, 1) or "")
     unplanned = Membership(1, 2, "h", 1, plan.assignments, RecoveryPlan(**{**plan.__dict__, "adopt_prebuilt": ()}))
-    assert "layout" in (why_not(SimpleNamespace(registry=ok), unplanned, 1) or "")  # type: ignore[arg-type]
+    assert "layout" in (why_not(ok, unplanned, 1) or "")

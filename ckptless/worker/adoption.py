@@ -30,20 +30,23 @@ is its own contract (``docs/configuration.md``, ``--spare-any-rank``).
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+import os
+import sys
+from typing import Any
 
-from ckptless.recovery.plan import RecoveryPlan
+from ckptless.recovery.decision import RecoveryPlan
 from ckptless.recovery.wire import Membership
 from ckptless.state.ddp import HIDDEN_PREFIX
-from ckptless.worker import groups, rank_reads
-
-if TYPE_CHECKING:
-    from ckptless.job import Job
+from ckptless.state.registry import StateRegistry
+from ckptless.worker import exit_file, groups, rank_reads
+from ckptless.worker.runtime import WorkerRuntime
 
 log = logging.getLogger(__name__)
 
+EXIT_REEXEC = 75  # a pre-built spare assigned another rank: its agent starts it again as that rank
 
-def why_not(job: Job, m: Membership, rank: int) -> str | None:
+
+def why_not(registry: StateRegistry, m: Membership, rank: int) -> str | None:
     """Why this pre-built spare may not take ``rank`` with its objects as built (None: it may)."""
     d = m.decision
     if not isinstance(d, RecoveryPlan) or rank not in d.adopt_prebuilt:
@@ -54,10 +57,10 @@ def why_not(job: Job, m: Membership, rank: int) -> str | None:
     extra = groups.user_groups()
     if extra:
         return f"its setup created process groups {extra} as its standby rank"
-    ddp = [n for n in job.registry.names() if n.startswith(HIDDEN_PREFIX)]
+    ddp = [n for n in registry.names() if n.startswith(HIDDEN_PREFIX)]
     if ddp:
         return f"it protects a DDP model ({ddp[0][len(HIDDEN_PREFIX):]}), whose reducer holds its standby group"
-    for name, obj in job.registry.items():
+    for name, obj in registry.items():
         for target in (obj, getattr(obj, "sampler", None)):
             held = getattr(target, "rank", None)
             if (type(held) is int and held != rank
@@ -66,17 +69,30 @@ def why_not(job: Job, m: Membership, rank: int) -> str | None:
     return None
 
 
-def take_rank(job: Job, rank: int, world_size: int) -> None:
+def take_rank(rt: WorkerRuntime, rank: int, world_size: int) -> None:
     """Re-make what the spare's setup made for its standby rank, for ``rank`` (see module doc)."""
     groups.drop_default_group()
-    for name, obj in job.registry.items():
+    for name, obj in rt.registry.items():
         for target in (obj, getattr(obj, "sampler", None)):
             set_world: Any = getattr(target, "set_world", None)
             if callable(set_world):
                 set_world(rank, world_size)
                 log.info("protected %s now reads the data of rank %d", name, rank)
                 break
-    if job.snapshots is not None:
-        job.snapshots.close()
-        job.snapshots = None
-        job.make_snapshot_writer()
+    if rt.snapshots is not None:
+        rt.snapshots.close()
+        rt.snapshots = None
+        rt.make_snapshot_writer()
+
+
+def reexec(rt: WorkerRuntime, rank: int | None) -> None:
+    """A pre-built spare assigned a rank other than its standby one: its objects and groups were
+    built for the wrong rank, so it ends now and its agent starts it again (warm) as that rank."""
+    log.warning("spare %s was built as rank %s but assigned rank %s: restarting as rank %s",
+                rt.worker_id, rt.ctx.standby_rank, rank, rank)
+    exit_file.write("reexec")
+    rt.heartbeat.close()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(EXIT_REEXEC)  # nothing else runs here: groups unbound, no engine, no snapshot yet

@@ -6,14 +6,14 @@ generation's membership; the store connection, the mirror group and the
 mirror engine belong to the generation that made them and are dropped
 together when it fails. The peer store and the worker's own images outlive
 generations (they are what the next one is planned from), so they live in
-the job, not here.
+the driver's :class:`~ckptless.worker.runtime.WorkerRuntime`, not here.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Collection
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -21,8 +21,10 @@ import torch.distributed as dist
 from ckptless.errors import RecoveryError
 from ckptless.mirror.mirror import MirrorEngine
 from ckptless.mirror.store import StoredImage
-from ckptless.recovery.plan import Decision
+from ckptless.recovery.decision import Decision
+from ckptless.recovery.transfer import Received
 from ckptless.recovery.wire import Membership
+from ckptless.state.capture import StateImage
 from ckptless.worker import exit_guard, groups
 
 log = logging.getLogger(__name__)
@@ -77,7 +79,10 @@ class Generation:
     mirror_group: dist.ProcessGroup | None = None
     engine: MirrorEngine | None = None
     bound: bool = False
-    extra: dict[str, object] = field(default_factory=dict)
+    # What forming this generation produced for its restore (both die with the generation):
+    restored_early: StateImage | None = None  # the own image a survivor rolled back to while it formed
+    transfers_done: bool = False  # the plan's transfers ran (or were collected) before the user's groups
+    received: Received | None = None  # what those transfers brought this rank
 
     @property
     def number(self) -> int:

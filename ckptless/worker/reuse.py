@@ -22,45 +22,45 @@ Not reused, captured as before: a state loaded from disk, the initial state
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
 
 from ckptless.mirror.mirror import MirrorEngine
 from ckptless.mirror.partial import PairSpec
+from ckptless.mirror.store import StoredImage
 from ckptless.state.capture import StateImage
 from ckptless.worker.generation import release_retired_buffers, retired_pools_left, take_retired_buffers
 
-if TYPE_CHECKING:
-    from ckptless.job import Job
 
-
-def mirror_restored(job: Job, version: int, image: StateImage | None, pairs: PairSpec) -> bool:
-    """Mirror the image the state was restored from as ``version``; False when it must be captured.
+def mirror_restored(engine: MirrorEngine | None, image: StateImage | None, version: int, owner: int, job_id: str,
+                    generation: int, pairs: PairSpec) -> bool:
+    """Mirror the image the state was restored from as ``version`` of ``owner`` in ``generation``;
+    False when it must be captured.
 
     ``image`` must hold exactly the bytes the protected objects were just
     loaded from (:class:`~ckptless.recovery.executor.RestoreOutcome.image`).
     The engine adopts its buffer into its pool; the caller must not reuse it.
     """
-    engine = job.engine()
     if engine is None or image is None or engine.own_files is not None:  # node-local tier: file-backed pool
         return False
     m = image.manifest
-    if m.version != version or m.owner != job.rank or m.job_id != job.ctx.job_id:
+    if m.version != version or m.owner != owner or m.job_id != job_id:
         return False
-    engine.submit(dataclasses.replace(m, generation=job.generation), image.buffer[: m.total_bytes], pairs)
+    engine.submit(dataclasses.replace(m, generation=generation), image.buffer[: m.total_bytes], pairs)
     return True
 
 
-def donate_retired(job: Job, engine: MirrorEngine) -> None:
+def donate_retired(own_images: Sequence[StoredImage], engine: MirrorEngine) -> None:
     """Fill ``engine``'s pool with retired engines' free buffers; release the rest.
 
     Called on every capture while a retired engine still holds buffers, so those
     of a thread that ended late are released then (not at the next recovery).
+    ``own_images`` (kept for a restore) keep their buffers.
     """
     if not retired_pools_left():
         return
     room = engine.config.pool_buffers - len(engine.pool_ptrs())
     if room > 0 and engine.own_files is None:
-        in_use = set(engine.pool_ptrs()) | {img.buffer.data_ptr() for img in job.own_images}
+        in_use = set(engine.pool_ptrs()) | {img.buffer.data_ptr() for img in own_images}
         engine.donate(take_retired_buffers(room, in_use))
     release_retired_buffers()
 

@@ -1,0 +1,246 @@
+"""The driver of a worker's machine: feeds events, executes actions, leaves the way the state says.
+
+Why a module of its own: the machine (:mod:`ckptless.worker.machine`) is pure;
+something must hold its current state, run the actions it returns through
+the executors (:mod:`ckptless.worker.actions`) and feed back what happened.
+That is this class, and it owns everything that loop touches (the
+:class:`~ckptless.worker.runtime.WorkerRuntime`). The user's
+:class:`~ckptless.job.Job` is a thin API over it: it decides *when* to drive
+(``init()`` up to the point where the script's objects are needed, ``run()``
+or ``steps()`` to the end), never *how*.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import logging
+import sys
+import time
+from collections import deque
+from collections.abc import Callable, Generator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ckptless import environment
+from ckptless.errors import CkptlessError, ConfigError, MirrorError, RecoveryError
+from ckptless.goodput.ledger import EventKind
+from ckptless.mirror.config import MirrorConfig
+from ckptless.recovery.decision import Assignment
+from ckptless.recovery.wire import Membership
+from ckptless.state.digest import write_digest
+from ckptless.worker import actions, ahead, exit_file, exit_guard, groups, rank_reads, training
+from ckptless.worker.context import WorkerContext
+from ckptless.worker.faults import is_fault
+from ckptless.worker.generation import Generation
+from ckptless.worker.machine import (
+    Action,
+    AwaitMembership,
+    Event,
+    Failed,
+    FormGroups,
+    Forming,
+    Joining,
+    RestoreState,
+    Started,
+    State,
+    Train,
+    WaitFinalCommit,
+    WorkerConfig,
+    step,
+)
+from ckptless.worker.runtime import RunSpec, WorkerRuntime
+
+log = logging.getLogger(__name__)
+
+SPARE_WAIT_S = 7 * 86400.0  # a warm spare waits for a rank as long as the job lives
+
+
+class WorkerDriver:
+    """Holds the machine's state and the runtime; runs actions until told to pause or the end."""
+
+    def __init__(self, ctx: WorkerContext, mirror_config: MirrorConfig | None, heartbeat_file: str | None) -> None:
+        exit_guard.install()
+        self.rt = WorkerRuntime(ctx, mirror_config, heartbeat_file)
+        self.cfg = WorkerConfig(join_timeout_s=ctx.recovery_timeout_s, form_timeout_s=max(600.0, ctx.recovery_timeout_s),
+                                await_timeout_s=max(600.0, ctx.recovery_timeout_s))
+        self.state: State = Joining(0.0)
+        self._pending: deque[Action] = deque()
+        self._closed = False
+        rt = self.rt
+        # The worker's effective configuration, once per incarnation: what it was told, as it parsed it.
+        config = json.dumps({**ctx.describe(), **environment.current().describe()}, sort_keys=True, default=str)
+        rt.ledger.emit(EventKind.JOB_START, generation=ctx.generation, role=ctx.role, config=config)
+        exit_guard.on_uncaught(self._record_uncaught)
+        if rt.prebuilt:
+            # A warm spare builds the script's objects as its standby rank before it has a rank:
+            # its groups stay unbound (collectives answer locally) until it is assigned one.
+            assert ctx.standby_rank is not None
+            groups.ensure_default_group(groups.connect_store(ctx.master_addr, ctx.master_port,
+                                                             ctx.collective_timeout_s),
+                                        ctx.standby_rank, ctx.world_size, ctx.collective_timeout_s)
+        if rt.recovery:
+            self.feed(Started(time.monotonic(), SPARE_WAIT_S if ctx.role == "spare" else None))
+            self.drive(self._needs_user_objects)
+            if not rt.prebuilt and self._pending and isinstance(self._pending[0], FormGroups):
+                ahead.start_during_setup(rt)  # a replacement: its image moves during the setup
+        else:
+            self._start_without_coordinator()
+
+    # --- the machine --------------------------------------------------------------------------
+    def feed(self, event: Event) -> None:
+        self.state, acts = step(self.state, event, self.cfg)
+        self._pending.extend(acts)
+
+    def _needs_user_objects(self, action: Action) -> bool:
+        """Where ``init()`` stops: before anything that needs the script's objects or its run()."""
+        if isinstance(action, (RestoreState, Train, WaitFinalCommit)):
+            return True
+        if self.rt.prebuilt and isinstance(action, AwaitMembership) and self.rt.seen is None:
+            return True  # a pre-built spare waits for its rank in run(), with its objects built
+        # A generation made by a recovery forms only once every rank's script built its
+        # objects (a replacement runs its setup on unbound groups, see worker/rebindable.py).
+        return isinstance(action, FormGroups) and isinstance(self.state, Forming) and self.state.restore
+
+    def drive(self, pause: Callable[[Action], bool] | None = None) -> None:
+        """Execute pending actions until ``pause`` says stop or the machine has none left."""
+        while self._pending:
+            action = self._pending[0]
+            if pause is not None and pause(action):
+                return
+            self._pending.popleft()
+            event = actions.execute(self.rt, action)
+            if event is not None:
+                self.feed(event)
+        if isinstance(self.state, Failed):
+            self._raise_failure(self.state)
+
+    def drive_steps(self) -> Generator[int, Event | None, None]:
+        """The drive loop for the loop API: yields each step to the caller's ``for`` body."""
+        while self._pending:
+            action = self._pending.popleft()
+            if isinstance(action, Train):
+                event: Event | None = yield from training.train_steps(self.rt, action.generation, action.from_step,
+                                                                      action.until_reprotected)
+            else:
+                event = actions.execute(self.rt, action)
+            if event is not None:
+                self.feed(event)
+        if isinstance(self.state, Failed):
+            self._raise_failure(self.state)
+
+    def _record_uncaught(self, exc: BaseException) -> None:
+        """An exception escaped the script outside run()/guard() (its setup, say): record it as the
+        user's error, so the launcher's summary shows its traceback and nobody respawns into it;
+        one caused by a failed peer or collective stays a fault (no record: the rank is recovered)."""
+        if exit_file.written() or isinstance(exc, (KeyboardInterrupt, SystemExit)):
+            return
+        if self.rt.recovery and is_fault(exc, self.rt.generation, self.rt.incident_check()):
+            return
+        exit_file.write("user_error", exit_file.summarize(exc))
+
+    def _raise_failure(self, st: Failed) -> None:
+        """Leave the way the failure calls for; the agent reads how from the exit file."""
+        rank = self.rt.rank
+        if st.kind == "user_error":
+            exc = self.rt.user_exception
+            exit_file.write("user_error", None if exc is None else exit_file.summarize(exc))
+            code = getattr(exc, "code", 1) if isinstance(exc, SystemExit) else 1
+            exit_guard.set_exit_code(code if isinstance(code, int) else 1)
+            if exc is not None:
+                raise exc
+            raise RecoveryError(st.message)
+        if st.kind in ("job_ended", "fenced"):
+            exit_file.write(st.kind)
+            print(f"[ckptless] rank {rank}: {st.message}", file=sys.stderr, flush=True)
+            exit_guard.set_exit_code(1)
+            raise SystemExit(1)
+        err = RecoveryError(f"rank {rank}: {st.message}")
+        exit_file.write("internal", exit_file.summarize(err))
+        raise err
+
+    def _start_without_coordinator(self) -> None:
+        """No etcd or nothing to mirror to (K = 0, world size 1): one generation, failures end the job."""
+        rt, c = self.rt, self.rt.ctx
+        m = Membership(0, c.world_size, c.master_addr, c.master_port,
+                       tuple(Assignment(r, rt.worker_id if r == c.rank else f"rank{r}", c.node_id, "survivor")
+                             for r in range(c.world_size)))
+        actions.adopt(rt, m)
+        gen = Generation(m, rt.worker_id, rt.store_for(m))
+        gen.mirror_group = groups.bind_all(gen.store, 0, gen.rank, gen.world_size, c.collective_timeout_s,  # type: ignore[arg-type]
+                                           time.monotonic() + c.recovery_timeout_s)
+        gen.bound = True
+        rt.gen = gen
+
+    # --- the run ------------------------------------------------------------------------------------
+    def prepare(self, train_step: Callable[[int], Any] | None, steps: int, start_step: int) -> None:
+        """Checks and set-up between the script's setup and its first step."""
+        rt = self.rt
+        if steps < start_step:
+            raise ConfigError("steps", steps, f"must be >= start_step ({start_step})")
+        if rt.spec is not None:
+            raise ConfigError("run", steps, "a job trains once: run() or steps() was already called")
+        if len(rt.registry) <= 1:
+            log.warning("ckptless: nothing protected besides RNG; call job.protect(model=..., optimizer=...)")
+        else:
+            from ckptless.data import protects_data_position
+
+            if not protects_data_position(rt.registry) and rt.rank == 0:
+                log.warning("ckptless: no protected object holds a data position: after a recovery the resumed "
+                            "ranks will not replay the same batches unless the batches come from protected state "
+                            "(the RNG, a step counter); protect one, e.g. data=ckptless.data.resumable(loader)")
+        rt.spec = RunSpec(train_step, steps, start_step)
+        rank_reads.stop()  # a pre-built spare's setup ends here
+        if rt.ctx.role == "member" and rt.ctx.generation == 0:
+            self.write_digest("init")  # only when a chaos runner asked: the state training starts from
+        # The script's setup objects (torch's modules, the model) live for the whole job: frozen out
+        # of the cyclic GC, the full collection a recovery runs to close the failed generation's
+        # sockets (groups.release_all) scans only what was made since, e.g. 0.13-0.3 s -> ~1 ms.
+        gc.collect()
+        gc.freeze()
+        if rt.prebuilt and rt.seen is None and rt.replicas > 0:
+            # While it waits for a rank, a warm spare faults in the buffers of its future capture pool
+            # (the first one receives its image, which is then mirrored from it): the first-touch page
+            # faults of S bytes each are taken off the recovery's critical path and its first steps.
+            n = max(1, rt.mirror_config.pool_buffers)
+            rt.standby_buffers = [torch.zeros(rt.capturer.required_bytes(), dtype=torch.uint8) for _ in range(n)]
+
+    def write_digest(self, name: str = "digest") -> None:
+        """The protected state's digest, only when a chaos runner asked (``CKPTLESS_DIGEST_DIR``)."""
+        if self.rt.spec is not None:
+            write_digest(self.rt.registry, self.rt.rank, self.rt.spec.steps, name=name)
+
+    def close(self) -> None:
+        """Stop mirroring and snapshots and leave the groups (idempotent)."""
+        rt = self.rt
+        if not self._closed:
+            self.write_digest()
+        self._closed = True
+        if rt.snapshots is not None:
+            try:
+                rt.snapshots.close(timeout=rt.ctx.recovery_timeout_s)
+            except CkptlessError as exc:  # a last-resort copy failed: report it, the run itself succeeded
+                log.warning("rank %d: disk snapshot failed: %s", rt.rank, exc)
+            rt.snapshots = None
+        gen = rt.gen
+        if gen is not None and gen.engine is not None:
+            try:
+                gen.engine.close(timeout=rt.mirror_config.timeout_s)
+            except MirrorError:
+                log.warning("mirror engine did not stop cleanly", exc_info=True)
+            gen.engine = None
+        rt.ledger.emit(EventKind.JOB_END, generation=rt.generation)
+        rt.ledger.close()
+        if gen is not None and gen.bound:
+            try:
+                dist.barrier()  # nobody tears the groups down under a peer still finishing
+            except (RuntimeError, CkptlessError):
+                log.info("final barrier failed; leaving anyway", exc_info=True)
+        if rt.peer_store is not None:
+            rt.peer_store.close(unlink=True)
+        if rt.control is not None:
+            rt.control.close()
+            rt.control = None
+        rt.heartbeat.close()

@@ -1,0 +1,173 @@
+"""Executors of a recovery's state side: roll back early, restore, leave, report.
+
+Why a module of its own: these are the steps where a worker's protected
+state changes hands (its own committed image, a peer's replica, a disk
+snapshot), with their own failure typing: a bad transfer or snapshot is
+re-planned (``RestoreFailed``), an image that cannot fit the script's objects
+ends the worker (``Internal``). The decisions live in
+:mod:`ckptless.recovery.executor` (explicit inputs, typed outcome); this
+module builds those inputs from the runtime and records the outcome.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from ckptless.errors import (
+    CoordinatorUnavailable,
+    IntegrityError,
+    RecoveryError,
+    SnapshotError,
+    StateError,
+    TransportError,
+    UnrecoverableError,
+)
+from ckptless.goodput.ledger import EventKind
+from ckptless.mirror.partial import MISSING
+from ckptless.recovery.executor import (RestoreInputs, SnapshotLoadFailed, apply_decision, build_report,
+                                        restore_early)
+from ckptless.recovery.decision import DiskFallback
+from ckptless.state.capture import StateImage, restore
+from ckptless.state.registry import StateRegistry
+from ckptless.worker import groups, reuse
+from ckptless.worker.generation import Generation
+from ckptless.worker.machine import (
+    CoordinatorLost,
+    Event,
+    Internal,
+    LeaveGroups,
+    Left,
+    Report,
+    Reported,
+    RestoreFailed,
+    RestoreState,
+    Restored,
+)
+from ckptless.worker.runtime import ReportNotes, WorkerRuntime
+from ckptless.worker.training import protect
+
+log = logging.getLogger(__name__)
+
+
+def _inputs(rt: WorkerRuntime, gen: Generation) -> RestoreInputs:
+    return RestoreInputs(gen.membership, rt.worker_id, rt.registry, rt.own_images, rt.peer_store,
+                         rt.ctx.collective_timeout_s, rt.ctx.job_id, rt.ctx.snapshot_dir,
+                         restore_fn=_restore_locally,
+                         shm_dir=rt.ctx.shm_dir if rt.mirror_config.node_local else None,
+                         node_id=rt.ctx.node_id, into=rt.standby_buffers[0] if rt.standby_buffers else None,
+                         own_images_trusted=engine_pool_in_memory(rt),
+                         restored_early=gen.restored_early, transfers_done=gen.transfers_done,
+                         received_early=gen.received)
+
+
+def roll_back_early(rt: WorkerRuntime, gen: Generation) -> None:
+    """A survivor that resumes from its own image rolls back while the generation forms (it waits
+    for every rank there anyway; a respawn runs its setup first). Best effort: on any error the
+    restore after the formation does it, and reports it, the usual way."""
+    if gen.decision is None or not rt.own_images:
+        return
+    try:
+        gen.restored_early = restore_early(gen.decision, _inputs(rt, gen))
+    except Exception as exc:  # noqa: BLE001 - the restore after the formation raises it, typed, if it recurs
+        log.info("rank %d: early rollback skipped (%s); restoring after the formation", rt.rank, exc)
+
+
+def restore_state(rt: WorkerRuntime, a: RestoreState) -> Event:
+    gen = rt.gen
+    assert gen is not None and gen.decision is not None
+    inputs = _inputs(rt, gen)
+    gen.restored_early = gen.received = None
+    reason, internal, bad_snapshot = "", "", None
+    try:
+        if isinstance(gen.decision, DiskFallback):
+            with groups.local_only():  # a disk load moves no bytes between ranks
+                out = apply_decision(gen.decision, inputs)
+        else:
+            out = apply_decision(gen.decision, inputs)
+    except SnapshotLoadFailed as exc:
+        bad_snapshot = exc.step
+        reason = str(exc)
+    except (TransportError, IntegrityError, SnapshotError) as exc:
+        reason = f"{type(exc).__name__}: {exc}"
+    except (StateError, UnrecoverableError, RecoveryError) as exc:
+        internal = f"cannot restore generation {a.generation}'s state: {type(exc).__name__}: {exc}"
+    if internal:
+        return Internal(internal)
+    if reason:  # the next report re-reads every replica (and names a snapshot that failed to load)
+        rt.notes = ReportNotes(recheck=True, bad_snapshot=rt.notes.bad_snapshot if bad_snapshot is None
+                               else bad_snapshot)
+        return RestoreFailed(reason)
+    rt.notes = ReportNotes()
+    g = a.generation
+    if out.source == "disk":
+        lost = out.steps_lost
+        if g == 0 and rt.ledger.last_step_before is not None:  # a whole-job restart: the previous run's work
+            lost = max(0, rt.ledger.last_step_before - out.resume_step)
+            log.warning("rank %d: resumed from the disk snapshot of step %d; %d steps of the previous run lost",
+                        rt.rank, out.resume_step, lost)
+        rt.ledger.emit(EventKind.DISK_RESTORE, step=out.resume_step, generation=g, steps_lost=lost)
+    else:
+        rt.ledger.emit(EventKind.TRANSFER_DONE, generation=g, bytes=out.bytes_received)
+        rt.ledger.emit(EventKind.ROLLBACK_DONE, step=out.resume_step, generation=g, source=out.source)
+    rt.recoveries += 1
+    # Re-protect the resume version under the new membership, in the background, moving only
+    # the images a holder lacks (the replacement's own, and those the lost rank held): until it
+    # commits, a further failure is planned from the replicas the previous generation left.
+    # The image just restored from is that version already: mirrored as is, not captured again.
+    failed = protect(rt, out.resume_step, MISSING, restored=out.image)
+    rt.own_images = []  # restored from, now mirrored or dropped: their buffers may go to the new engine
+    engine = rt.engine()
+    if engine is not None:
+        reuse.donate_retired(rt.own_images, engine)
+        if rt.standby_buffers:  # a pre-built spare: the rest of its pool was faulted in while it waited
+            engine.donate(rt.standby_buffers)
+    rt.standby_buffers = []
+    if failed is not None:
+        return failed
+    log.warning("rank %d: resumed at step %d in generation %d (%s)", rt.rank, out.resume_step, g, out.source)
+    return Restored(out.resume_step)
+
+
+def engine_pool_in_memory(rt: WorkerRuntime) -> bool:
+    """The own images are this process's anonymous memory (not node-local shm files another process
+    could write): as trusted as the live state, restored without re-reading their checksums."""
+    return not (rt.ctx.shm_dir and rt.mirror_config.node_local)
+
+
+def _restore_locally(registry: StateRegistry, image: StateImage, verify: bool = True) -> None:
+    """Load an image with every group answering locally: state that replays a collective (a DDP
+    reducer's bucket rebuild) computes the same answer on every rank from the same captured facts."""
+    with groups.local_only():
+        restore(registry, image, verify=verify)
+
+
+def leave(rt: WorkerRuntime, a: LeaveGroups) -> Event:
+    rt.ledger.emit(EventKind.FAILURE_DETECTED, generation=a.generation, reason=a.reason[:200])
+    log.warning("rank %d: leaving generation %d: %s", rt.rank, a.generation, a.reason)
+    rt.heartbeat.recovering()
+    gen = rt.gen
+    if gen is not None:
+        if gen.engine is not None:
+            rt.committed = gen.engine.committed_version
+        own = gen.leave()
+        if own:
+            rt.own_images = own
+    else:
+        groups.release_all(a.generation)
+    # A collective that failed mid forward/backward leaves FSDP2 per-iteration state (pending
+    # all-gathers, unsharded parameters, partial gradients) that the retried step would trip on.
+    reset = rt.registry.reset_after_failure()
+    if reset:
+        log.info("rank %d: reset FSDP2 state of %s after the failure", rt.rank, reset)
+    return Left(time.monotonic())
+
+
+def report(rt: WorkerRuntime, a: Report) -> Event:
+    assert rt.control is not None and rt.seen is not None
+    rep = build_report(rt.worker_id, rt.own_images, rt.peer_store, rt.committed, recheck=rt.notes.recheck)
+    try:
+        rt.control.report(a.generation, rt.rank, rep, a.reason, rt.notes.bad_snapshot)
+    except CoordinatorUnavailable as exc:
+        return CoordinatorLost(str(exc))
+    return Reported(time.monotonic())

@@ -1,0 +1,241 @@
+"""What one worker process carries between the actions of its machine, in one declared object.
+
+Why: the executors used to read and write some thirty-five attributes of the
+user's ``Job``, among them loose recovery flags ("first step after a
+recovery", "restored early", "received ahead", "the last restore failed").
+Here the state the machine's *driver* owns is declared in one place, with
+what each field means and who writes it:
+
+* what outlives generations (the peer store, the own images, the committed
+  version, the snapshot writer) lives in :class:`WorkerRuntime`;
+* what one generation produced for the next action of the same generation
+  (the image rolled back to while forming, the bytes received ahead) lives on
+  its :class:`~ckptless.worker.generation.Generation` and dies with it;
+* what the next report must tell the leader lives in :class:`ReportNotes`;
+* facts of one training action (the resume version, the first step after a
+  recovery) are not stored at all: they are the ``Train`` action's own fields.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ckptless.goodput.ledger import EventKind
+from ckptless.mirror.config import MirrorConfig
+from ckptless.mirror.mirror import MirrorEngine
+from ckptless.mirror.partial import PairSpec
+from ckptless.mirror.reattach import attach
+from ckptless.mirror.store import PeerStore, StoredImage
+from ckptless.recovery.transfer import Received
+from ckptless.recovery.wire import Membership
+from ckptless.snapshot import SnapshotConfig, SnapshotWriter
+from ckptless.state.capture import Capturer, StateImage
+from ckptless.state.registry import StateRegistry
+from ckptless.worker import exit_guard, groups, rank_reads, reuse
+from ckptless.worker.context import WorkerContext
+from ckptless.worker.control import WorkerControl
+from ckptless.worker.generation import Generation
+from ckptless.worker.heartbeat import Heartbeat
+from ckptless.worker.ledger import WorkerLedger
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RunResult:
+    steps: int
+    final_version: int
+    committed_version: int | None
+    generation: int
+    recoveries: int
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    train_step: Callable[[int], Any] | None  # None: the loop API (job.steps), the caller runs each step
+    steps: int
+    start_step: int
+
+
+@dataclass
+class ReportNotes:
+    """What the next failure report adds to the replicas it lists (reset by a successful restore)."""
+
+    recheck: bool = False  # the last restore failed: re-read every replica's checksums before reporting
+    bad_snapshot: int | None = None  # the disk snapshot of this step failed to load: the plan must skip it
+
+
+@dataclass
+class TransferAhead:
+    """A replacement's transfers, started in ``init()`` while its script runs its setup."""
+
+    generation: int
+    thread: threading.Thread
+    received: Received | None = None
+    error: BaseException | None = None
+
+
+class WorkerRuntime:
+    """One worker's resources and the state its driver carries across generations.
+
+    The executors (:mod:`ckptless.worker.actions` and the modules it dispatches
+    to) act on this object and nothing else; the user's :class:`~ckptless.job.Job`
+    only holds it. Identity (rank, world size, generation) is derived from the
+    newest membership that includes this worker, never copied.
+    """
+
+    def __init__(self, ctx: WorkerContext, mirror_config: MirrorConfig | None, heartbeat_file: str | None) -> None:
+        self.ctx = ctx
+        self.worker_id = ctx.worker_id
+        self.registry = StateRegistry()
+        # One process cannot mirror to a peer: K is capped at world size - 1.
+        self.replicas = min(ctx.replicas, ctx.world_size - 1)
+        self.recovery = bool(ctx.etcd_endpoint) and self.replicas > 0
+        self.prebuilt = self.recovery and ctx.standby_rank is not None  # a warm spare that builds as a rank
+        self.mirror_config = mirror_config or MirrorConfig.build(
+            replicas=max(self.replicas, 1), mirror_every=ctx.mirror_every, placement=ctx.placement,
+            shm_dir=ctx.shm_dir, timeout_s=ctx.collective_timeout_s, pool_buffers=ctx.mirror_buffers,
+        )
+        self.heartbeat = Heartbeat(heartbeat_file)
+        self.ledger = WorkerLedger(ctx.goodput_dir, None if ctx.role == "spare" else ctx.rank)
+        self.control: WorkerControl | None = None
+        if self.recovery:
+            assert ctx.etcd_endpoint is not None
+            self.control = WorkerControl(ctx.etcd_endpoint, ctx.job_id, ctx.worker_id)
+            self.control.mark_ported()
+        self.seen: Membership | None = None  # the newest membership that includes this worker
+        self.gen: Generation | None = None  # the generation it is in (or formed last)
+        self.peer_store: PeerStore | None = None  # the replicas it holds for its peers: outlive generations
+        self.own_images: list[StoredImage] = []  # its committed images, kept from a failed generation
+        self.committed: int | None = None  # the committed version when its last engine was retired
+        self.snapshots: SnapshotWriter | None = None
+        self.spec: RunSpec | None = None  # what run()/steps() was asked to train
+        self.user_exception: BaseException | None = None  # the user's error, re-raised from run()
+        self.recoveries = 0
+        self.notes = ReportNotes()
+        self.transfer_ahead: TransferAhead | None = None
+        # A pre-built spare's receive buffer and further pool buffers, faulted in while it waits.
+        self.standby_buffers: list[torch.Tensor] = []
+        self._capturer: Capturer | None = None
+        self._store: tuple[tuple[str, int], dist.Store] | None = None
+
+    # --- identity (derived from the generation, never copied) ---------------------------------
+    @property
+    def rank(self) -> int:
+        rank_reads.note("job.rank")
+        if self.seen is not None:
+            r = self.seen.rank_of(self.worker_id)
+            if r is not None:
+                return r
+        if self.ctx.standby_rank is not None:
+            return self.ctx.standby_rank
+        return self.ctx.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.seen.world_size if self.seen is not None else self.ctx.world_size
+
+    @property
+    def generation(self) -> int:
+        return self.seen.generation if self.seen is not None else self.ctx.generation
+
+    @property
+    def committed_version(self) -> int | None:
+        engine = self.gen.engine if self.gen is not None else None
+        return engine.committed_version if engine is not None else self.committed
+
+    # --- stores and groups ------------------------------------------------------------------------
+    def store_for(self, m: Membership) -> dist.Store:
+        addr = (m.store_host, m.store_port)
+        if self._store is None or self._store[0] != addr:
+            self._store = (addr, groups.connect_store(addr[0], addr[1], self.ctx.collective_timeout_s))
+        return self._store[1]
+
+    def forget_store(self) -> None:
+        """Drop the cached store client: the next generation connects a fresh one."""
+        self._store = None
+
+    def incident_check(self) -> Callable[[int], bool] | None:
+        """The control plane's "was generation g declared failed?" (None without a coordinator)."""
+        return self.control.incident if self.control is not None else None
+
+    # --- protection -----------------------------------------------------------------------------------
+    def make_snapshot_writer(self) -> None:
+        """The periodic snapshot writer, for this rank (once; again after any-rank adoption)."""
+        if self.ctx.snapshot_dir and self.ctx.snapshot_every and self.snapshots is None:
+            self.snapshots = SnapshotWriter(
+                SnapshotConfig(Path(self.ctx.snapshot_dir), self.ctx.job_id, every=self.ctx.snapshot_every),
+                self.registry, self.rank, self.world_size)
+
+    def layout_changed(self) -> None:
+        """New objects were protected: the next capture plans its layout anew."""
+        self._capturer = None
+
+    @property
+    def capturer(self) -> Capturer:
+        if self._capturer is None or self._capturer.owner != self.rank:
+            self._capturer = Capturer(self.registry, self.ctx.job_id, self.rank, self.mirror_config.chunk_bytes)
+        return self._capturer
+
+    def open_peer_store(self) -> PeerStore:
+        """Replicas outlive generations; with a node-local shm dir, a respawn re-attaches its predecessor's."""
+        if self.peer_store is None:
+            if self.ctx.shm_dir:
+                self.peer_store = attach(self.ctx.shm_dir, self.ctx.job_id, holder=self.rank, node=self.ctx.node_id)
+            else:
+                self.peer_store = PeerStore(self.ctx.job_id, self.generation)
+        return self.peer_store
+
+    def engine(self) -> MirrorEngine | None:
+        """This generation's mirror engine (created on first use)."""
+        gen = self.gen
+        if self.replicas == 0 or gen is None or gen.mirror_group is None:
+            return None
+        if gen.engine is None:
+            gen.engine = MirrorEngine(gen.mirror_group, self.ctx.job_id, self.mirror_config, generation=gen.number,
+                                      node_of=gen.node_of, store=self.open_peer_store())
+            exit_guard.watch(gen.engine.thread_alive, gen.engine.join)
+        return gen.engine
+
+    def capture_and_mirror(self, version: int, pairs: PairSpec = None) -> StateImage:
+        """Capture the protected state as ``version`` and hand it to the mirror engine (which fills in
+        the returned image's checksums on its thread).
+
+        ``pairs``: None for a full round; ``MISSING`` after a recovery, so that only the
+        (owner, holder) pairs whose holder lacks this very image move bytes.
+        """
+        engine = self.engine()
+        if engine is None:
+            return self.capturer.capture(version, self.generation)
+        reuse.donate_retired(self.own_images, engine)  # before acquiring: a retired engine's buffer is faulted in
+        buf = engine.acquire_buffer(self.capturer.required_bytes())
+        # The training thread waits for the copy only; the engine's thread checksums it.
+        image = self.capturer.capture(version, self.generation, out=buf, checksum_now=False)
+        engine.submit(image.manifest, image.buffer, pairs)
+        return image
+
+    def step_done(self, step: int, generation: int, mirrored: bool = True) -> None:
+        """After step ``step`` completed: per-step facts and the heartbeat.
+
+        ``mirrored``: the heartbeat also tells the agent the generation, the committed version and
+        the replica bytes held (a job without recovery has none of them)."""
+        self.registry.step_done()  # protected objects that track per-step facts (a DDP reducer's phase)
+        if mirrored:
+            self.heartbeat.beat(step, generation=generation, committed=self.committed_version,
+                                replica_bytes=self.peer_store.bytes_held if self.peer_store is not None else 0)
+        else:
+            self.heartbeat.beat(step)
+
+    def maybe_snapshot(self, step: int, generation: int) -> None:
+        """The periodic disk snapshot, when ``step`` is due (the last resort, see ckptless.snapshot)."""
+        if self.snapshots is not None and self.snapshots.maybe_snapshot(step, generation):
+            self.ledger.emit(EventKind.SNAPSHOT_SAVED, step=step, generation=generation,
+                             block_s=self.snapshots.last_block_s)

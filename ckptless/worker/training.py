@@ -1,0 +1,192 @@
+"""Executors of the training side: the step loop, protection of each version, the final commit.
+
+Why a module of its own: this is the only code that runs the user's step,
+so it is where an exception is classified (a ``Fault`` is recovered, a
+``UserError`` fails the job fast) and where each completed version is
+captured and handed to the mirror engine. The callback API (``run``) and the
+loop API (``for step in job.steps(n)``) share one loop, :func:`train_steps`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Generator
+
+from ckptless import chaos_hooks
+from ckptless.errors import MirrorError, StateError, TransportError
+from ckptless.goodput.ledger import EventKind
+from ckptless.mirror.partial import PairSpec
+from ckptless.state.capture import StateImage
+from ckptless.worker import reuse
+from ckptless.worker.faults import is_fault
+from ckptless.worker.machine import (
+    Committed,
+    Event,
+    Fault,
+    JobEnded,
+    Reprotected,
+    Stepped,
+    UserError,
+)
+from ckptless.worker.runtime import RunResult, WorkerRuntime
+
+log = logging.getLogger(__name__)
+
+
+def protect(rt: WorkerRuntime, version: int, pairs: PairSpec = None, restored: StateImage | None = None) -> Event | None:
+    """Capture ``version`` (or mirror the image just ``restored``) and hand it to the mirror engine;
+    a broken engine is a fault."""
+    reason = ""
+    try:
+        if not reuse.mirror_restored(rt.engine(), restored, version, rt.rank, rt.ctx.job_id, rt.generation, pairs):
+            rt.capture_and_mirror(version, pairs)
+    except (MirrorError, TransportError) as exc:
+        reason = f"{type(exc).__name__}: {exc}"
+    except StateError as exc:  # the script's state cannot be captured: the user's to fix
+        rt.user_exception = exc
+        return UserError(f"{type(exc).__name__}: {exc}")
+    return Fault(reason) if reason else None
+
+
+def _call_step(rt: WorkerRuntime, step: int) -> Event | None:
+    """Run the user's step for ``step`` (the callback API); classify what escapes it."""
+    assert rt.spec is not None and rt.spec.train_step is not None
+    try:
+        rt.spec.train_step(step)
+        return None
+    except (KeyboardInterrupt, GeneratorExit):
+        raise
+    except BaseException as exc:
+        outcome = classify(rt, exc)
+    return outcome  # outside the except block: the traceback no longer pins the communicator
+
+
+def classify(rt: WorkerRuntime, exc: BaseException) -> Event:
+    """What an exception escaping the user's step means: a Fault (recover) or a UserError (fail fast)."""
+    if isinstance(exc, SystemExit):
+        if exc.code in (None, 0):
+            raise exc
+        rt.user_exception = exc
+        return UserError(f"SystemExit: {exc.code}")
+    if rt.recovery and is_fault(exc, rt.generation, rt.incident_check()):
+        return Fault(f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}")
+    rt.user_exception = exc
+    return UserError(f"{type(exc).__name__}: {exc}")
+
+
+def train(rt: WorkerRuntime, generation: int, from_step: int, until_reprotected: bool) -> Event:
+    """Run steps until the end, a failure, or (after a recovery) the re-protection committed."""
+    it = train_steps(rt, generation, from_step, until_reprotected)
+    try:
+        step = next(it)
+        while True:
+            step = it.send(_call_step(rt, step))
+    except StopIteration as stop:
+        return stop.value
+
+
+def train_steps(rt: WorkerRuntime, generation: int, from_step: int,
+                until_reprotected: bool) -> Generator[int, Event | None, Event]:
+    """The training loop as a generator: yields each step to run, receives how it ended (None: done).
+
+    Why a generator: the callback API (``run``) and the loop API (``for step in job.steps(n)``) are
+    the same loop; only who runs the user's code differs. Returns the machine's next event.
+    ``until_reprotected``: this is the first training after a restore, from the resume version
+    ``from_step``; it returns once that version is committed again under the new membership.
+    """
+    spec = rt.spec
+    assert spec is not None
+    every = rt.mirror_config.mirror_every
+    step = spec.start_step if from_step < 0 else from_step
+    if from_step < 0 and rt.replicas > 0:
+        failed = protect(rt, step)  # the initial state: a failure before step 1 restarts from it
+        if failed is not None:
+            return failed
+    first_after_recovery = until_reprotected
+    c = rt.control
+    while step < spec.steps:
+        if c is not None:
+            if c.ended is not None and c.ended.state == "failed":
+                return JobEnded(c.ended.reason)
+            if c.incident(generation):
+                return Fault(f"the coordinator declared generation {generation} failed")
+        chaos_hooks.pause_point(f"step:r{rt.rank}:{step}", rank=rt.rank, step=step)
+        failed = yield step
+        if failed is not None:
+            return failed
+        done = step + 1
+        rt.step_done(done, generation)
+        if rt.replicas > 0 and (done % every == 0 or done == spec.steps):
+            failed = protect(rt, done)
+            if failed is not None:
+                return failed
+        rt.maybe_snapshot(done, generation)
+        kind = EventKind.FIRST_STEP_AFTER_RECOVERY if first_after_recovery else EventKind.STEP_DONE
+        rt.ledger.emit(kind, step=done, generation=generation)
+        first_after_recovery = False
+        step = done
+        if until_reprotected and _reprotected(rt, from_step):
+            return Reprotected(step)
+    return Stepped(step, done=True)
+
+
+def _reprotected(rt: WorkerRuntime, resume_version: int) -> bool:
+    committed = rt.committed_version
+    if committed is None or committed < resume_version:
+        return False
+    rt.ledger.emit(EventKind.REPROTECT_DONE, generation=rt.generation, version=committed)
+    return True
+
+
+def final_commit(rt: WorkerRuntime) -> Event:
+    engine = rt.gen.engine if rt.gen is not None else None
+    assert rt.spec is not None
+    if engine is None:
+        return Committed()
+    reason = ""
+    try:
+        if not engine.wait_committed(rt.spec.steps, timeout=rt.mirror_config.timeout_s):
+            reason = f"the final version {rt.spec.steps} was not committed within {rt.mirror_config.timeout_s}s"
+    except MirrorError as exc:
+        reason = f"{type(exc).__name__}: {exc}"
+    return Fault(reason) if reason else Committed()
+
+
+def _resume_from_snapshot(rt: WorkerRuntime) -> int:
+    """No coordinator: a whole-job restart still resumes from the newest verified snapshot (every rank
+    applies the same choice rule to the same directory, so they agree)."""
+    d = rt.ctx.snapshot_dir
+    if not d:
+        return 0
+    from ckptless.snapshot import choose_snapshot, load_snapshot
+
+    info, _ = choose_snapshot(d, rt.ctx.job_id, rt.world_size)
+    if info is None:
+        return 0
+    step = load_snapshot(info, rt.registry, rt.rank)
+    lost = max(0, (rt.ledger.last_step_before or step) - step)
+    rt.ledger.emit(EventKind.DISK_RESTORE, step=step, generation=0, steps_lost=lost)
+    log.warning("rank %d: resumed from the disk snapshot of step %d (%d steps of the previous run lost)",
+                rt.rank, step, lost)
+    return step
+
+
+def plain_steps(rt: WorkerRuntime) -> Generator[int, None, None]:
+    """No coordinator or nothing to mirror to: the steps to run; any failure propagates (ends the job)."""
+    spec = rt.spec
+    assert spec is not None
+    start = max(spec.start_step, _resume_from_snapshot(rt))
+    for s in range(start, spec.steps):
+        yield s
+        rt.step_done(s + 1, rt.generation, mirrored=False)
+        rt.maybe_snapshot(s + 1, rt.generation)
+        rt.ledger.emit(EventKind.STEP_DONE, step=s + 1, generation=rt.generation)
+
+
+def run_without_recovery(rt: WorkerRuntime) -> RunResult:
+    """No coordinator or nothing to mirror to: train; any failure propagates (and ends the job)."""
+    spec = rt.spec
+    assert spec is not None and spec.train_step is not None
+    for s in plain_steps(rt):
+        spec.train_step(s)
+    return RunResult(spec.steps - spec.start_step, spec.steps, None, rt.generation, 0)
