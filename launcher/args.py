@@ -23,6 +23,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from ckptless import environment
 from ckptless.errors import ConfigError
 from ckptless.launcher.arg_values import (DEFAULT_ETCD_PORT, Endpoint, Std, _check, _parse_signals,  # noqa: F401
                                           parse_endpoint, parse_nnodes, parse_rdzv_conf, parse_std, resolve_nproc)
@@ -132,8 +133,8 @@ def check_implemented(cfg: LaunchConfig) -> None:
 def _env_actions(environ: Mapping[str, str]) -> tuple[type[argparse.Action], type[argparse.Action]]:
     """Actions with the semantics of torch.distributed.argparse_util.env/check_env.
 
-    They read ``PET_<DEST>`` from ``environ`` (not always os.environ) so tests
-    and the agent can parse against an explicit environment.
+    They read ``PET_<DEST>`` from ``environ`` (not always the process's own
+    environment) so tests and the agent can parse against an explicit one.
     """
 
     class env(argparse.Action):
@@ -176,8 +177,9 @@ def _opt(name: str) -> list[str]:
 
 
 def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentParser:
-    """The ``ckptless-run`` parser; ``environ`` (default os.environ) feeds PET_* fallbacks."""
-    env, check_env = _env_actions(os.environ if environ is None else environ)
+    """The ``ckptless-run`` parser; ``environ`` (default: this process's, see
+    :func:`ckptless.environment.environ`) feeds PET_* fallbacks."""
+    env, check_env = _env_actions(environment.environ() if environ is None else environ)
     p = _Parser(
         prog="ckptless-run",
         description="Checkpointless launcher: torchrun's flags plus peer-mirrored in-memory recovery.",
@@ -294,7 +296,7 @@ class _Parser(argparse.ArgumentParser):
 
 def config_from_namespace(ns: argparse.Namespace, environ: Mapping[str, str] | None = None) -> LaunchConfig:
     """Validate and resolve parsed flags into a LaunchConfig (raises ConfigError)."""
-    environ = os.environ if environ is None else environ
+    environ = environment.environ() if environ is None else environ
     min_nodes, max_nodes = parse_nnodes(ns.nnodes)
     backend_in = ns.rdzv_backend
     _check(backend_in in BACKEND_ALIASES, "rdzv_backend", backend_in,

@@ -1,8 +1,10 @@
-"""How an agent's node joins its job: the script's fingerprint, rank offsets, a restart from disk.
+"""How an agent's node joins its job: the rendezvous, the script's fingerprint, rank offsets, a restart from
+disk, the first membership.
 
 Why apart from the agent: these are decisions over the launch config, the
 rendezvous result and what etcd or the snapshot directory hold, with no agent
-state; the agent's ``_join`` strings them together.
+state (what they need is passed in); :func:`join` strings them together and
+returns the node's place in the job and generation 0's membership.
 """
 
 from __future__ import annotations
@@ -11,19 +13,84 @@ import hashlib
 import logging
 import os
 import sys
+import threading
+import time
 from typing import TYPE_CHECKING
 
-from ckptless.coordinator.client import EtcdClient
+from ckptless.coordinator.client import Compare, EtcdClient, Put
 from ckptless.coordinator.keyspace import Keyspace
-from ckptless.coordinator.rendezvous import NodeInfo, RoundState
-from ckptless.errors import ConfigError
+from ckptless.coordinator.rendezvous import NodeInfo, Rendezvous, RendezvousResult, RoundState
+from ckptless.coordinator.session import Session
+from ckptless.errors import ConfigError, RendezvousError, RendezvousTimeout
 from ckptless.launcher.args import LaunchConfig
-from ckptless.recovery.plan import Assignment, DiskFallback
+from ckptless.recovery.decision import Assignment, DiskFallback
+from ckptless.recovery.wire import Membership, membership_from_json
 
 if TYPE_CHECKING:  # importing ckptless.snapshot imports torch: deferred to the restart itself
     from ckptless.snapshot.restart import WorldMismatch
 
 log = logging.getLogger("ckptless.agent")
+
+
+def join(client: EtcdClient, keyspace: Keyspace, session: Session, me: NodeInfo, cfg: LaunchConfig, *,
+         recovery: bool, timeout_s: float, stopping: threading.Event) -> tuple[RendezvousResult, Membership]:
+    """Join the job: the rendezvous (a spare-only node only registers and waits for the job to exist),
+    then generation 0's membership (written by node rank 0 when it is recovered, else this node's own)."""
+    if cfg.nproc_per_node == 0:
+        # A spare-only node: not a rendezvous participant; it waits for the job to exist.
+        Rendezvous(client, keyspace, session).register(me)
+        m = _await_membership(client, keyspace, cfg.run_id, timeout_s, stopping)
+        check_fingerprint(client, keyspace, cfg)
+        log.info("spare node %s joined job %s (world %d)", me.node_id, cfg.run_id, m.world_size)
+        return RendezvousResult(0, 0, 1, (), 0, m.world_size, NodeInfo("", m.store_host, 1, m.store_port)), m
+    result = Rendezvous(client, keyspace, session).join(
+        me, cfg.min_nodes, cfg.max_nodes, timeout_s=timeout_s, stop=stopping)
+    client.txn([Compare(keyspace.fingerprint(result.round), "create", "==", 0)],
+               [Put(keyspace.fingerprint(result.round), script_fingerprint(cfg))])
+    log.info("node %s joined round %d as node rank %d of %d (ranks %d..%d of %d)",
+             me.node_id, result.round, result.node_rank, result.nnodes, result.rank_offset,
+             result.rank_offset + cfg.nproc_per_node - 1, result.world_size)
+    ranks = tuple(Assignment(p_off + lr, f"{p.node_id}/w{lr}", p.node_id, "survivor")
+                  for p, p_off in rank_offsets(result.participants) for lr in range(p.nproc))
+    resume = resume_from_disk(cfg, result.world_size, ranks, result.node_rank)  # every node: may refuse
+    initial = Membership(0, result.world_size, result.master.host, result.master.store_port, ranks, resume)
+    if recovery and result.world_size > 1:
+        from ckptless.recovery.leader import write_initial_membership  # imports torch: only where needed
+
+        initial = write_initial_membership(
+            client, keyspace, initial, result.round, writer=result.node_rank == 0,
+            deadline=time.monotonic() + timeout_s)
+    return result, initial
+
+
+def _await_membership(client: EtcdClient, keyspace: Keyspace, run_id: str, timeout_s: float,
+                      stopping: threading.Event) -> Membership:
+    changed = threading.Event()
+    watch = client.watch_prefix(keyspace.membership, lambda _e: changed.set())
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if stopping.is_set():
+                raise RendezvousError(f"spare node: waiting for job {run_id!r} interrupted")
+            kv = client.get(keyspace.membership)
+            if kv is not None and _membership_is_current(client, keyspace):
+                return membership_from_json(kv.value)
+            if time.monotonic() >= deadline:
+                raise RendezvousTimeout(f"spare node: job {run_id!r} did not start within "
+                                        f"{timeout_s}s")
+            changed.wait(min(0.25, deadline - time.monotonic()))
+            changed.clear()
+    finally:
+        watch.cancel()
+
+
+def _membership_is_current(client: EtcdClient, keyspace: Keyspace) -> bool:
+    """The membership belongs to the current rendezvous round (not a previous run of this job id)."""
+    state, rnd = client.get(keyspace.rdzv_state), client.get(keyspace.round)
+    if state is None or rnd is None:
+        return False
+    st = RoundState.from_bytes(state.value)
+    return st.state == "closed" and int(rnd.value) == st.round
 
 
 def script_fingerprint(cfg: LaunchConfig) -> str:

@@ -12,21 +12,23 @@ import os
 import sys
 from collections.abc import Sequence
 
+from ckptless import environment
 from ckptless.errors import CkptlessError
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    # The agent forks workers while gRPC threads run; gRPC's fork handlers only
-    # log noise then, and workers exec at once, so turn them off.
-    os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
-    from ckptless.launcher.args import check_implemented, parse_args
-
-    logging.basicConfig(
-        level=os.environ.get("CKPTLESS_LOG_LEVEL", "WARNING").upper(),
-        format="[ckptless-run %(asctime)s %(levelname)s] %(message)s",
-    )
     agent = None
     try:
+        # The agent forks workers while gRPC threads run; gRPC's fork handlers only
+        # log noise then, and workers exec at once, so turn them off. (Inside the
+        # try: reading the environment raises ConfigError on a malformed variable.)
+        environment.set_default("GRPC_ENABLE_FORK_SUPPORT", "false")
+        from ckptless.launcher.args import check_implemented, parse_args
+
+        logging.basicConfig(
+            level=environment.current().log_level.upper(),
+            format="[ckptless-run %(asctime)s %(levelname)s] %(message)s",
+        )
         cfg = parse_args(list(sys.argv[1:] if argv is None else argv))
         check_implemented(cfg)
         from ckptless.launcher.agent import NodeAgent

@@ -8,15 +8,25 @@ trains again in the generation that took the spare (their heartbeat files say
 so), so the new spare's setup (the script's build, on this node's cores) never
 competes with the recovery itself.
 
-Pure: decisions over the slot table and heartbeat records; the agent spawns.
+The decisions are pure functions over the slot table and heartbeat records;
+:func:`maybe_refill`, called on each turn of the agent's main loop, acts on
+them: it claims an owed refill, adds the new spare's slot, starts it like the
+node's first spare and offers it on the agent's lease.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from ckptless.errors import CkptlessError, CoordinatorError
+from ckptless.launcher.node_state import NodeState
 from ckptless.launcher.slots import Slot
+from ckptless.launcher.workers import WorkerGroup
+from ckptless.worker.heartbeat import read_progress
+
+log = logging.getLogger("ckptless.agent")
 
 
 def recovery_over(slots: Sequence[Slot], generation: int,
@@ -44,3 +54,41 @@ def spare_env(worker_id: str, local_rank: int, heartbeat: str, exit_file: str, s
             "CKPTLESS_HEARTBEAT_FILE": heartbeat, "CKPTLESS_EXIT_FILE": exit_file,
             "CKPTLESS_STANDBY_RANK": "" if standby is None else str(standby), "CKPTLESS_GENERATION": "0",
             "RANK": "0" if standby is None else str(standby)}
+
+
+def maybe_refill(st: NodeState, group: WorkerGroup) -> None:
+    """--spare-refill: start a new spare once one of ours took a rank and that recovery is over."""
+    m = st.membership
+    if (not st.spares.refill_owed or m is None or st.stopping.is_set() or st.status is not None
+            or m.generation in st.incident_t  # another failure: wait for its recovery too
+            or not recovery_over(st.slots.all(), m.generation, read_progress)):
+        return
+    if spares_missing(st.slots.all(), st.cfg.spares) == 0:
+        st.spares.next_refill(st.cfg.spares)  # the pool is full (e.g. a slot came back): nothing owed
+        return
+    try:  # etcd may be away: keep the refill owed and try again on a later turn
+        ranks = st.spares.standby_ranks(m.world_size, 1) if st.cfg.spare_prebuild else []
+    except CoordinatorError as exc:
+        log.info("spare refill waits for etcd: %s", exc)
+        return
+    worker_id = st.spares.next_refill(st.cfg.spares)
+    if worker_id is None:
+        return
+    standby = ranks[0] if ranks else None
+    lr = group.size  # add_like appends the next local rank; only this loop adds workers
+    hb = st.heartbeat_path(lr)
+    st.slots.add(Slot(lr, worker_id, None, hb))
+    # The store of the current generation (node 0's may be gone with its node): a pre-built spare
+    # connects to it while it builds, long before it is assigned a rank.
+    env = dict(spare_env(worker_id, lr, hb, st.exit_path(lr), standby),
+               MASTER_ADDR=m.store_host, MASTER_PORT=str(m.store_port))
+    try:
+        added = group.add_like(st.cfg.nproc_per_node, env)
+    except CkptlessError:
+        log.exception("starting spare %s failed (not retried: a broken start must not loop)", worker_id)
+        st.slots.exited(lr, False)
+        return
+    assert added == lr, (added, lr)
+    assert st.session is not None
+    st.spares.offer_quietly(worker_id, standby, st.session.lease_id)  # on our lease, like the first
+    log.warning("spare %s started (standby rank %s) in place of the one that took a rank", worker_id, standby)

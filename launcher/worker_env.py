@@ -117,7 +117,7 @@ def torchrun_env(layout: WorkerLayout, local_rank: int, parent_env: Mapping[str,
         "TORCHELASTIC_USE_AGENT_STORE": str(layout.use_agent_store),  # "True"/"False", as torchrun
         "TORCH_NCCL_ASYNC_ERROR_HANDLING": parent_env.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
         "TORCHELASTIC_ERROR_FILE": error_file or "",
-        # torchrun's launch_agent puts this in its own os.environ; workers inherit it.
+        # torchrun's launch_agent puts this in its own environment; workers inherit it.
         "TORCHELASTIC_SIGNALS_TO_HANDLE": layout.signals_to_handle,
     }
     env.update(_local_rank_env(layout, local_rank, parent_env))

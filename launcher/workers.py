@@ -10,13 +10,10 @@ Design:
   kernel wakes it at the exit, no polling interval.  WNOWAIT leaves the
   worker a zombie while we SIGKILL its process group, so the group id cannot
   have been reused by an unrelated process; then we reap and report.
-* every worker runs in its own session (``start_new_session``), so signals
-  and kills address its whole process group, grandchildren included, and a
-  Ctrl-C on the agent's terminal reaches workers only through the agent.
-* ``PR_SET_PDEATHSIG(SIGKILL)`` makes the kernel kill a worker whose agent
-  was SIGKILLed.  The kernel ties it to the *thread* that forked, so all
-  spawns go through one long-lived spawner thread: a worker started from a
-  short-lived thread would be killed when that thread ends.
+* each worker is its own session, dies with its agent (PDEATHSIG, set from
+  one long-lived spawner thread) and is signalled as a process group:
+  launcher/worker_process.py, with :class:`WorkerExit`.
+* output goes where torchrun's log layout says: launcher/worker_logs.py.
 * ``warm=True``: respawns are forked from a per-agent fork server with torch
   already imported (launcher/forkserver.py: how the worker still ends up the
   agent's own child with PDEATHSIG tied to the agent); cold Popen whenever
@@ -25,151 +22,30 @@ Design:
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import signal
 import subprocess
-import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass
-from typing import IO, Any, Protocol
+from typing import IO, Any
 
 from ckptless.launcher import forkserver
 from ckptless.launcher.args import Std
 from ckptless.launcher.forkserver import ForkServer, ForkServerError, WarmChild
 from ckptless.launcher.worker_env import substitute_local_rank
+from ckptless.launcher.worker_logs import WorkerLogs, logs_for, make_log_layout, make_run_log_dir, pump
+from ckptless.launcher.worker_process import (ProcessHandle, WorkerExit, kill, killpg, pdeathsig_preexec,
+                                              spawn_thread)
 
 from ckptless.errors import WorkerError
 
 log = logging.getLogger(__name__)
 
-_PR_SET_PDEATHSIG = 1
 _KILL_WAIT = 5.0  # after SIGKILL the kernel needs only ms; bounded anyway
 _WARM_REPLY = 5.0  # a fork server answers in ms; past this it is killed and we spawn cold
-
-
-class _Proc(Protocol):
-    """What the reaper needs of a worker: Popen, or a WarmChild from the fork server."""
-
-    @property
-    def pid(self) -> int: ...
-
-    def wait(self, timeout: float | None = None) -> int: ...
-
-
-@dataclass(frozen=True)
-class WorkerExit:
-    """One worker incarnation's end, as the reaper saw it."""
-
-    local_rank: int
-    pid: int
-    incarnation: int  # 0 for the first spawn, +1 per respawn
-    exitcode: int | None  # set when the process exited
-    signal: int | None  # set when a signal killed it
-    monotonic: float  # time.monotonic() when the reaper woke
-    wall: float  # time.time() at the same moment
-    requested: bool  # True when our stop() (or kill during stop) caused it
-
-    @property
-    def returncode(self) -> int:
-        """Popen convention: exit code, or minus the signal number."""
-        return -self.signal if self.signal is not None else int(self.exitcode or 0)
-
-    @property
-    def ok(self) -> bool:
-        return self.exitcode == 0
-
-    succeeded = ok
-
-
-@dataclass(frozen=True)
-class WorkerLogs:
-    """Where one worker's output goes (torchrun's --redirects/--tee/--local-ranks-filter)."""
-
-    stdout: str | None = None  # a file (or os.devnull); None: the agent's console
-    stderr: str | None = None
-    tee_stdout: bool = False  # also copy the file's content to the console
-    tee_stderr: bool = False
-    error_file: str | None = None  # TORCHELASTIC_ERROR_FILE for worker_env()
-
-
-def make_run_log_dir(log_dir: str | None, run_id: str) -> str:
-    """``<log_dir>/<run_id>_XXXX``, like torchrun (a temp dir when log_dir is None)."""
-    base = log_dir or tempfile.mkdtemp(prefix="ckptless_")
-    os.makedirs(base, exist_ok=True)
-    return tempfile.mkdtemp(prefix=f"{run_id}_", dir=base)
-
-
-def make_log_layout(run_log_dir: str, attempt: int, redirects: Sequence[Std], tee: Sequence[Std],
-                    local_ranks_filter: frozenset[int] | None = None) -> list[WorkerLogs]:
-    """Create ``attempt_<n>/<local_rank>/`` and say where each stream goes.
-
-    Same rules as torchrun's DefaultLogsSpecs: a tee'd stream is also
-    redirected; ranks outside the filter show nothing on the console.
-    """
-    out: list[WorkerLogs] = []
-    for rank, (rd, tt) in enumerate(zip(redirects, tee)):
-        d = os.path.join(run_log_dir, f"attempt_{attempt}", str(rank))
-        os.makedirs(d, exist_ok=True)
-        rd = Std(rd | tt)
-        shown = local_ranks_filter is None or rank in local_ranks_filter
-        hidden = None if shown else os.devnull
-        out.append(WorkerLogs(
-            stdout=os.path.join(d, "stdout.log") if rd & Std.OUT else hidden,
-            stderr=os.path.join(d, "stderr.log") if rd & Std.ERR else hidden,
-            tee_stdout=shown and bool(tt & Std.OUT), tee_stderr=shown and bool(tt & Std.ERR),
-            error_file=os.path.join(d, "error.json"),
-        ))
-    return out
-
-
-def _logs_for(logs: WorkerLogs, template: int, local_rank: int) -> WorkerLogs:
-    """``logs`` of local rank ``template``, moved to ``local_rank``'s own directory (files only)."""
-    def move(path: str | None) -> str | None:
-        if path is None or path == os.devnull or os.path.basename(os.path.dirname(path)) != str(template):
-            return path
-        d = os.path.join(os.path.dirname(os.path.dirname(path)), str(local_rank))
-        os.makedirs(d, exist_ok=True)
-        return os.path.join(d, os.path.basename(path))
-
-    return WorkerLogs(move(logs.stdout), move(logs.stderr), logs.tee_stdout, logs.tee_stderr, move(logs.error_file))
-
-
-def _pdeathsig_preexec(parent_pid: int) -> Callable[[], None] | None:
-    """A preexec_fn setting PR_SET_PDEATHSIG=SIGKILL (Linux only; bound before fork)."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-    sigkill = int(signal.SIGKILL)
-
-    def preexec() -> None:
-        prctl(_PR_SET_PDEATHSIG, sigkill, 0, 0, 0)
-        if os.getppid() != parent_pid:  # the agent died before prctl took effect
-            os.kill(os.getpid(), sigkill)
-
-    return preexec
-
-
-_spawner_lock = threading.Lock()
-_spawner: ThreadPoolExecutor | None = None
-
-
-def _spawn_thread() -> ThreadPoolExecutor:
-    """The process-wide spawner thread (see module docstring: PDEATHSIG is per thread)."""
-    global _spawner
-    with _spawner_lock:
-        if _spawner is None:
-            _spawner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptless-spawner")
-        return _spawner
 
 
 class _Slot:
@@ -227,7 +103,7 @@ class WorkerGroup:
         self._lock = threading.Lock()
         self._cb_lock = threading.Lock()
         self._stopping = False
-        self._preexec = _pdeathsig_preexec(os.getpid())
+        self._preexec = pdeathsig_preexec(os.getpid())
         self._server = self._make_server() if warm else None
         self._role = role  # tee'd console lines are prefixed "[<role><local_rank>]:", as torchrun does
 
@@ -274,7 +150,7 @@ class WorkerGroup:
         if server is None or getattr(self, "_server_started", False):
             return
         self._server_started = True
-        _spawn_thread().submit(server.start, self._preexec).result(timeout=timeout)
+        spawn_thread().submit(server.start, self._preexec).result(timeout=timeout)
 
     def respawn(self, local_rank: int, env_updates: Mapping[str, str] | None = None,
                 timeout: float = 30.0) -> int:
@@ -304,7 +180,7 @@ class WorkerGroup:
             if self._stopping:
                 raise WorkerError("group is stopping, not adding a worker")
             lr = len(self._slots)
-            logs = _logs_for(src.logs, template, lr)
+            logs = logs_for(src.logs, template, lr)
             env = dict(src.env, **env_updates)
             if logs.error_file:
                 env["TORCHELASTIC_ERROR_FILE"] = logs.error_file
@@ -325,7 +201,7 @@ class WorkerGroup:
         return self._slot(local_rank).warm
 
     def _spawn(self, rank: int, timeout: float, warm: bool = False) -> int:
-        fut = _spawn_thread().submit(self._spawn_here, rank, warm)
+        fut = spawn_thread().submit(self._spawn_here, rank, warm)
         try:
             return fut.result(timeout=timeout)
         except FutureTimeout as exc:
@@ -347,7 +223,7 @@ class WorkerGroup:
             try:
                 proc = subprocess.Popen(slot.argv, env=slot.env, cwd=self._cwd, stdin=subprocess.DEVNULL,
                                         stdout=out, stderr=err, start_new_session=True,
-                                        preexec_fn=self._preexec, close_fds=True)  # noqa: PLW1509 - see _pdeathsig_preexec
+                                        preexec_fn=self._preexec, close_fds=True)  # noqa: PLW1509 - see pdeathsig_preexec
             except OSError as exc:
                 self._close_files(slot)
                 raise WorkerError(f"local rank {rank}: cannot start {slot.argv[0]!r}: {exc}") from exc
@@ -361,7 +237,7 @@ class WorkerGroup:
             incarnation = slot.incarnation
         for pipe, fobj, fd in ((pipes[0], out_tee, 1), (pipes[1], err_tee, 2)):
             if pipe is not None and fobj is not None:
-                t = threading.Thread(target=_pump, args=(pipe, fobj, fd, f"[{self._role}{rank}]:".encode()),
+                t = threading.Thread(target=pump, args=(pipe, fobj, fd, f"[{self._role}{rank}]:".encode()),
                                      daemon=True, name=f"ckptless-tee-{rank}-{fd}")
                 t.start()
                 slot.pumps.append(t)
@@ -438,7 +314,7 @@ class WorkerGroup:
         slot.files.clear()
 
     # --- reaping -----------------------------------------------------------
-    def _reap(self, rank: int, proc: _Proc, incarnation: int, done: threading.Event) -> None:
+    def _reap(self, rank: int, proc: ProcessHandle, incarnation: int, done: threading.Event) -> None:
         """Block until the worker exits; kill its group; reap; report. One thread per incarnation."""
         code: int | None = None
         sig: int | None = None
@@ -450,7 +326,7 @@ class WorkerGroup:
             elif info is not None:
                 sig = info.si_status
             if self._kill_group_on_exit:
-                _killpg(proc.pid, signal.SIGKILL)  # still a zombie: the pgid is ours
+                killpg(proc.pid, signal.SIGKILL)  # still a zombie: the pgid is ours
             proc.wait()
         except (AttributeError, ChildProcessError, OSError):  # no waitid (macOS) or reaped elsewhere
             rc = proc.wait()
@@ -504,7 +380,7 @@ class WorkerGroup:
             if slot.proc is None or slot.done.is_set():
                 return False
             pid = slot.proc.pid
-        return _killpg(pid, sig) if group else _kill(pid, sig)
+        return killpg(pid, sig) if group else kill(pid, sig)
 
     def signal_all(self, sig: int, group: bool = True) -> None:
         """Forward ``sig`` (e.g. SIGINT/SIGTERM the agent received) to every live worker."""
@@ -537,41 +413,3 @@ class WorkerGroup:
 
     def __exit__(self, *exc: object) -> None:
         self.stop(timeout=5.0)
-
-
-def _pump(pipe: IO[bytes], fobj: IO[bytes], console_fd: int, header: bytes = b"") -> None:
-    """Copy a worker's pipe into its log file (as is) and the agent's console, each console line
-    prefixed with ``header`` (torchrun's ``[default0]:``), so interleaved ranks stay readable."""
-    partial = b""
-    try:
-        while chunk := os.read(pipe.fileno(), 65536):
-            fobj.write(chunk)
-            fobj.flush()
-            lines = (partial + chunk).split(b"\n")
-            partial = lines.pop()
-            if lines:
-                os.write(console_fd, b"".join(header + ln + b"\n" for ln in lines))
-        if partial:
-            os.write(console_fd, header + partial + b"\n")
-    except (OSError, ValueError):
-        pass  # file closed at stop, or console gone: nothing left to copy to
-    finally:
-        pipe.close()
-
-
-def _killpg(pgid: int, sig: int) -> bool:
-    try:
-        os.killpg(pgid, sig)
-        return True
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return _kill(pgid, sig)
-
-
-def _kill(pid: int, sig: int) -> bool:
-    try:
-        os.kill(pid, sig)
-        return True
-    except ProcessLookupError:
-        return False

@@ -27,7 +27,8 @@ from ckptless.launcher import forkserver
 from ckptless.launcher.args import Std
 from ckptless.launcher.forkserver import WarmPlan, main_path0, plan, startup_mismatch
 from ckptless.launcher.worker_env import RUN_PATH_CODE
-from ckptless.launcher.workers import WorkerGroup, WorkerLogs, make_log_layout, make_run_log_dir
+from ckptless.launcher.worker_logs import WorkerLogs, make_log_layout, make_run_log_dir
+from ckptless.launcher.workers import WorkerGroup
 
 from .test_workers import Fifo, Recorder, alive, wait_dead
 

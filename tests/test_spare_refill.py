@@ -12,7 +12,8 @@ from pathlib import Path
 
 from ckptless.launcher import refill
 from ckptless.launcher.slots import Slot
-from ckptless.launcher.workers import WorkerGroup, WorkerLogs, _logs_for
+from ckptless.launcher.worker_logs import WorkerLogs, logs_for
+from ckptless.launcher.workers import WorkerGroup
 
 
 def _slots(*ranks: int | None, alive: bool = True) -> list[Slot]:
@@ -54,10 +55,10 @@ def test_spare_env_names_its_own_files_and_standby_rank() -> None:
 def test_logs_move_to_the_new_local_rank_directory(tmp_path: Path) -> None:
     base = tmp_path / "attempt_0"
     logs = WorkerLogs(str(base / "2" / "stdout.log"), os.devnull, True, False, str(base / "2" / "error.json"))
-    moved = _logs_for(logs, 2, 7)
+    moved = logs_for(logs, 2, 7)
     assert moved.stdout == str(base / "7" / "stdout.log") and moved.stderr == os.devnull
     assert moved.error_file == str(base / "7" / "error.json") and (base / "7").is_dir()
-    assert _logs_for(WorkerLogs(), 2, 7) == WorkerLogs()
+    assert logs_for(WorkerLogs(), 2, 7) == WorkerLogs()
 
 
 def test_add_like_starts_one_more_worker_with_the_template_command(tmp_path: Path) -> None:

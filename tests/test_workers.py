@@ -19,12 +19,9 @@ from pathlib import Path
 
 import pytest
 from ckptless.launcher.args import Std
-from ckptless.launcher.workers import (
-    WorkerExit,
-    WorkerGroup,
-    make_log_layout,
-    make_run_log_dir,
-)
+from ckptless.launcher.worker_logs import make_log_layout, make_run_log_dir
+from ckptless.launcher.worker_process import WorkerExit
+from ckptless.launcher.workers import WorkerGroup
 
 from ckptless.errors import WorkerError
 

@@ -1,0 +1,77 @@
+"""A worker's exit, recorded: the reaper's callback that puts its ExitRecord in etcd, then decides.
+
+Why a module of its own: the exit record is the fact a recovery starts from
+(the leader plans on it within milliseconds of the reap), so it is written
+first, from the reaper thread, through the outbox (it must never block on an
+etcd that is away). What the record says comes from the worker's own exit
+file: a fault is recovered, a user error ends the job; a pre-built spare that
+exits to restart as another rank is no failure and is started again
+(launcher/respawn.py); a spare that died leaves the pool. With the node-local
+tier (``--shm-dir``) the record also names the newest version of the rank's
+own image found intact on this node. Without recovery, the first failure ends
+the job, as with torchrun (launcher/completion.py).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+
+from ckptless.launcher.completion import send_status
+from ckptless.launcher.node_state import NodeState
+from ckptless.launcher.respawn import reexec_when_assigned
+from ckptless.launcher.worker_process import WorkerExit
+from ckptless.recovery.facts import NodeLocalImage
+from ckptless.recovery.view import ExitRecord, JobStatus
+from ckptless.worker import exit_file
+
+log = logging.getLogger("ckptless.agent")
+
+
+def record_exit(st: NodeState, ex: WorkerExit) -> None:
+    """Called by the reaper the moment a worker is reaped: into etcd first, then decide."""
+    slot = st.slots.get(ex.local_rank)
+    kind, error = exit_file.read(st.exit_path(ex.local_rank), pid=ex.pid)
+    if kind == "reexec" and not ex.requested:
+        # A pre-built spare assigned another rank than the one it built for: start it again
+        # (warm) as that rank, under the same worker id. Not a failure: nothing is recorded.
+        reexec_when_assigned(st, ex.local_rank)
+        return
+    rec = ExitRecord(rank=-1 if slot.rank is None else slot.rank, worker_id=slot.worker_id, node_id=st.node_id,
+                     pid=ex.pid, exitcode=ex.exitcode, signal=ex.signal, time=ex.wall,
+                     requested=ex.requested, kind=kind, error=error)
+    st.slots.exited(ex.local_rank, ex.succeeded)
+    # The node-local tier: checksum the own image the worker left in --shm-dir off the reaper
+    # thread (~25 ms per 256 MiB), and record the version found intact with its exit.
+    shm = st.cfg.shm_dir
+    if slot.rank is not None and shm and st.recovery and rec.outcome == "fault":
+        rank = slot.rank
+
+        def with_local_image() -> bytes:
+            from ckptless.mirror.ownimage import newest_verified
+
+            try:
+                m = newest_verified(shm, st.cfg.run_id, st.node_id, rank)
+            except Exception:  # never lose an exit record to a failed look at shm: peers have it
+                log.exception("rank %d: checking its node-local image failed", rank)
+                m = None
+            img = None if m is None else NodeLocalImage(rank, st.node_id, m.version, len(m.chunk_checksums),
+                                                        m.generation)
+            return replace(rec, local_image=img).to_json()
+
+        st.outbox.put(st.keyspace.worker_exit(rank), with_local_image, f"the exit of rank {rank}")
+    elif slot.rank is not None:
+        st.outbox.put(st.keyspace.worker_exit(slot.rank), rec.to_json(), f"the exit of rank {slot.rank}")
+    else:  # a spare that died is never assigned: it leaves the pool at once, and says it died (the
+        # leader may have assigned it a rank just before: it must see that worker dead at once)
+        st.outbox.delete(st.spares.key(slot.worker_id), f"spare {slot.worker_id}")
+        if not ex.succeeded:
+            st.outbox.put(st.keyspace.spare_exit(slot.worker_id), rec.to_json(), f"the exit of {slot.worker_id}")
+    if not ex.succeeded and not ex.requested:
+        log.error("%s", rec.describe())
+        if slot.rank is not None:
+            st.local_failures.append(rec)
+        if not st.recovery and slot.rank is not None and rec.outcome != "other":
+            # No recovery: like torchrun, the first failure ends the job (first writer wins).
+            send_status(st, JobStatus("failed", rec.describe(), rec))
+    st.wake.set()

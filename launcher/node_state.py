@@ -1,0 +1,70 @@
+"""What a node agent's threads share: its slots, the membership it follows, its etcd handles, the job's end.
+
+Why one object of its own: the agent's work runs on several threads. The
+reaper records exits (launcher/exit_records.py), the etcd watch follows
+memberships (launcher/follower.py), a respawn thread starts replacements
+(launcher/respawn.py), and the main loop refills spares (launcher/refill.py)
+and decides when this node is done (launcher/completion.py). Each of those
+takes this state explicitly instead of reaching into the agent; the agent
+(launcher/agent.py) creates it, fills in the handles as it connects, and
+wires the others together.
+
+Locking: the slot table has its own lock; a new membership and the set of
+pending re-execs change under ``membership_lock``; every other field is
+written by one thread and read by others as a whole (a reference swap).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+from ckptless.coordinator.client import EtcdClient
+from ckptless.coordinator.keyspace import Keyspace
+from ckptless.coordinator.rendezvous import RendezvousResult
+from ckptless.coordinator.session import Session
+from ckptless.launcher.args import LaunchConfig
+from ckptless.launcher.outbox import Outbox
+from ckptless.launcher.slots import SlotTable
+from ckptless.launcher.spares import SparePool
+from ckptless.launcher.workers import WorkerGroup
+from ckptless.metrics import MetricsExporter
+from ckptless.recovery.view import ExitRecord, JobStatus
+from ckptless.recovery.wire import Membership
+
+
+class NodeState:
+    def __init__(self, cfg: LaunchConfig, node_id: str, hb_dir: str) -> None:
+        self.cfg = cfg
+        self.node_id = node_id
+        self.keyspace = Keyspace(cfg.run_id)
+        self.hb_dir = hb_dir  # this node's heartbeat and exit files (removed with the agent)
+        self.recovery = cfg.replicas > 0  # turned off when the world is too small to mirror
+        self.wake = threading.Event()  # the main loop looks again now
+        self.stopping = threading.Event()  # a signal asked us to stop: every wait obeys it
+        self.stop_signal: int | None = None
+        self.status: JobStatus | None = None  # the job's end, once etcd (or this agent) recorded one
+        self.client: EtcdClient | None = None
+        self.session: Session | None = None
+        self.result: RendezvousResult | None = None
+        self.group: WorkerGroup | None = None
+        self.host = ""  # this node's address: its TCPStore's host
+        self.store_port = 0
+        self.slots = SlotTable()
+        self.membership: Membership | None = None
+        self.membership_lock = threading.Lock()
+        self.reexec_pending: set[int] = set()  # local ranks of pre-built spares to start again as their rank
+        self.local_failures: list[ExitRecord] = []
+        self.lost_since: float | None = None  # when our lease was found lost and could not be renewed
+        self.incident_t: dict[int, float] = {}  # generation -> when its incident opened (for metrics)
+        self.published_t: dict[int, float] = {}
+        self.metrics: MetricsExporter | None = None
+        self.outbox = Outbox(lambda: self.client, self.stopping)
+        self.spares = SparePool(self.keyspace, node_id, lambda: self.client,
+                                any_rank=cfg.spare_any_rank, refill=cfg.spare_refill)
+
+    def exit_path(self, local_rank: int) -> str:
+        return os.path.join(self.hb_dir, f"exit{local_rank}.json")
+
+    def heartbeat_path(self, local_rank: int) -> str:
+        return os.path.join(self.hb_dir, f"hb{local_rank}")
