@@ -28,6 +28,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from ckptless import environment
+
 REPO = Path(__file__).resolve().parent.parent
 WORKER = str(REPO / "bench" / "_ddp_step_worker.py")
 BIN = Path(sys.executable).parent
@@ -63,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     with tempfile.TemporaryDirectory(prefix="ckptless-bench-ddp-") as tmp:
         for sleep in ns.step_sleep:
-            env = dict(os.environ, BENCH_STEPS=str(ns.steps), BENCH_HIDDEN=str(ns.hidden),
+            env = dict(environment.environ(), BENCH_STEPS=str(ns.steps), BENCH_HIDDEN=str(ns.hidden),
                        BENCH_STEP_SLEEP=str(sleep), CKPTLESS_LOG_LEVEL="WARNING", OMP_NUM_THREADS="1")
             med = {}
             for mode in ("torchrun", "ckptless"):

@@ -26,6 +26,7 @@ import sys
 import tempfile
 import time
 
+from ckptless import environment
 from ckptless.launcher.workers import WorkerGroup
 
 PROBE = """import time; T0 = time.monotonic()
@@ -54,7 +55,7 @@ def run(mode: str, repeat: int, tmp: str) -> dict[str, object]:
     os.mkfifo(fifo)
     fd = os.open(fifo, os.O_RDWR | os.O_NONBLOCK)
     probe = os.path.join(tmp, "probe.py")
-    env = dict(os.environ, BENCH_FIFO=fifo)
+    env = dict(environment.environ(), BENCH_FIFO=fifo)
     g = WorkerGroup([[sys.executable, "-u", probe]], [env], warm=mode == "warm")
     t_start = time.monotonic()
     g.start()

@@ -32,7 +32,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ckptless import environment
 from ckptless.chaos.netns import NS_IF, NetTopology, NodeNet
+from ckptless.chaos.proctable import alive, parent_pid, proc_state
 from ckptless.coordinator.client import EtcdClient
 from ckptless.coordinator.config import EtcdConfig
 from ckptless.coordinator.embedded import EmbeddedEtcd
@@ -129,7 +131,7 @@ def child_env(extra: Mapping[str, str]) -> dict[str, str]:
     process (``import torch``), which on a loaded 2-core machine took > 30 s and
     turned a clean recovery into a "failure during recovery" cascade.
     """
-    env = dict(os.environ)
+    env = dict(environment.environ())
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     env.update({"GRPC_ENABLE_FORK_SUPPORT": "false", "GRPC_VERBOSITY": "ERROR", "OMP_NUM_THREADS": "1",
                 "CKPTLESS_LOG_LEVEL": "INFO", "CKPTLESS_COLLECTIVE_TIMEOUT": "90",
@@ -375,13 +377,13 @@ class LocalCluster:
         by_pid = {a.pid: a for a in self.agents}
         pid, seen = worker_pid, 0
         while seen < 16:
-            ppid = _ppid(pid)
+            ppid = parent_pid(pid)
             if ppid in by_pid:
                 return by_pid[ppid]
             if ppid <= 1:
                 break
             pid, seen = ppid, seen + 1
-        raise CoordinatorError(f"worker {worker_pid} has parent {_ppid(worker_pid)}, not one of our agents")
+        raise CoordinatorError(f"worker {worker_pid} has parent {parent_pid(worker_pid)}, not one of our agents")
 
     def ranks_of(self, agent: Agent) -> tuple[int, ...]:
         """Ranks whose current worker (last line of ``pids_rank<R>.jsonl``) is a child of ``agent``;
@@ -392,7 +394,7 @@ class LocalCluster:
         for r in range(self.spec.world_size):
             recs = self.pids(r)
             recorded = recorded or bool(recs)
-            if recs and _ppid(int(str(recs[-1]["pid"]))) == agent.pid:
+            if recs and parent_pid(int(str(recs[-1]["pid"]))) == agent.pid:
                 found.append(r)
         if recorded:
             return tuple(found)
@@ -417,7 +419,7 @@ class LocalCluster:
                 if not hit:
                     with open(f"/proc/{entry}/environ", "rb") as f:
                         hit = mark in b"\0" + f.read()
-                if hit and _state(int(entry)) not in ("Z", "X"):
+                if hit and proc_state(int(entry)) not in ("Z", "X"):
                     found.append(int(entry))
             except OSError:
                 continue
@@ -435,48 +437,6 @@ class LocalCluster:
 
     def logs_text(self) -> str:
         return "\n".join(a.log.read_text(errors="replace") for a in self.agents if a.log.exists())
-
-
-def _stat_fields(pid: int) -> list[str]:
-    with open(f"/proc/{pid}/stat") as f:
-        text = f.read()
-    return text[text.rindex(")") + 2:].split()  # the command name may contain spaces and parens
-
-
-def _ppid(pid: int) -> int:
-    try:
-        return int(_stat_fields(pid)[1])
-    except OSError:
-        return -1
-
-
-def _state(pid: int) -> str:
-    return _stat_fields(pid)[0]
-
-
-def alive(pid: int) -> bool:
-    try:
-        return _state(pid) not in ("Z", "X")
-    except OSError:
-        return False
-
-
-def descendants(pid: int) -> list[int]:
-    """Every live descendant of ``pid`` (children first), from ``/proc``: a node's whole process tree."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                children.setdefault(_ppid(int(entry)), []).append(int(entry))
-            except OSError:
-                continue
-    found: list[int] = []
-    todo = list(children.get(pid, []))
-    while todo:
-        p = todo.pop(0)
-        found.append(p)
-        todo.extend(children.get(p, []))
-    return found
 
 
 def wait_gone(pids: Sequence[int], timeout_s: float) -> list[int]:

@@ -29,8 +29,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from ckptless.chaos.cluster import Agent, ChaosTimeout, LocalCluster, descendants, wait_for
+from ckptless.chaos.cluster import Agent, ChaosTimeout, LocalCluster, wait_for
 from ckptless.chaos.netns import NetTopology, Partition
+from ckptless.chaos.proctable import descendants
 from ckptless.chaos.schedule import Fault, FaultKind
 from ckptless.errors import ConfigError
 from ckptless.goodput.ledger import Event, EventKind

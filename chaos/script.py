@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ckptless import environment
 from ckptless.chaos.cluster import REPO, ClusterSpec, LocalCluster, wait_gone
 from ckptless.chaos.faults import Injection, inject_step, pause_tag
 from ckptless.chaos.schedule import Fault, FaultKind
@@ -55,10 +56,10 @@ import os as _os
 import sys as _sys
 
 _here = _os.path.dirname(_os.path.abspath(__file__))
-if "LOCAL_RANK" in _os.environ:
+if _os.getenv("LOCAL_RANK") is not None:
     import random as _random
 
-    _seed = 1_000_003 * int(_os.environ.get("RANK") or 0) + 12345
+    _seed = 1_000_003 * int(_os.getenv("RANK") or 0) + 12345
     _random.seed(_seed)
     try:
         import numpy as _np
@@ -140,7 +141,7 @@ class ScriptJob:
         env.setdefault("PYTHONHASHSEED", "0")
         if site is not None:
             env["PYTHONPATH"] = os.pathsep.join(p for p in (str(site), env.get("PYTHONPATH", ""), str(REPO),
-                                                            os.environ.get("PYTHONPATH", "")) if p)
+                                                            environment.environ().get("PYTHONPATH", "")) if p)
         return ClusterSpec(
             nodes=self.nnodes, nproc_per_node=self.nproc_per_node, script=self.script.resolve(),
             script_args=self.args, env=env, lease_ttl=self.lease_ttl,

@@ -16,9 +16,9 @@ import os
 
 import pytest
 
+from ckptless.chaos.catalogue import catalogue, long_scenario, partition_scenarios, random_scenario
 from ckptless.chaos.cluster import ClusterSpec
 from ckptless.chaos.faults import HOLD_BEFORE_END, pause_spec
-from ckptless.chaos.main import catalogue, long_scenario, partition_scenarios, random_scenario
 from ckptless.chaos.scenario import BaselineCache, Scenario, render_fault_table, render_table, run_scenario
 from ckptless.chaos.schedule import Fault, FaultKind, Schedule, ScheduleConfig, explicit_schedule
 from ckptless.errors import ConfigError

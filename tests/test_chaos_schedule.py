@@ -115,9 +115,10 @@ def test_pause_spec_one_pause_per_target() -> None:
 
 
 # --- long schedules (one job, >= 20 faults; docs/chaos.md "The long run") ----------------------
-from ckptless.chaos.schedule import (  # noqa: E402
-    SPARE_NODE, Expect, Layout, LongConfig, make_long_schedule, simulate,
+from ckptless.chaos.long_schedule import (  # noqa: E402
+    SPARE_NODE, Layout, LongConfig, make_long_schedule, simulate,
 )
+from ckptless.chaos.schedule import Expect  # noqa: E402
 
 LONG_KINDS = {FaultKind.KILL_WORKER, FaultKind.HANG_WORKER, FaultKind.KILL_AGENT, FaultKind.KILL_LEADER,
               FaultKind.KILL_IN_RECOVERY}

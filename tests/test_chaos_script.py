@@ -154,7 +154,7 @@ def test_bad_input_is_exit_2_without_running(tmp_path: Path, capsys: pytest.Capt
 
 def test_demo_plan_fits_its_spares() -> None:
     """The node loss comes first: it needs both warm spares (a dead node cannot respawn its ranks)."""
-    from ckptless.chaos.main import demo_faults, demo_job
+    from ckptless.chaos.catalogue import demo_faults, demo_job
 
     job = demo_job(1000)
     faults = demo_faults(1000)

@@ -1,0 +1,72 @@
+"""Plumbing that both sides of bench/recovery.py share: where the worker is, the environment its
+launchers get, waiting on a worker's files, stopping a launcher's process group, and reading the
+goodput ledgers.
+
+Why its own module: the ckptless runs (:mod:`_recovery_ckptless`) and the torchrun + DCP runs
+(:mod:`_recovery_torchrun`) start, watch and stop their jobs the same way; one copy keeps the two
+measurements comparable.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from ckptless import environment
+
+REPO = Path(__file__).resolve().parent.parent
+WORKER = str(REPO / "bench" / "_recovery_worker.py")
+PY = sys.executable
+MIB = 1 << 20
+
+
+def child_env(extra: dict[str, str]) -> dict[str, str]:
+    env = dict(environment.environ())
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    env["OMP_NUM_THREADS"] = "1"
+    env.update(extra)
+    return env
+
+
+def wait_file(path: Path, timeout: float, procs: list[subprocess.Popen[bytes]]) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if path.exists():
+            try:
+                return json.loads(path.read_text())
+            except ValueError:
+                pass
+        dead = [p for p in procs if p.poll() is not None]
+        if dead:
+            raise RuntimeError(f"a launcher exited ({dead[0].args[:3]}... rc={dead[0].returncode}) while waiting for {path}")
+        time.sleep(0.01)
+    raise TimeoutError(f"{path} did not appear within {timeout}s")
+
+
+def kill_group(p: subprocess.Popen[bytes]) -> None:
+    if p.poll() is None:
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        p.wait(10)
+
+
+def settle_s(nbytes: int, world: int) -> float:
+    """Time for the last mirror round / writes to finish before the kill (CPUs quiet)."""
+    return 1.0 + nbytes * world / 4 / 200e6
+
+
+def read_events(gdir: Path) -> list[dict[str, Any]]:
+    evs = []
+    for f in sorted(gdir.glob("rank*.jsonl")):
+        for line in f.read_text().splitlines():
+            if line.strip():
+                evs.append(json.loads(line))
+    return evs
