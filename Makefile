@@ -18,9 +18,9 @@ install: $(STAMP) sysdeps
 
 # Debian packages the tests need, installed here so a fresh machine (and CI on one) has them:
 # - chromium + chromium-driver: the test that renders `ckptless report --html` headless
-#   (tests/test_report_html.py);
+#   (tests/e2e/test_report_html.py);
 # - nftables + iproute2: the chaos runner's network partitions (chaos/netns.py,
-#   tests/test_netns.py), which fail loudly without `nft`/`ip` when run as root.
+#   tests/e2e/test_netns.py), which fail loudly without `nft`/`ip` when run as root.
 # apt-get runs only when a binary is missing, so this costs nothing once installed; a failed
 # install retries once after apt-get update. `make browser` is kept as the old name.
 CHROMIUM ?= /usr/bin/chromium
@@ -57,7 +57,7 @@ test: $(STAMP) sysdeps
 # bounded for CI's time budget; `make test-loaded LOADED_K=` runs every non-slow recovery test.
 LOADED_K ?= second_failure or spare_on_another or refill
 test-loaded: $(STAMP)
-	$(PY) tools/with_busy_cpu.py -- $(PY) -m pytest -q -m "not slow" tests/test_recovery_e2e.py -k "$(LOADED_K)"
+	$(PY) tools/with_busy_cpu.py -- $(PY) -m pytest -q -m "not slow" tests/e2e/test_recovery_e2e.py -k "$(LOADED_K)"
 
 # Everything, including the slow chaos/recovery matrix.
 test-all: $(STAMP) sysdeps

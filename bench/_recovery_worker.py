@@ -9,7 +9,7 @@ elements plus its AdamW state (exp_avg, exp_avg_sq), i.e. ~BENCH_STATE_BYTES per
 gradient, AdamW update of the whole shard, and one small all_reduce (so a dead peer
 is seen by the collective, as in a real job).
 
-Fault injection (same idea as tests/scripts/train_ref.py): BENCH_PAUSES="r:s,r:s,..."
+Fault injection (same idea as tests/harness/scripts/train_ref.py): BENCH_PAUSES="r:s,r:s,..."
 lists (rank, step) points; the rank that is about to run step s writes
 OUT/pause<i>.json ({"pid", "rank", "step"}) and holds (bounded) until the bench
 SIGKILLs it. A pause point fires once (its file exists afterwards).

@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/loader_workers.py [--reps 3] [--workers 2]
 
-The reference job of the e2e tests (tests/scripts/train_ref.py: 2 agents x 2 ranks,
+The reference job of the e2e tests (tests/harness/scripts/train_ref.py: 2 agents x 2 ranks,
 K = 1, real etcd), its loader with ``num_workers`` = 0 and = N, rank 1 SIGKILLed at
 step 5. Measured from the goodput ledgers (one monotonic clock for every process on
 this host): kill -> the last rank's first step after the recovery. Before the fix the
@@ -28,7 +28,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from ckptless.coordinator.embedded import EmbeddedEtcd  # noqa: E402
-from tests.recovery_harness import Cluster  # noqa: E402
+from tests.harness.cluster import Cluster  # noqa: E402
 
 
 def one(etcd: EmbeddedEtcd, root: Path, workers: int) -> float:

@@ -4,7 +4,7 @@ Why pure functions: the environment is the whole contract between the agent
 and user code (``init_process_group("env://")``, ``LOCAL_RANK`` for the device,
 ckptless's own ``CKPTLESS_*`` settings).  Keeping it free of I/O lets tests
 compare it variable by variable with what real ``torchrun`` gives a worker
-(tests/test_worker_env.py) and lets the agent compute the environment of a
+(tests/e2e/test_worker_env.py) and lets the agent compute the environment of a
 replacement before it spawns it.
 
 Sources mirrored (torch 2.13): ``LocalElasticAgent._start_workers`` and

@@ -1,14 +1,16 @@
-"""Shared fixtures: a real etcd server (the bundled binary), never a mock."""
+"""Shared fixtures for ``tests/unit`` and ``tests/e2e``: a real etcd server (the bundled binary), never a mock.
+
+Helpers that tests import (paths, child environments, clusters, waits) live in ``tests/harness``."""
 
 from __future__ import annotations
 
 import os
 import shutil
-import sys
 import tempfile
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
@@ -16,8 +18,10 @@ from ckptless.coordinator.client import EtcdClient
 from ckptless.coordinator.config import EtcdConfig
 from ckptless.coordinator.embedded import EmbeddedEtcd
 
-REPO = Path(__file__).resolve().parent.parent
-PYTHON = sys.executable
+from .harness.processes import Fifo
+
+if TYPE_CHECKING:
+    from .harness.cluster import FaultFree
 
 
 @pytest.fixture
@@ -45,13 +49,6 @@ def job_id() -> str:
     return f"test-{uuid.uuid4().hex[:8]}"
 
 
-def child_env() -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
-    env.setdefault("OMP_NUM_THREADS", "1")
-    return env
-
-
 @pytest.fixture(scope="module")
 def module_etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedEtcd]:
     """One real etcd for a module's multi-process e2e tests (each job uses its own key prefix)."""
@@ -60,8 +57,17 @@ def module_etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedEt
         yield server
 
 
+@pytest.fixture(scope="module")
+def baseline(module_etcd: EmbeddedEtcd, tmp_path_factory: pytest.TempPathFactory) -> FaultFree:
+    """The reference job without faults (tests/harness/scripts/train_ref.py: 2 agents x 2 workers, K = 1),
+    once per module: its cluster (logs) and every rank's final state, which a recovered run must equal."""
+    from .harness.cluster import fault_free
+
+    return fault_free(module_etcd.endpoint, tmp_path_factory.mktemp("base"))
+
+
 @pytest.fixture
-def shm_dir() -> Iterator[Path]:
+def dev_shm_dir() -> Iterator[Path]:
     """A fresh directory in /dev/shm (skipped where it is not writable), removed afterwards."""
     if not os.access("/dev/shm", os.W_OK):
         pytest.skip("/dev/shm is not writable here")
@@ -70,3 +76,22 @@ def shm_dir() -> Iterator[Path]:
         yield d
     finally:
         shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
+def shm_dir(tmp_path: Path) -> Iterator[str]:
+    """A private directory standing in for /dev/shm (on tmpfs where /dev/shm is writable, else under
+    ``tmp_path``), as a str; removed afterwards."""
+    base = "/dev/shm" if os.access("/dev/shm", os.W_OK) else str(tmp_path)
+    d = os.path.join(base, f"ckptless-test-{os.getpid()}-{tmp_path.name}")
+    os.makedirs(d, exist_ok=True)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
+def fifo(tmp_path: Path) -> Iterator[Fifo]:
+    """A named pipe the test reads lines from (workers open it by path and write)."""
+    f = Fifo(tmp_path / "sync")
+    yield f
+    f.close()

@@ -4,7 +4,7 @@ Why: a test that passes on an idle machine and fails on a slower or busier one
 is a product bug until proven otherwise. CI runs the recovery e2e subset once
 beside a process that keeps one of the two cores busy for the whole run.
 
-    python tools/with_busy_cpu.py -- python -m pytest -q tests/test_recovery_e2e.py
+    python tools/with_busy_cpu.py -- python -m pytest -q tests/e2e/test_recovery_e2e.py
 """
 
 from __future__ import annotations

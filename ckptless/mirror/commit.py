@@ -12,7 +12,7 @@ verified, else ``-1``; one ``all_reduce(MIN)`` on the mirror group over
 (owner, holder) pair acknowledged v, which is exactly the definition above; if
 ``min v != max v`` the ranks are out of step (a bug or a stale peer) and the
 engine stops. The general function :func:`committed_version` (used by recovery
-on reported facts) and the per-round rule agree; tests/test_mirror_transport.py
+on reported facts) and the per-round rule agree; tests/e2e/test_mirror_transport.py
 checks that with hypothesis.
 
 Why holders must *pin* the committed version: a later round may fail, and the

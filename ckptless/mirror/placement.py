@@ -25,7 +25,7 @@ Load guarantee: whenever the structured layout is used (always when no node
 layout is given, or nodes have equal size and there are >= K+1 of them, or the
 largest node holds at most ``world_size // (K+1)`` ranks), every rank holds
 exactly K images. The greedy fallback keeps the hard constraints and spreads
-load by least-loaded choice; its bound is checked in tests/test_placement.py
+load by least-loaded choice; its bound is checked in tests/unit/test_placement.py
 (max load <= the forced lower bound + 2) and documented in docs/protocol.md.
 """
 

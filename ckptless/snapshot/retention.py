@@ -1,7 +1,7 @@
 """Which snapshot directories to delete (pure: no file system here).
 
 Why pure: the rule decides what survives a disaster, so it is property-tested
-on its own (``tests/test_snapshot.py``) and the I/O around it stays trivial.
+on its own (``tests/e2e/test_snapshot.py``) and the I/O around it stays trivial.
 
 Rules, for one job's ``step_*`` directories, as seen by a writer of
 ``world_size`` ranks:

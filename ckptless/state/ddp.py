@@ -44,7 +44,7 @@ Supported: ``find_unused_parameters=False``, ``static_graph=False``, no comm
 hook, no DDP mixed precision (all refused at ``protect``), any
 ``gradient_as_bucket_view``, ``bucket_cap_mb``.
 
-Private torch 2.13 APIs used (pinned by ``tests/test_state_ddp_fsdp.py``):
+Private torch 2.13 APIs used (pinned by ``tests/e2e/test_state_ddp_fsdp.py``):
 ``DistributedDataParallel._has_rebuilt_buckets``, ``._comm_hooks``,
 ``._build_params_for_reducer``, ``._build_debug_param_to_name_mapping``,
 ``._ddp_init_helper``, ``._use_python_reducer``,

@@ -19,7 +19,7 @@ The key is a SHA-256 over:
 * the owner rank when the state holds a DTensor: a sharded tensor's place on
   its mesh is the rank's own, so no other rank's objects fit it.
 
-Pure: no torch, no I/O; tested in ``tests/test_layout_key.py``.
+Pure: no torch, no I/O; tested in ``tests/unit/test_layout_key.py``.
 """
 
 from __future__ import annotations

@@ -1,0 +1,61 @@
+"""A replacement's setup builds what the original's built (issue 17: it could train silently on other data).
+
+* An unseeded script that draws from the global torch RNG during its setup: a
+  respawned replacement re-runs the setup; ``ckptless.init()`` seeded it the same
+  way, so it draws the same numbers.
+* A script whose setup reads its rank (``os.environ["RANK"]``) and keeps
+  rank-specific, unprotected state: a pre-built spare built as another rank
+  (``--spare-any-rank``) must not take the lost rank with its objects as built.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+
+import pytest
+
+from ckptless.coordinator.embedded import EmbeddedEtcd
+
+from ..harness.cluster import FaultFree, assert_bitwise_equal, fault_free, kill_when_paused, new_cluster
+from ..harness.waiting import wait_until
+
+KNOBS = {"REF_UNSEEDED_DATA": "1", "REF_SETUP_READS_RANK": "1"}
+
+
+@pytest.fixture(scope="module")
+def baseline(module_etcd: EmbeddedEtcd, tmp_path_factory: pytest.TempPathFactory) -> FaultFree:
+    """The fault-free run of this module's job: the reference job with both setup knobs on."""
+    return fault_free(module_etcd.endpoint, tmp_path_factory.mktemp("base"), **KNOBS)
+
+
+def test_unseeded_setup_is_redrawn_the_same_by_a_replacement(module_etcd: EmbeddedEtcd, tmp_path: Path,
+                                                             baseline: FaultFree) -> None:
+    c = new_cluster(module_etcd.endpoint, tmp_path, "unseeded", **KNOBS, REF_PAUSE_RANK="1", REF_PAUSE_STEP="5")
+    kill_when_paused(c, 1)
+    assert_bitwise_equal(c.finals(), baseline.finals)
+    assert c.pids(1)[-1]["role"] == "replacement"
+    assert "does not seed torch before ckptless.init()" in c.log_text()  # the script is told, once
+
+
+def test_spare_whose_setup_read_its_rank_restarts_as_the_lost_rank(module_etcd: EmbeddedEtcd, tmp_path: Path,
+                                                                  baseline: FaultFree) -> None:
+    c = new_cluster(module_etcd.endpoint, tmp_path, "readsrank", **KNOBS, REF_PAUSE_RANK="1", REF_PAUSE_STEP="5")
+    try:
+        c.start_agent()
+        c.start_agent()
+        c.start_agent("--spares", "1", "--spare-any-rank", nproc=0)
+        pid = c.paused_pid(1)
+        wait_until(lambda: any(c.out.glob("standby_*.json")), 120, "the spare built and standing by")
+        standby = [json.loads(p.read_text())["rank"] for p in c.out.glob("standby_*.json")]
+        assert standby == [0]
+        os.kill(pid, signal.SIGKILL)
+        c.wait()
+    finally:
+        c.kill_all()
+    assert_bitwise_equal(c.finals(), baseline.finals)
+    text = c.log_text()
+    assert "its setup read its rank (os.environ['RANK'] at" in text, c.tail()
+    assert "train_ref.py" in text.split("its setup read its rank", 1)[1][:300]
