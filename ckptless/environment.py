@@ -45,6 +45,8 @@ VARIABLES: dict[str, str] = {
     "CKPTLESS_UNPORTED_WARN_S": "unported_warn_s",
     "CKPTLESS_COLLECTIVE_TIMEOUT": "collective_timeout_s",
     "CKPTLESS_SEED": "seed",
+    "CKPTLESS_CPU_BACKEND": "cpu_backend",
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "nccl_error_handling",
     "CKPTLESS_ETCD_USER": "etcd_user",
     "CKPTLESS_ETCD_PASSWORD": "etcd_password",
     "CKPTLESS_ETCD_CA_CERT": "etcd_ca_cert",
@@ -72,6 +74,10 @@ class ProcessEnv(BaseModel):
     unported_warn_s: float = Field(default=60.0, gt=0, description="warn when a worker never called init()")
     collective_timeout_s: float | None = Field(default=None, gt=0, description="a collective's deadline")
     seed: int | None = Field(default=None, ge=0, lt=2**32, description="the seed of an unseeded script's setup")
+    cpu_backend: str = Field(default="gloo", min_length=1, description="the backend of the user's groups for "
+                             "CPU tensors: gloo, or one the process registered (the tests' NCCL-semantics one)")
+    nccl_error_handling: int | None = Field(default=None, ge=0, le=3, description="torch's NCCL error mode: "
+                                            "ckptless needs 0 or 2 (abort without tearing the process down)")
     etcd_user: str | None = None
     etcd_password: str | None = Field(default=None, repr=False)
     etcd_ca_cert: str | None = None

@@ -86,6 +86,19 @@ class WorkerLayout:
                    run_id=run_id, **kw)  # type: ignore[arg-type]
 
 
+def nccl_error_handling(parent_env: Mapping[str, str]) -> str:
+    """torch's NCCL error mode for the workers: 2 (abort the communicator, keep the process), where
+    torchrun gives 1 (tear the process down). Why: a survivor of a failure holds its peers' replicas;
+    ckptless aborts a broken generation itself (ckptless/worker/abort.py), torch's watchdog stays the
+    backstop at the collective timeout. A parent value of 0 or 2 is kept; 1 or 3 is refused."""
+    value = parent_env.get("TORCH_NCCL_ASYNC_ERROR_HANDLING") or "2"
+    if value.strip() not in ("0", "2"):
+        raise ConfigError("TORCH_NCCL_ASYNC_ERROR_HANDLING", value,
+                          "must be 2 (abort the communicator, keep the process; the default) or 0 under "
+                          "ckptless-run: 1 and 3 tear down the survivors of a failure and the replicas they hold")
+    return value.strip()
+
+
 def torchrun_env(layout: WorkerLayout, local_rank: int, parent_env: Mapping[str, str],
                  error_file: str | None = None) -> dict[str, str]:
     """Only the variables torchrun adds for one worker (not the inherited ones).
@@ -115,7 +128,7 @@ def torchrun_env(layout: WorkerLayout, local_rank: int, parent_env: Mapping[str,
         "TORCHELASTIC_MAX_RESTARTS": str(layout.max_restarts),
         "TORCHELASTIC_RUN_ID": layout.run_id,
         "TORCHELASTIC_USE_AGENT_STORE": str(layout.use_agent_store),  # "True"/"False", as torchrun
-        "TORCH_NCCL_ASYNC_ERROR_HANDLING": parent_env.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": nccl_error_handling(parent_env),
         "TORCHELASTIC_ERROR_FILE": error_file or "",
         # torchrun's launch_agent puts this in its own environment; workers inherit it.
         "TORCHELASTIC_SIGNALS_TO_HANDLE": layout.signals_to_handle,

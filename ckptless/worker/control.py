@@ -28,7 +28,7 @@ from ckptless.errors import CkptlessError, CoordinatorError, CoordinatorUnavaila
 from ckptless.recovery.facts import WorkerReport
 from ckptless.recovery.view import JobStatus, report_record_to_json
 from ckptless.recovery.wire import Membership, membership_from_json
-from ckptless.worker import sockets
+from ckptless.worker import abort
 
 T = TypeVar("T")
 
@@ -81,10 +81,11 @@ class WorkerControl:
                 except ValueError:
                     continue
                 self._incidents.add(failed)
-                # The leader declared the generation failed: end its connections now, from this
-                # thread, so a collective blocked on healthy peers raises at once (not hop by hop,
-                # and not after the collective timeout where a peer's loader workers hold its sockets).
-                sockets.shutdown(failed)
+                # The leader declared the generation failed: end its connections and abort its
+                # communicators now, off the training thread, so a collective blocked on healthy peers
+                # raises at once (not hop by hop, not at the collective timeout where a peer's loader
+                # workers hold its sockets, and never, for NCCL, until torch's watchdog kills us).
+                abort.request(failed, "the coordinator declared it failed")
             elif e.key == ks.generation:
                 try:
                     self._newest_generation = max(self._newest_generation, int(json.loads(e.value)["generation"]))

@@ -37,7 +37,9 @@ cuda tensors (written device-agnostically, untested here).
 
 from __future__ import annotations
 
+import logging
 import threading
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -50,6 +52,16 @@ from ckptless.errors import CollectiveError, ConfigError
 
 GLOO = dist.ProcessGroup.BackendType.GLOO
 PLUGIN = "ckptless"
+
+log = logging.getLogger(__name__)
+_broken_listeners: list[Callable[[int], None]] = []
+
+
+def on_broken(listener: Callable[[int], None]) -> None:
+    """Call ``listener(generation)`` whenever a group first sees a collective of ``generation`` fail
+    (from whatever thread saw it: the caller's ``wait()``, a backend's done-callback)."""
+    if listener not in _broken_listeners:
+        _broken_listeners.append(listener)
 
 
 def new_gloo(store: dist.Store, rank: int, size: int, timeout: timedelta) -> dist.ProcessGroupGloo:
@@ -166,12 +178,40 @@ class RebindableGroup(dist.ProcessGroup):
         return self._inner is not None
 
     def mark_broken(self, generation: int) -> None:
-        if self.broken_generation is None or generation > self.broken_generation:
+        newly = self.broken_generation is None or generation > self.broken_generation
+        if newly:
             self.broken_generation = generation
+            for listener in list(_broken_listeners):
+                listener(generation)
+
+    def abort(self, generation: int) -> int:
+        """Abort the backends of ``generation`` that need an explicit abort to end a blocked
+        collective (NCCL: ``ncclCommAbort``; not Gloo, whose connections ``sockets.shutdown`` ends);
+        returns how many. Called from a thread other than the one blocked (worker/abort.py); the
+        communicators stay referenced until :meth:`release`."""
+        with self.lock:
+            if self.generation != generation:
+                return 0
+            if self.broken_generation is None or generation > self.broken_generation:
+                self.broken_generation = generation
+            backends = [b for b in self._backends if not isinstance(b, dist.ProcessGroupGloo)]
+        n = 0
+        for b in backends:
+            try:
+                b.abort()
+                n += 1
+            except Exception:  # noqa: BLE001 - one backend's failed abort must not stop the others'
+                log.warning("aborting %s of group %r (generation %d) failed", type(b).__name__, self._name,
+                            generation, exc_info=True)
+        return n
 
     def build(self, store: dist.Store, generation: int) -> tuple[dist.ProcessGroup, list[Any]]:
         """The generation's communicator (blocks until every member of the group built it)."""
         prefix = dist.PrefixStore(f"ckptless/gen{generation}/pg/{self._name}/", store)
+        cpu_backend = environment.current().cpu_backend
+        if cpu_backend != "gloo":
+            group = self._build_plugin(cpu_backend, prefix)
+            return group, [group]
         inner = dist.ProcessGroup(prefix, self.rank(), self.size())
         gloo = new_gloo(prefix, self.rank(), self.size(), self.timeout)
         gloo._set_sequence_number_for_group()
@@ -187,6 +227,19 @@ class RebindableGroup(dist.ProcessGroup):
             inner._register_backend(torch.device("cuda"), dist.ProcessGroup.BackendType.NCCL, nccl)
             backends.append(nccl)
         return inner, backends
+
+    def _build_plugin(self, name: str, store: dist.Store) -> Any:
+        """The CPU communicator from a backend registered under ``name`` (``CKPTLESS_CPU_BACKEND``):
+        its creator must return a group. Used by the tests' NCCL-semantics backend
+        (``tests/harness/nccl_like.py``), which CI runs the recovery tests on."""
+        plugin = dist.Backend._plugins.get(name.upper())
+        if plugin is None:
+            raise ConfigError("CKPTLESS_CPU_BACKEND", name, "no such backend was registered (dist.Backend."
+                                                            "register_backend) in this process before ckptless.init()")
+        opts = dist.distributed_c10d._DistributedBackendOptions()
+        opts.store, opts.group_rank, opts.group_size = store, self.rank(), self.size()
+        opts.timeout, opts.group_id, opts.global_ranks_in_group = self.timeout, self._name, self.global_ranks
+        return plugin.creator_fn(opts, None)
 
     def install(self, generation: int, inner: dist.ProcessGroup, backends: list[Any]) -> None:
         with self.lock:

@@ -17,7 +17,7 @@ from ckptless.errors import MirrorError, StateError, TransportError
 from ckptless.goodput.ledger import EventKind
 from ckptless.mirror.partial import PairSpec
 from ckptless.state.capture import StateImage
-from ckptless.worker import reuse
+from ckptless.worker import groups, reuse
 from ckptless.worker.faults import is_fault
 from ckptless.worker.machine import (
     Committed,
@@ -112,6 +112,11 @@ def train_steps(rt: WorkerRuntime, generation: int, from_step: int,
                 return Fault(f"the coordinator declared generation {generation} failed")
         chaos_hooks.pause_point(f"step:r{rt.rank}:{step}", rank=rt.rank, step=step)
         failed = yield step
+        if failed is None and groups.collective_failed(generation, settle_s=0.0):
+            # The step returned, but a collective of it failed: with NCCL an aborted all-reduce's
+            # future completes anyway (at enqueue), so the step may have applied garbage. Never
+            # protect or count it; the rollback restores the committed version.
+            failed = Fault(f"a collective of generation {generation} failed during step {step}")
         if failed is not None:
             return failed
         done = step + 1

@@ -32,6 +32,7 @@ import pytest
 
 from ckptless.coordinator.embedded import EmbeddedEtcd
 
+from ..harness import nccl_like
 from ..harness.cluster import Cluster, assert_bitwise_equal, descendants_with_env, wait_exit
 from ..harness.repo import PYTHON, REPO, SCRIPTS, child_env
 
@@ -116,8 +117,8 @@ def fsdp_baseline(module_etcd: EmbeddedEtcd, tmp_path_factory: pytest.TempPathFa
 
 
 def _kill_and_check(etcd: EmbeddedEtcd, out: Path, script: str, args: Sequence[str], victim: int, step: int,
-                    where: str, baseline: dict[int, dict[str, object]]) -> None:
-    c = _run(etcd, out, script, args, EXAMPLE_PAUSE=f"{victim}:{step}:{where}")
+                    where: str, baseline: dict[int, dict[str, object]], **env: str) -> ExampleCluster:
+    c = _run(etcd, out, script, args, EXAMPLE_PAUSE=f"{victim}:{step}:{where}", **env)
     try:
         c.start_agent()
         c.start_agent()
@@ -137,6 +138,7 @@ def _kill_and_check(etcd: EmbeddedEtcd, out: Path, script: str, args: Sequence[s
         if r != victim:
             assert pids[r] == before[r], f"survivor rank {r} was restarted ({before[r]} -> {pids[r]})"
             assert int(finals[r]["recoveries"]) == 1, f"rank {r}: {finals[r]['recoveries']} recoveries"  # type: ignore[call-overload]
+    return c
 
 
 # --- DDP -------------------------------------------------------------------------------------------
@@ -326,3 +328,21 @@ def test_porting_guide_ported_script_runs(kind: str, tmp_path: Path) -> None:
     text = log.read_text(errors="replace")
     assert code == 0, text[-4000:]
     assert "epoch 0 loss" in text, text[-4000:]
+
+
+# --- on a backend with NCCL's failure semantics (tests/harness/nccl_like.py) -------------------------
+
+
+def test_ddp_on_nccl_semantics_kill_in_backward(module_etcd: EmbeddedEtcd, tmp_path: Path, ddp_baseline: dict) -> None:
+    """The user's DDP groups on the NCCL-semantics backend: the survivors' all-reduce never fails by
+    itself when rank 3 dies in backward; ckptless aborts the generation, nobody waits for the watchdog."""
+    c = _kill_and_check(module_etcd, tmp_path / "ddp_nccl_r3_bwd", DDP_SCRIPT, (), 3, 5, "backward", ddp_baseline,
+                        **nccl_like.job_env())
+    assert "[nccl_like] watchdog" not in c.log_text()
+
+
+def test_fsdp2_on_nccl_semantics_kill_rank0_in_backward(module_etcd: EmbeddedEtcd, tmp_path: Path,
+                                                         fsdp_baseline: dict) -> None:
+    c = _kill_and_check(module_etcd, tmp_path / "fsdp_nccl_r0_bwd", FSDP_SCRIPT, (), 0, 5, "backward",
+                        fsdp_baseline, **nccl_like.job_env())
+    assert "[nccl_like] watchdog" not in c.log_text()

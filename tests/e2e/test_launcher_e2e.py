@@ -29,6 +29,9 @@ TORCHRUN_ONLY = {
     "TORCHELASTIC_ERROR_FILE", "PYTHONUNBUFFERED",
 }
 VARIES = {"MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE", "MASTER_ADDR"}
+# The one value ckptless gives on purpose unlike torchrun (1: tear the process down): 2 aborts the
+# communicator and keeps the process, whose replicas a recovery needs (ckptless/worker/abort.py).
+DIFFERS = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": ("1", "2")}
 
 
 def _agent(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
@@ -70,7 +73,9 @@ def test_same_worker_env_as_torchrun(tmp_path: Path) -> None:
         t_names = {k for k in theirs[rank] if k in TORCHRUN_ONLY or k.startswith(("TORCHELASTIC_", "ROLE_", "GROUP_"))}
         o_names = {k for k in ours[rank] if k in TORCHRUN_ONLY or k.startswith(("TORCHELASTIC_", "ROLE_", "GROUP_"))}
         assert t_names == o_names, f"rank {rank}: only torchrun {t_names - o_names}, only ckptless {o_names - t_names}"
-        for name in sorted(t_names - VARIES):
+        for name, (torchrun_value, ckptless_value) in DIFFERS.items():
+            assert (theirs[rank][name], ours[rank][name]) == (torchrun_value, ckptless_value), name
+        for name in sorted(t_names - VARIES - DIFFERS.keys()):
             assert ours[rank][name] == theirs[rank][name], f"rank {rank} {name}: {ours[rank][name]!r} != {theirs[rank][name]!r}"
         assert any(k.startswith("CKPTLESS_") for k in ours[rank])
 

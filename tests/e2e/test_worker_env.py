@@ -36,7 +36,7 @@ def test_ranks_and_sizes() -> None:
     assert (env["MASTER_ADDR"], env["MASTER_PORT"], env["TORCHELASTIC_RUN_ID"]) == ("h0", "1234", "job")
     assert (env["TORCHELASTIC_RESTART_COUNT"], env["TORCHELASTIC_MAX_RESTARTS"]) == ("2", "5")
     assert env["TORCHELASTIC_USE_AGENT_STORE"] == "True" and env["ROLE_NAME"] == "default"
-    assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1" and env["TORCHELASTIC_ERROR_FILE"] == ""
+    assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "2" and env["TORCHELASTIC_ERROR_FILE"] == ""  # torchrun: 1
     assert set(env) == set(W.TORCHRUN_VARS) | {"OMP_NUM_THREADS"}
 
 
@@ -62,9 +62,9 @@ def test_local_rank_out_of_range() -> None:
 
 
 def test_parent_values_are_inherited_like_torchrun() -> None:
-    parent = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3", "OMP_NUM_THREADS": "4", "CUDA_VISIBLE_DEVICES": "2,3"}
+    parent = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0", "OMP_NUM_THREADS": "4", "CUDA_VISIBLE_DEVICES": "2,3"}
     env = W.torchrun_env(_layout(), 0, parent, error_file="/x/error.json")
-    assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "3" and env["OMP_NUM_THREADS"] == "4"
+    assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "0" and env["OMP_NUM_THREADS"] == "4"
     assert env["CUDA_VISIBLE_DEVICES"] == "2,3" and env["TORCHELASTIC_ERROR_FILE"] == "/x/error.json"
 
 
@@ -170,8 +170,12 @@ def test_same_environment_as_real_torchrun(tmp_path: Path, variant: str) -> None
                                         run_id=theirs["TORCHELASTIC_RUN_ID"], **kw)
         ours = W.worker_env(layout, local_rank, parent, error_file=f"/elsewhere/attempt_0/{local_rank}/error.json")
         assert set(theirs) == set(ours), set(theirs) ^ set(ours)
-        for key in set(theirs) - VOLATILE:
+        for key in set(theirs) - VOLATILE - {"TORCH_NCCL_ASYNC_ERROR_HANDLING"}:
             assert theirs[key] == ours[key], key
+        # The one deliberate difference: torchrun's default 1 tears a failure's survivors down; ours is 2.
+        want = parent.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
+        assert (theirs["TORCH_NCCL_ASYNC_ERROR_HANDLING"], ours["TORCH_NCCL_ASYNC_ERROR_HANDLING"]) == (
+            parent.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"), want)
         assert theirs["TORCHELASTIC_ERROR_FILE"].endswith(f"attempt_0/{local_rank}/error.json")
         assert set(W.torchrun_env(layout, local_rank, parent)) - set(parent) == set(theirs) - set(parent)
 
@@ -185,3 +189,10 @@ def test_ckptless_env_from_config_carries_every_path_flag_absolute_and_recovery_
     assert env["CKPTLESS_HANG_TIMEOUT"] == "30.0" and env["CKPTLESS_REPLICAS"] == "1"
     off = W.ckptless_env_from_config(cfg, etcd_endpoint="e", node_id="n", generation=0, recovery=False)
     assert off["CKPTLESS_REPLICAS"] == "0"
+
+
+@pytest.mark.parametrize("mode", ["1", "3", "yes"])
+def test_an_nccl_mode_that_tears_survivors_down_is_refused(mode: str) -> None:
+    """torchrun's 1 (and 3) let torch's watchdog kill a failure's survivors with the replicas they hold."""
+    with pytest.raises(ConfigError, match="TORCH_NCCL_ASYNC_ERROR_HANDLING"):
+        W.torchrun_env(_layout(), 0, {"TORCH_NCCL_ASYNC_ERROR_HANDLING": mode})

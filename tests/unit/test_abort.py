@@ -1,0 +1,89 @@
+"""The way out of a broken generation (ckptless/worker/abort.py), on one process with fake backends.
+
+The end-to-end case (survivors of a kill on a backend with NCCL's semantics leave the hung step and
+end bitwise): tests/e2e/test_nccl_semantics_e2e.py.
+"""
+
+from __future__ import annotations
+
+import threading
+from datetime import timedelta
+
+import pytest
+
+from ckptless import environment
+from ckptless.errors import ConfigError
+from ckptless.worker import abort, groups, rebindable
+from ckptless.worker.driver import _check_nccl_error_mode
+from ckptless.worker.rebindable import RebindableGroup
+
+
+class FakeNccl:
+    """Stands for a ProcessGroupNCCL: records abort() and the thread it ran on."""
+
+    def __init__(self) -> None:
+        self.aborted_on: list[str] = []
+        self.done = threading.Event()
+
+    def abort(self) -> None:
+        self.aborted_on.append(threading.current_thread().name)
+        self.done.set()
+
+
+def _bound(generation: int) -> tuple[RebindableGroup, FakeNccl]:
+    g = RebindableGroup(0, 2, [0, 1], timedelta(seconds=5))
+    fake = FakeNccl()
+    g.install(generation, object(), [fake])  # type: ignore[arg-type]
+    return g, fake
+
+
+def test_only_the_bound_generation_is_aborted() -> None:
+    g, fake = _bound(3)
+    assert g.abort(2) == 0 and fake.aborted_on == []
+    assert g.abort(3) == 1 and len(fake.aborted_on) == 1
+    assert g.broken_generation == 3
+
+
+def test_a_failed_collective_aborts_its_generation_off_the_calling_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    g, fake = _bound(7)
+    monkeypatch.setattr(groups, "groups", lambda: [g])
+    shut: list[int] = []
+    monkeypatch.setattr(abort.sockets, "shutdown", lambda gen: shut.append(gen))
+    monkeypatch.setattr(rebindable, "_broken_listeners", [])  # this process's listeners come back afterwards
+    abort.install()
+    g.mark_broken(7)  # as a done-callback or a failed wait() does
+    assert fake.done.wait(5), "the aborter thread never aborted the backend"
+    assert fake.aborted_on == ["ckptless-aborter"] and shut == [7]
+    assert abort.aborted_at(7) is not None
+    g.mark_broken(7)  # seen again: no second abort
+    abort.request(7, "again")
+    assert fake.aborted_on == ["ckptless-aborter"]
+
+
+def test_broken_listeners_hear_each_generation_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(rebindable, "_broken_listeners", [])
+    heard: list[int] = []
+    rebindable.on_broken(heard.append)
+    g = RebindableGroup(0, 1, [0], timedelta(seconds=5))
+    g.mark_broken(1)
+    g.mark_broken(1)
+    g.mark_broken(0)  # older than the one already broken: nothing new
+    g.mark_broken(2)
+    assert heard == [1, 2]
+
+
+@pytest.mark.parametrize("mode", [1, 3])
+def test_a_worker_refuses_an_nccl_mode_that_tears_it_down(mode: int) -> None:
+    with pytest.raises(ConfigError, match="TORCH_NCCL_ASYNC_ERROR_HANDLING"):
+        _check_nccl_error_mode(mode)
+
+
+@pytest.mark.parametrize("mode", [None, 0, 2])
+def test_modes_that_keep_the_process_are_accepted(mode: int | None) -> None:
+    _check_nccl_error_mode(mode)
+
+
+def test_the_mode_is_read_at_the_boundary() -> None:
+    assert environment.ProcessEnv.from_mapping({"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}).nccl_error_handling == 2
+    with pytest.raises(ConfigError, match="TORCH_NCCL_ASYNC_ERROR_HANDLING"):
+        environment.ProcessEnv.from_mapping({"TORCH_NCCL_ASYNC_ERROR_HANDLING": "7"})
