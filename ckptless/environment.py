@@ -140,9 +140,10 @@ def reload() -> ProcessEnv:
 
 def export(values: Mapping[str, str]) -> None:
     """Set variables the user's script reads (a spare's ``RANK`` once it has one); not re-read here."""
+    global _environ
     os.environ.update(values)
     if _environ is not None:
-        globals()["_environ"] = MappingProxyType({**_environ, **values})
+        _environ = MappingProxyType({**_environ, **values})
 
 
 def set_default(name: str, value: str) -> None:

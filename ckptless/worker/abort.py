@@ -36,7 +36,6 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-import time
 
 from ckptless.worker import groups, rebindable, sockets
 
@@ -45,7 +44,7 @@ log = logging.getLogger(__name__)
 _requests: queue.SimpleQueue[tuple[int, str]] = queue.SimpleQueue()
 _lock = threading.Lock()
 _thread: list[threading.Thread] = []
-_aborted: dict[int, float] = {}  # generation -> when its abort ran (monotonic)
+_aborted: set[int] = set()  # generations aborted in this process
 
 
 def abort_now(generation: int, why: str) -> int:
@@ -53,7 +52,7 @@ def abort_now(generation: int, why: str) -> int:
     backends were aborted explicitly (NCCL and other non-Gloo backends). Idempotent."""
     with _lock:
         first = generation not in _aborted
-        _aborted.setdefault(generation, time.monotonic())
+        _aborted.add(generation)
     sockets.shutdown(generation)
     n = sum(g.abort(generation) for g in groups.groups())
     if first:
@@ -71,12 +70,6 @@ def request(generation: int, why: str) -> None:
             _thread[:] = [t]
             t.start()
     _requests.put((generation, why))
-
-
-def aborted_at(generation: int) -> float | None:
-    """When ``generation`` was aborted in this process (monotonic), or None."""
-    with _lock:
-        return _aborted.get(generation)
 
 
 def _serve() -> None:
