@@ -198,6 +198,11 @@ class PlanningFacts:
     (at most one per lost rank, on that rank's node): a respawn there can
     restore from it instead of pulling it from peers.
 
+    ``no_respawn`` are lost ranks their own node cannot start again: the rank's
+    GPU failed (a GPU-class exit) and its agent found no other good GPU free
+    there, as its exit record says. They take a spare or wait; a respawn
+    would meet the failed device again.
+
     ``last_resume`` is the version the current generation's plan resumed at
     (None at generation 0): what the coordinator itself knows was committed,
     when every live worker is a replacement that has not restored yet and so
@@ -216,6 +221,7 @@ class PlanningFacts:
     policy: PlanPolicy = PlanPolicy()
     node_local: tuple[NodeLocalImage, ...] = ()
     last_resume: int | None = None
+    no_respawn: frozenset[int] = frozenset()
 
     def __post_init__(self) -> None:
         if not self.job_id:
@@ -230,6 +236,9 @@ class PlanningFacts:
         self._check_reports()
         self._check_placement()
         self._check_node_local()
+        for rank in sorted(self.no_respawn):
+            if not 0 <= rank < self.world_size or self.slot(rank).alive:
+                raise ConfigError("no_respawn", rank, "only a lost rank can be barred from a respawn")
 
     def _check_members(self) -> None:
         ranks = sorted(s.rank for s in self.members)

@@ -125,6 +125,18 @@ def node_local_images(view: JobView, lost: frozenset[int], notes: list[str]) -> 
     return tuple(out)
 
 
+def no_respawn_ranks(view: JobView, lost: frozenset[int]) -> frozenset[int]:
+    """Lost ranks whose node said it cannot start them again (their GPU failed and no other good one
+    is free there). Only the record of the worker that held the rank now counts, as for node-local
+    images: an older incarnation's says nothing about the node's GPUs today."""
+    out = set()
+    for rank in lost:
+        rec = view.current_exit(rank)
+        if rec is not None and not rec.respawnable:
+            out.add(rank)
+    return frozenset(out)
+
+
 def build_facts(
     view: JobView,
     job_id: str,
@@ -164,6 +176,7 @@ def build_facts(
         policy=policy or PlanPolicy(),
         node_local=node_local_images(view, lost, notes),
         last_resume=_last_resume(m.decision),
+        no_respawn=no_respawn_ranks(view, lost),
     )
     return facts, notes
 

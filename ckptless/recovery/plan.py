@@ -10,7 +10,9 @@ The rules (numbered as in docs/recovery.md):
 
 R1  Survivors keep their rank numbers; only lost ranks get new workers.
 R2  A lost rank goes to a warm spare or a respawn on its own (live) node,
-    per ``policy.prefer``; a spare standing by for that very rank (its objects
+    per ``policy.prefer`` (never a respawn for a rank in ``no_respawn``: its
+    GPU failed and its node has no other good one free; it takes a spare or
+    waits, exactly like a rank of a lost node); a spare standing by for that very rank (its objects
     already built) comes first, then a pre-built ``any_rank`` spare whose
     standby rank's image has this rank's layout key (it takes the rank with its
     objects as built: ``adopt_prebuilt``), then spares are scored to keep a rank
@@ -136,9 +138,9 @@ def _replica_index(facts: PlanningFacts) -> dict[tuple[int, int], list[tuple[int
 def assign_replacements(facts: PlanningFacts, new_generation: int) -> tuple[list[Assignment], list[int]]:
     """R1+R2: the new rank map, plus the lost ranks nobody can take (yet).
 
-    Greedy: ranks on dead nodes first (they have no respawn option), then in
+    Greedy: ranks with no respawn option first (on dead nodes, or in ``no_respawn``), then in
     rank order. Deterministic, and it assigns every lost rank whenever
-    ``#lost ranks on dead nodes <= #live spares``; versus an optimal matching
+    ``#lost ranks without a respawn option <= #live spares``; versus an optimal matching
     it can only lose locality, never coverage.
     """
     alive_nodes = {s.worker.node_id for s in facts.members if s.alive}
@@ -149,10 +151,12 @@ def assign_replacements(facts: PlanningFacts, new_generation: int) -> tuple[list
     used_nodes = set(alive_nodes)
     unassigned: list[int] = []
     layouts = layout_index(facts)
-    # Ranks whose node is gone can only take a spare: serve them first so a rank
-    # that could respawn never takes the last spare from one that cannot.
-    order = sorted(facts.lost_ranks,
-                   key=lambda r: (facts.slot(r).worker.node_id not in facts.dead_nodes, r))
+    def can_respawn(rank: int) -> bool:
+        return facts.slot(rank).worker.node_id not in facts.dead_nodes and rank not in facts.no_respawn
+
+    # Ranks that cannot respawn (node gone, or GPU failed with none left) can only take a spare:
+    # serve them first so a rank that could respawn never takes the last spare from one that cannot.
+    order = sorted(facts.lost_ranks, key=lambda r: (can_respawn(r), r))
     for rank in order:
         slot = facts.slot(rank)
         holder_nodes = set()
@@ -160,17 +164,17 @@ def assign_replacements(facts: PlanningFacts, new_generation: int) -> tuple[list
             hs = facts.slot(h)
             if hs.alive:
                 holder_nodes.add(hs.worker.node_id)
-        can_respawn = slot.worker.node_id not in facts.dead_nodes
+        respawnable = can_respawn(rank)
         spare = _best_spare(spares, holder_nodes, used_nodes, rank, layouts)
         choice: Assignment | None = None
         respawn = Assignment(rank, respawn_worker_id(slot.worker.node_id, new_generation, rank),
                              slot.worker.node_id, "respawn")
-        if facts.policy.prefer == "respawn" and can_respawn:
+        if facts.policy.prefer == "respawn" and respawnable:
             choice = respawn
         elif spare is not None:
             spares.remove(spare)
             choice = Assignment(rank, spare.worker_id, spare.node_id, "spare")
-        elif can_respawn:
+        elif respawnable:
             choice = respawn
         if choice is None:
             unassigned.append(rank)
@@ -289,7 +293,7 @@ def plan_recovery(facts: PlanningFacts) -> Decision:
         if initial is not None:
             if unassigned:
                 return WaitForReplacement(facts.job_id, facts.generation, tuple(sorted(unassigned)), "memory",
-                                          f"no live spare and no live node to respawn ranks {sorted(unassigned)} on")
+                                          _why_waiting(facts, unassigned))
             v0, fresh = initial
             return RecoveryPlan(
                 job_id=facts.job_id, generation=new_gen, assignments=tuple(assignments), lost_ranks=lost,
@@ -307,7 +311,7 @@ def plan_recovery(facts: PlanningFacts) -> Decision:
         return WaitForReplacement(
             facts.job_id, facts.generation, tuple(sorted(unassigned)),
             "memory" if version is not None else "disk",
-            f"no live spare and no live node to respawn ranks {sorted(unassigned)} on")
+            _why_waiting(facts, unassigned))
     if version is None:
         assert facts.snapshot_step is not None
         missing = _ranks_without_replica(facts, assignments)
@@ -319,6 +323,14 @@ def plan_recovery(facts: PlanningFacts) -> Decision:
             f"restoring snapshot step {facts.snapshot_step}",
             missing, lost_steps)
     return _memory_plan(facts, new_gen, assignments, version, newest_seen)
+
+
+def _why_waiting(facts: PlanningFacts, unassigned: list[int]) -> str:
+    why = f"no live spare and no live node to respawn ranks {sorted(unassigned)} on"
+    gpu = sorted(set(unassigned) & facts.no_respawn)
+    if gpu:
+        why += f" (ranks {gpu}: their GPU failed and their node has no other good GPU free)"
+    return why
 
 
 def _memory_plan(facts: PlanningFacts, new_gen: int, assignments: list[Assignment],

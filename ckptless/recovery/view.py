@@ -17,6 +17,11 @@ job:
 * non-zero exit after the worker classified its own error as a fault
   (``kind`` "fault"/"internal", e.g. ckptless itself could not continue)
   -> ``fault``;
+* ``kind`` "device": the GPU itself failed (an uncorrectable ECC error, a GPU
+  off the bus, see ``ckptless/worker/faults.py``) -> ``fault``: recover, but
+  not on that GPU; the record's ``respawnable`` says whether the node has
+  another good GPU free for the rank (else the planner gives it a spare or
+  waits, ``ckptless/recovery/plan.py`` R2);
 * non-zero exit the worker marked ``job_ended``/``fenced`` (it only followed
   the coordinator) or ``reexec`` (a spare restarting as its assigned rank) ->
   ``other``: no new fact;
@@ -36,8 +41,8 @@ from ckptless.errors import CkptlessError, RecoveryError
 from ckptless.recovery.facts import NodeLocalImage, Worker, WorkerReport
 from ckptless.recovery.wire import Membership, report_from_json, spare_from_json
 
-ExitKind = Literal["user_error", "fault", "internal", "job_ended", "fenced", "reexec"]
-EXIT_KINDS: tuple[str, ...] = ("user_error", "fault", "internal", "job_ended", "fenced", "reexec")
+ExitKind = Literal["user_error", "fault", "internal", "device", "job_ended", "fenced", "reexec"]
+EXIT_KINDS: tuple[str, ...] = ("user_error", "fault", "internal", "device", "job_ended", "fenced", "reexec")
 Outcome = Literal["finished", "fault", "user_error", "other"]
 MAX_TRACEBACK_CHARS = 4000
 
@@ -82,14 +87,19 @@ class ExitRecord:
     # The node-local tier: the dead worker's own committed image, found intact (every chunk
     # checksummed) in this node's shm dir by its agent; None: none, not checked, or corrupt.
     local_image: NodeLocalImage | None = None
+    # False: this node cannot start the rank again (its GPU failed and no other good one is free, or
+    # a planned respawn found none): the planner must not respawn it here. Absent in older records.
+    respawnable: bool = True
 
     @property
     def outcome(self) -> Outcome:
         return exit_outcome(self)
 
     def describe(self) -> str:
-        how = f"signal {self.signal}" if self.signal is not None else f"exit code {self.exitcode}"
         err = f": {self.error.one_line()}" if self.error is not None else ""
+        if self.pid < 0:  # its agent never started it (a respawn with no GPU left)
+            return f"rank {self.rank} ({self.worker_id}) was not started{err}"
+        how = f"signal {self.signal}" if self.signal is not None else f"exit code {self.exitcode}"
         return f"rank {self.rank} ({self.worker_id}, pid {self.pid}) ended by {how}{err}"
 
     def to_json(self) -> bytes:
@@ -100,6 +110,7 @@ class ExitRecord:
             "local_image": None if self.local_image is None else {
                 "version": self.local_image.version, "n_chunks": self.local_image.n_chunks,
                 "generation": self.local_image.generation},
+            "respawnable": self.respawnable,
         }).encode()
 
     @classmethod
@@ -118,6 +129,8 @@ class ExitRecord:
                 signal=None if doc.get("signal") is None else int(doc["signal"]),
                 time=float(doc.get("time", 0.0)), requested=bool(doc.get("requested", False)),
                 kind=kind, error=ErrorSummary.from_doc(doc.get("error")), local_image=local,
+                # absent (an older agent) or malformed: the default, never a reason to drop the exit
+                respawnable=doc.get("respawnable") is not False,
             )
         except (ValueError, TypeError, KeyError) as exc:
             raise RecoveryError(f"exit record is malformed: {raw[:200]!r}") from exc
@@ -140,7 +153,7 @@ def exit_outcome(rec: ExitRecord) -> Outcome:
         return "fault"
     if rec.exitcode == 0:
         return "finished"
-    if rec.kind in ("fault", "internal"):
+    if rec.kind in ("fault", "internal", "device"):
         return "fault"
     if rec.kind in ("job_ended", "fenced", "reexec"):
         return "other"

@@ -3,7 +3,8 @@ node-local rule in tests/e2e/test_node_local.py).
 
 Each random world: W ranks on nodes, a ring placement with K mirrors, a committed
 version C, per-rank local images, per-holder replicas (honest or arbitrary),
-a random failure set (ranks and whole nodes), spares and maybe a snapshot.
+a random failure set (ranks and whole nodes, some ranks whose node cannot restart
+them after their GPU failed), spares and maybe a snapshot.
 ``oracle_avail`` recomputes which versions every rank can get, deliberately naively.
 """
 
@@ -76,8 +77,11 @@ def worlds(draw: st.DrawFn, honest: bool | None = None) -> World:
     snapshot = None if draw(st.integers(0, 4)) == 0 else draw(st.integers(0, c))
     policy = PlanPolicy(prefer=draw(st.sampled_from(["spare", "respawn"])),
                         resume_beyond_committed=draw(st.booleans()))
+    # lost ranks whose GPU failed with no other good one free on their (live) node: never respawned there
+    gpu_lost = sorted(r for r in lost if node[r] not in dead_nodes)
+    no_respawn = frozenset(draw(st.sets(st.sampled_from(gpu_lost), max_size=3))) if gpu_lost else frozenset()
     facts = PlanningFacts("job", draw(st.integers(0, 5)), w, members, reports, spares, placement,
-                          snapshot, dead_nodes, policy)
+                          snapshot, dead_nodes, policy, no_respawn=no_respawn)
     return World(facts, c, is_honest)
 
 

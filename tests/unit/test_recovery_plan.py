@@ -50,6 +50,7 @@ def check_assignments(f: PlanningFacts, plan: RecoveryPlan | DiskFallback) -> No
         else:
             assert a.source == "respawn" and a.node_id == slot.worker.node_id
             assert a.node_id not in f.dead_nodes
+            assert a.rank not in f.no_respawn, "never respawned onto the node whose GPU for it failed"
     assert plan.generation == f.generation + 1
 
 
@@ -73,7 +74,8 @@ def test_plan_matches_oracle(world: World) -> None:
     event(type(d).__name__)
     avail = oracle_avail(f)
     common = set.intersection(*avail.values())
-    dead_node_lost = [r for r in f.lost_ranks if f.slot(r).worker.node_id in f.dead_nodes]
+    # ranks with no respawn option: their node is gone, or their GPU failed and none is left there
+    dead_node_lost = [r for r in f.lost_ranks if f.slot(r).worker.node_id in f.dead_nodes or r in f.no_respawn]
     live_spares = [s for s in f.spares if s.node_id not in f.dead_nodes]
     needs_wait = len(dead_node_lost) > len(live_spares)
     if not common and f.snapshot_step is None:

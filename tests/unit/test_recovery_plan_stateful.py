@@ -65,6 +65,7 @@ class JobSim(RuleBasedStateMachine):
             self.rank_worker[r] = wid
         self.spares: dict[str, str] = {}
         self.dead_nodes: set[str] = set()
+        self.gpu_failed: set[str] = set()  # workers whose GPU failed with no other free on their node
         self.gen = 0
         self.committed = 0           # ground truth: every image held by itself and its K mirrors
         self.snapshot: int | None = 0 if snapshot0 else None
@@ -96,9 +97,10 @@ class JobSim(RuleBasedStateMachine):
                 reports.append(WorkerReport(self.rank_worker[r], max(w.local, default=None),
                                             w.committed, frozenset(w.local), reps))
         spares = tuple(Worker(wid, node) for wid, node in self.spares.items())
+        no_respawn = frozenset(r for r in self.lost() if self.rank_worker[r] in self.gpu_failed)
         return PlanningFacts("sim", self.gen, self.world, members, tuple(reports), spares,
                              self.placement, self.snapshot, frozenset(self.dead_nodes), self.policy,
-                             last_resume=self.last_resume)
+                             last_resume=self.last_resume, no_respawn=no_respawn)
 
     def truth_avail(self, rank: int) -> set[int]:
         """Ground truth, independent of the facts: what live memory holds of ``rank``."""
@@ -159,6 +161,14 @@ class JobSim(RuleBasedStateMachine):
             self.w(rank).alive = False
 
     @rule(rank=st.integers(0, 7))
+    def gpu_fails(self, rank: int) -> None:
+        """The rank's GPU fails and its node has no other good GPU free (its exit record says so)."""
+        rank %= self.world
+        if sum(self.w(r).alive for r in range(self.world)) > 1 and self.w(rank).alive:
+            self.w(rank).alive = False
+            self.gpu_failed.add(self.rank_worker[rank])
+
+    @rule(rank=st.integers(0, 7))
     def kill_node(self, rank: int) -> None:
         node = self.w(rank % self.world).node
         if all(self.w(r).node == node or not self.w(r).alive for r in range(self.world)):
@@ -196,7 +206,8 @@ class JobSim(RuleBasedStateMachine):
             self.ended = True
             return
         if isinstance(decision, WaitForReplacement):
-            stuck = [r for r in self.lost() if self.w(r).node in self.dead_nodes]
+            stuck = [r for r in self.lost()
+                     if self.w(r).node in self.dead_nodes or self.rank_worker[r] in self.gpu_failed]
             assert len(stuck) > len(self.spares) and decision.generation == self.gen
             return
         assert decision.generation == self.gen + 1
@@ -237,6 +248,7 @@ class JobSim(RuleBasedStateMachine):
                 assert self.rank_worker[a.rank] == a.worker_id
                 continue
             assert a.node_id not in self.dead_nodes
+            assert a.source == "spare" or self.rank_worker[a.rank] not in self.gpu_failed, "respawn on its bad GPU"
             if a.source == "spare":
                 assert self.spares.pop(a.worker_id) == a.node_id
             self.workers[a.worker_id] = W(a.node_id)
