@@ -33,7 +33,7 @@ from ckptless.recovery.wire import Membership
 from ckptless.state.digest import write_digest
 from ckptless.worker import abort, actions, ahead, exit_file, exit_guard, groups, rank_reads, training
 from ckptless.worker.context import WorkerContext
-from ckptless.worker.faults import is_fault
+from ckptless.worker.faults import device_failure, is_fault
 from ckptless.worker.generation import Generation
 from ckptless.worker.machine import (
     Action,
@@ -150,6 +150,10 @@ class WorkerDriver:
         one caused by a failed peer or collective stays a fault (no record: the rank is recovered)."""
         if exit_file.written() or isinstance(exc, (KeyboardInterrupt, SystemExit)):
             return
+        device = device_failure(exc)  # the GPU failed (in the setup, or in a capture's copy)
+        if device is not None:
+            exit_file.write("device", device.error)
+            return
         if self.rt.recovery and is_fault(exc, self.rt.generation, self.rt.incident_check()):
             return
         exit_file.write("user_error", exit_file.summarize(exc))
@@ -165,6 +169,13 @@ class WorkerDriver:
             if exc is not None:
                 raise exc
             raise RecoveryError(st.message)
+        if st.kind == "device":
+            # The GPU failed: nothing more is asked of this process's CUDA context (see leave_now).
+            exit_file.write("device", st.error)
+            detail = st.error.traceback if st.error is not None else ""
+            print(f"{detail}[ckptless] rank {rank}: {st.message}; this process exits, and its rank is recovered "
+                  "without this GPU (a spare, or a respawn on another GPU)", file=sys.stderr, flush=True)
+            exit_guard.leave_now(1)
         if st.kind in ("job_ended", "fenced"):
             exit_file.write(st.kind)
             print(f"[ckptless] rank {rank}: {st.message}", file=sys.stderr, flush=True)

@@ -20,7 +20,7 @@ import sys
 import threading
 from collections.abc import Callable
 from types import TracebackType
-from typing import Any
+from typing import Any, NoReturn
 
 _installed = False
 _exit_code = 0
@@ -98,3 +98,19 @@ def _guard(grace_s: float = 1.0) -> None:
             except (OSError, ValueError):
                 pass
         os._exit(_exit_code)
+
+
+def leave_now(code: int) -> NoReturn:
+    """Exit at once with ``code``, after flushing output, without running anything else.
+
+    For a process whose GPU failed: its CUDA context is poisoned, so what a normal exit runs (the
+    script's ``finally`` blocks and context managers, torch's and NCCL's teardown at
+    finalization) can raise again or hang on the dead device, and a process hung on its way out
+    never has its exit recorded. How it ended is already in its exit file by then."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)

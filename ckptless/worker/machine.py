@@ -17,6 +17,8 @@ actions and turns what happened into the next event.
     Training/Finishing/Forming/Restoring --fault--> Leaving --left--> Reporting --reported--> Awaiting
     Awaiting --next generation--> Forming
     Training --user error--> Failed(user_error)          (never retried: the job fails fast)
+    any --the GPU failed--> Failed(device)               (no recovery in this process: its CUDA context
+                                                          is poisoned; the rank is recovered elsewhere)
     Awaiting --excluded--> Failed(fenced)   any --job ended--> Failed(job_ended)
 """
 
@@ -25,7 +27,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, Union
 
-FailKind = Literal["user_error", "job_ended", "fenced", "internal"]
+from ckptless.recovery.view import ErrorSummary
+
+FailKind = Literal["user_error", "job_ended", "fenced", "internal", "device"]
 
 
 @dataclass(frozen=True)
@@ -94,6 +98,7 @@ class Finished:
 class Failed:
     kind: FailKind
     message: str
+    error: ErrorSummary | None = None  # what the exit file records (a device failure's error)
 
 
 State = Union[Joining, Forming, Restoring, Training, Finishing, Leaving, Reporting, Awaiting, Finished, Failed]
@@ -202,8 +207,18 @@ class Internal:
     reason: str
 
 
+@dataclass(frozen=True)
+class DeviceFailed:
+    """The GPU itself failed (an uncorrectable ECC error, a GPU off the bus: classified by its CUDA error
+    code in :mod:`ckptless.worker.faults`). Neither the user's error nor a fault this process can
+    recover from: its CUDA context is poisoned, so it cannot leave, report or restore; it exits, its
+    agent marks that GPU bad, and the rank is recovered by a spare or a respawn on another GPU."""
+
+    error: ErrorSummary
+
+
 Event = Union[Started, MembershipSeen, Formed, FormFailed, Restored, RestoreFailed, Stepped, Reprotected, Fault,
-              UserError, Committed, Left, Reported, JobEnded, CoordinatorLost, TimedOut, Internal]
+              UserError, Committed, Left, Reported, JobEnded, CoordinatorLost, TimedOut, Internal, DeviceFailed]
 
 
 # --- actions ------------------------------------------------------------------------------------------
@@ -293,6 +308,9 @@ def step(state: State, event: Event, cfg: WorkerConfig) -> Step:
         return _fail("internal", event.reason)
     if isinstance(event, UserError):
         return _fail("user_error", event.summary)
+    if isinstance(event, DeviceFailed):
+        message = f"the GPU failed: {event.error.one_line()}"
+        return Failed("device", message, event.error), (Exit("device", message),)
 
     if isinstance(state, Joining):
         if isinstance(event, Started):
