@@ -46,6 +46,7 @@ VARIABLES: dict[str, str] = {
     "CKPTLESS_COLLECTIVE_TIMEOUT": "collective_timeout_s",
     "CKPTLESS_SEED": "seed",
     "CKPTLESS_CPU_BACKEND": "cpu_backend",
+    "CKPTLESS_NODE_GPUS": "node_gpus",
     "TORCH_NCCL_ASYNC_ERROR_HANDLING": "nccl_error_handling",
     "CKPTLESS_ETCD_USER": "etcd_user",
     "CKPTLESS_ETCD_PASSWORD": "etcd_password",
@@ -76,6 +77,8 @@ class ProcessEnv(BaseModel):
     seed: int | None = Field(default=None, ge=0, lt=2**32, description="the seed of an unseeded script's setup")
     cpu_backend: str = Field(default="gloo", min_length=1, description="the backend of the user's groups for "
                              "CPU tensors: gloo, or one the process registered (the tests' NCCL-semantics one)")
+    node_gpus: int | None = Field(default=None, ge=0, description="the GPUs this node offers its workers, "
+                                  "overriding the count from CUDA_VISIBLE_DEVICES or the driver (0: a CPU job)")
     nccl_error_handling: int | None = Field(default=None, ge=0, le=3, description="torch's NCCL error mode: "
                                             "ckptless needs 0 or 2 (abort without tearing the process down)")
     etcd_user: str | None = None

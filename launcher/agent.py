@@ -49,7 +49,7 @@ from ckptless.coordinator.embedded import EmbeddedEtcd
 from ckptless.coordinator.rendezvous import NodeInfo, Rendezvous, RendezvousResult
 from ckptless.coordinator.session import Session
 from ckptless.errors import ConfigError, CoordinatorError
-from ckptless.launcher import completion, follower, refill
+from ckptless.launcher import completion, devices, follower, refill
 from ckptless.launcher.args import LaunchConfig, Std
 from ckptless.launcher.completion import AgentOutcome
 from ckptless.launcher.exit_records import record_exit
@@ -76,7 +76,12 @@ class NodeAgent:
         self._etcd_config = etcd_config
         self.rendezvous_timeout_s = float(cfg.rdzv_configs.get("join_timeout", rendezvous_timeout_s))
         self.node_id = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-        self.state = NodeState(cfg, self.node_id, tempfile.mkdtemp(prefix="ckptless-hb-"))
+        # Before anything starts: spares without a GPU of their own are refused in one line.
+        gpus, source = devices.node_gpus(environment.current(), environment.environ())
+        devices.check_spares(gpus, source, cfg.nproc_per_node, cfg.spares)
+        if gpus:
+            log.info("this node offers %d GPUs (%s)", gpus, source)
+        self.state = NodeState(cfg, self.node_id, tempfile.mkdtemp(prefix="ckptless-hb-"), gpus)
         self._leader: RecoveryLeader | None = None
         self._me: NodeInfo | None = None
         self._warm_started = False
@@ -313,6 +318,7 @@ class NodeAgent:
             rank_offset=result.rank_offset, world_size=result.world_size,
             master_addr=result.master.host, master_port=result.master.store_port,
             run_id=cfg.run_id, role=cfg.role, restart_count=0, max_restarts=cfg.max_restarts,
+            virtual_local_rank=cfg.virtual_local_rank, signals_to_handle=",".join(cfg.signals_to_handle),
         )
         common = ckptless_env_from_config(cfg, etcd_endpoint=",".join(etcd_config.endpoints), node_id=self.node_id,
                                           generation=0, recovery=st.recovery)
@@ -320,6 +326,7 @@ class NodeAgent:
         envs = []
         standby = st.spares.standby_ranks(result.world_size, cfg.spares)
         standby_of: dict[int, int | None] = {}  # a spare's local rank -> the rank it pre-builds as
+        gpu_of = devices.initial_gpus(st.slots.gpus, cfg.nproc_per_node, cfg.spares)
         for lr in range(cfg.nproc_per_node + cfg.spares):
             spare = lr >= cfg.nproc_per_node
             worker_id = f"{self.node_id}/spare{lr - cfg.nproc_per_node}" if spare else f"{self.node_id}/w{lr}"
@@ -331,9 +338,9 @@ class NodeAgent:
             if spare:  # the same spare env a --spare-refill spare gets (launcher/refill.py)
                 sb = standby[lr - cfg.nproc_per_node] if standby and cfg.spare_prebuild else None
                 standby_of[lr] = sb
-                env.update(refill.spare_env(worker_id, lr, hb, st.exit_path(lr), sb))
+                env.update(refill.spare_env(worker_id, hb, st.exit_path(lr), sb, st.spare_device_env(lr, gpu_of[lr])))
             envs.append(env)
-            st.slots.add(Slot(lr, worker_id, None if spare else result.rank_offset + lr, hb))
+            st.slots.add(Slot(lr, worker_id, None if spare else result.rank_offset + lr, hb, device=gpu_of[lr]))
         n = len(envs)
         redirects = tuple(cfg.redirects) + (Std.NONE,) * (n - len(cfg.redirects))
         tee = tuple(cfg.tee) + (Std.NONE,) * (n - len(cfg.tee))

@@ -8,8 +8,11 @@ file: a fault is recovered, a user error ends the job; a pre-built spare that
 exits to restart as another rank is no failure and is started again
 (launcher/respawn.py); a spare that died leaves the pool. With the node-local
 tier (``--shm-dir``) the record also names the newest version of the rank's
-own image found intact on this node. Without recovery, the first failure ends
-the job, as with torchrun (launcher/completion.py).
+own image found intact on this node. A worker whose GPU failed (kind
+``device``) has that GPU marked bad for good (one warning naming it), and its
+record says whether this node can start the rank again on another good GPU
+(``respawnable``; launcher/devices.py). Without recovery, the first failure
+ends the job, as with torchrun (launcher/completion.py).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from ckptless.launcher.node_state import NodeState
 from ckptless.launcher.respawn import reexec_when_assigned
 from ckptless.launcher.worker_process import WorkerExit
 from ckptless.recovery.facts import NodeLocalImage
-from ckptless.recovery.view import ExitRecord, JobStatus
+from ckptless.recovery.view import ErrorSummary, ExitRecord, JobStatus
 from ckptless.worker import exit_file
 
 log = logging.getLogger("ckptless.agent")
@@ -37,9 +40,12 @@ def record_exit(st: NodeState, ex: WorkerExit) -> None:
         # (warm) as that rank, under the same worker id. Not a failure: nothing is recorded.
         reexec_when_assigned(st, ex.local_rank)
         return
+    respawnable = True
+    if kind == "device":
+        respawnable = _gpu_failed(st, ex.local_rank, slot.worker_id, error)
     rec = ExitRecord(rank=-1 if slot.rank is None else slot.rank, worker_id=slot.worker_id, node_id=st.node_id,
                      pid=ex.pid, exitcode=ex.exitcode, signal=ex.signal, time=ex.wall,
-                     requested=ex.requested, kind=kind, error=error)
+                     requested=ex.requested, kind=kind, error=error, respawnable=respawnable)
     st.slots.exited(ex.local_rank, ex.succeeded)
     # The node-local tier: checksum the own image the worker left in --shm-dir off the reaper
     # thread (~25 ms per 256 MiB), and record the version found intact with its exit.
@@ -75,3 +81,18 @@ def record_exit(st: NodeState, ex: WorkerExit) -> None:
             # No recovery: like torchrun, the first failure ends the job (first writer wins).
             send_status(st, JobStatus("failed", rec.describe(), rec))
     st.wake.set()
+
+
+def _gpu_failed(st: NodeState, local_rank: int, worker_id: str, error: ErrorSummary | None) -> bool:
+    """Mark the worker's GPU bad (for good: a GPU that failed once is not trusted again by this agent)
+    and move its slot to another free good GPU; whether one was left (the record's ``respawnable``)."""
+    bad, respawnable = st.slots.device_failed(local_rank)
+    what = error.one_line() if error is not None else "no error recorded"
+    if bad is None:
+        log.warning("%s: its GPU failed (%s), and this agent does not know which GPU it used: its rank is "
+                    "not started again on this node", worker_id, what)
+    else:
+        log.warning("GPU %d is marked bad: %s failed on it (%s); %s", bad, worker_id, what,
+                    "its slot moves to another free GPU" if respawnable
+                    else "no other good GPU is free, so its rank is not started again on this node")
+    return respawnable

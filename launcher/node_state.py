@@ -18,12 +18,15 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Mapping
 
+from ckptless import environment
 from ckptless.coordinator.client import EtcdClient
 from ckptless.coordinator.keyspace import Keyspace
 from ckptless.coordinator.rendezvous import RendezvousResult
 from ckptless.coordinator.session import Session
 from ckptless.launcher.args import LaunchConfig
+from ckptless.launcher.devices import device_env, spare_device_env
 from ckptless.launcher.outbox import Outbox
 from ckptless.launcher.slots import SlotTable
 from ckptless.launcher.spares import SparePool
@@ -34,7 +37,7 @@ from ckptless.recovery.wire import Membership
 
 
 class NodeState:
-    def __init__(self, cfg: LaunchConfig, node_id: str, hb_dir: str) -> None:
+    def __init__(self, cfg: LaunchConfig, node_id: str, hb_dir: str, gpus: int = 0) -> None:
         self.cfg = cfg
         self.node_id = node_id
         self.keyspace = Keyspace(cfg.run_id)
@@ -50,7 +53,8 @@ class NodeState:
         self.group: WorkerGroup | None = None
         self.host = ""  # this node's address: its TCPStore's host
         self.store_port = 0
-        self.slots = SlotTable()
+        self.slots = SlotTable(gpus)  # also which GPU each slot uses (launcher/devices.py)
+        self.refill_gpu_warned = False  # "no free GPU for a refill" is said once
         self.membership: Membership | None = None
         self.membership_lock = threading.Lock()
         self.reexec_pending: set[int] = set()  # local ranks of pre-built spares to start again as their rank
@@ -62,6 +66,15 @@ class NodeState:
         self.outbox = Outbox(lambda: self.client, self.stopping)
         self.spares = SparePool(self.keyspace, node_id, lambda: self.client,
                                 any_rank=cfg.spare_any_rank, refill=cfg.spare_refill)
+
+    def spare_device_env(self, local_rank: int, gpu: int | None) -> Mapping[str, str]:
+        """LOCAL_RANK / CUDA_VISIBLE_DEVICES of a spare in ``local_rank`` on ``gpu`` (launcher/devices.py)."""
+        return spare_device_env(local_rank, gpu, self.cfg.virtual_local_rank, environment.environ())
+
+    def respawn_device_env(self, gpu: int | None) -> Mapping[str, str]:
+        """What a respawn's environment changes for its GPU: nothing without one (a CPU job keeps its
+        LOCAL_RANK), else the variables that put it on ``gpu`` (kept, or another after a GPU failure)."""
+        return {} if gpu is None else device_env(gpu, self.cfg.virtual_local_rank, environment.environ())
 
     def exit_path(self, local_rank: int) -> str:
         return os.path.join(self.hb_dir, f"exit{local_rank}.json")

@@ -17,7 +17,7 @@ node's first spare and offers it on the agent's lease.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from ckptless.errors import CkptlessError, CoordinatorError
@@ -48,9 +48,11 @@ def spares_missing(slots: Sequence[Slot], wanted: int) -> int:
     return max(0, wanted - sum(1 for s in slots if s.spare and s.alive))
 
 
-def spare_env(worker_id: str, local_rank: int, heartbeat: str, exit_file: str, standby: int | None) -> dict[str, str]:
-    """What a new spare's env changes against the node's first spare's (its template)."""
-    return {"CKPTLESS_WORKER_ID": worker_id, "CKPTLESS_ROLE": "spare", "LOCAL_RANK": str(local_rank),
+def spare_env(worker_id: str, heartbeat: str, exit_file: str, standby: int | None,
+              device: Mapping[str, str]) -> dict[str, str]:
+    """What a new spare's env changes against the node's first spare's (its template); ``device``:
+    its LOCAL_RANK (and CUDA_VISIBLE_DEVICES), which put it on a GPU of its own (launcher/devices.py)."""
+    return {"CKPTLESS_WORKER_ID": worker_id, "CKPTLESS_ROLE": "spare", **device,
             "CKPTLESS_HEARTBEAT_FILE": heartbeat, "CKPTLESS_EXIT_FILE": exit_file,
             "CKPTLESS_STANDBY_RANK": "" if standby is None else str(standby), "CKPTLESS_GENERATION": "0",
             "RANK": "0" if standby is None else str(standby)}
@@ -66,6 +68,12 @@ def maybe_refill(st: NodeState, group: WorkerGroup) -> None:
     if spares_missing(st.slots.all(), st.cfg.spares) == 0:
         st.spares.next_refill(st.cfg.spares)  # the pool is full (e.g. a slot came back): nothing owed
         return
+    if not st.slots.gpu_free():  # still owed: a GPU may free up (a rank that moved away)
+        if not st.refill_gpu_warned:
+            st.refill_gpu_warned = True
+            log.warning("spare refill waits: none of this node's %d GPUs is free and good (failed: %s)",
+                        st.slots.gpus, sorted(st.slots.bad_gpus()) or "none")
+        return
     try:  # etcd may be away: keep the refill owed and try again on a later turn
         ranks = st.spares.standby_ranks(m.world_size, 1) if st.cfg.spare_prebuild else []
     except CoordinatorError as exc:
@@ -77,10 +85,13 @@ def maybe_refill(st: NodeState, group: WorkerGroup) -> None:
     standby = ranks[0] if ranks else None
     lr = group.size  # add_like appends the next local rank; only this loop adds workers
     hb = st.heartbeat_path(lr)
-    st.slots.add(Slot(lr, worker_id, None, hb))
+    slot = Slot(lr, worker_id, None, hb)
+    if not st.slots.add_with_device(slot):  # it takes the lowest free good GPU, atomically
+        log.warning("spare %s not started: a respawn took the last free GPU meanwhile", worker_id)
+        return
     # The store of the current generation (node 0's may be gone with its node): a pre-built spare
     # connects to it while it builds, long before it is assigned a rank.
-    env = dict(spare_env(worker_id, lr, hb, st.exit_path(lr), standby),
+    env = dict(spare_env(worker_id, hb, st.exit_path(lr), standby, st.spare_device_env(lr, slot.device)),
                MASTER_ADDR=m.store_host, MASTER_PORT=str(m.store_port))
     try:
         added = group.add_like(st.cfg.nproc_per_node, env)
@@ -91,4 +102,5 @@ def maybe_refill(st: NodeState, group: WorkerGroup) -> None:
     assert added == lr, (added, lr)
     assert st.session is not None
     st.spares.offer_quietly(worker_id, standby, st.session.lease_id)  # on our lease, like the first
-    log.warning("spare %s started (standby rank %s) in place of the one that took a rank", worker_id, standby)
+    log.warning("spare %s started (standby rank %s, GPU %s) in place of the one that took a rank", worker_id,
+                standby, "none" if slot.device is None else slot.device)

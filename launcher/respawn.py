@@ -21,6 +21,7 @@ from ckptless.errors import CkptlessError
 from ckptless.launcher.node_state import NodeState
 from ckptless.launcher.workers import WorkerGroup
 from ckptless.recovery.decision import Assignment
+from ckptless.recovery.view import ErrorSummary, ExitRecord
 from ckptless.worker import exit_file
 
 log = logging.getLogger("ckptless.agent")
@@ -42,7 +43,12 @@ def _respawn(st: NodeState, group: WorkerGroup, a: Assignment, generation: int) 
     if st.slots.get(slot.local_rank).alive:
         log.error("rank %d: the worker it replaces (%s) did not exit; not respawning", a.rank, slot.worker_id)
         return
-    log.warning("respawning rank %d as %s (generation %d)", a.rank, a.worker_id, generation)
+    ok, gpu = st.slots.claim_device(slot.local_rank)  # its GPU, or another if that one failed
+    if not ok:
+        _no_gpu(st, a)
+        return
+    log.warning("respawning rank %d as %s (generation %d%s)", a.rank, a.worker_id, generation,
+                "" if gpu is None else f", GPU {gpu}")
     st.slots.reset(slot.local_rank, a.worker_id, a.rank)
     for stale in (slot.heartbeat_file, st.exit_path(slot.local_rank)):
         try:  # the new incarnation must not be judged by its predecessor's files
@@ -52,10 +58,23 @@ def _respawn(st: NodeState, group: WorkerGroup, a: Assignment, generation: int) 
     try:
         group.respawn(slot.local_rank, {
             "CKPTLESS_WORKER_ID": a.worker_id, "CKPTLESS_ROLE": "replacement",
-            "CKPTLESS_GENERATION": str(generation), "RANK": str(a.rank),
+            "CKPTLESS_GENERATION": str(generation), "RANK": str(a.rank), **st.respawn_device_env(gpu),
         })
     except CkptlessError:
         log.exception("respawn of rank %d failed", a.rank)
+
+
+def _no_gpu(st: NodeState, a: Assignment) -> None:
+    """The plan respawns a rank here, but no good GPU is free (the exit record said there was one;
+    another start took it since). Not started; its exit is recorded at once as a failed start that
+    this node cannot retry, so the leader re-plans (a spare, or a wait) instead of waiting out the
+    formation deadline for a worker that never comes."""
+    bad = sorted(st.slots.bad_gpus())
+    why = f"no free good GPU on this node for rank {a.rank} ({st.slots.gpus} GPUs, failed: {bad or 'none'})"
+    log.error("not respawning rank %d: %s", a.rank, why)
+    rec = ExitRecord(rank=a.rank, worker_id=a.worker_id, node_id=st.node_id, pid=-1, exitcode=None, signal=None,
+                     time=time.time(), kind="device", error=ErrorSummary("NoFreeGPU", why), respawnable=False)
+    st.outbox.put(st.keyspace.worker_exit(a.rank), rec.to_json(), f"the failed start of rank {a.rank}")
 
 
 def reexec_when_assigned(st: NodeState, local_rank: int) -> None:

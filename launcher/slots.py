@@ -3,13 +3,18 @@
 Why a table of its own: after recoveries a slot's worker id and rank change
 (a respawn mints a new worker id; a spare adopts a lost rank), and the exit
 reaper, the membership follower and the hang detector read it from different
-threads. All access goes through one lock.
+threads. All access goes through one lock, which is also why the table keeps
+which GPU each slot uses and which GPUs failed: choosing a free GPU and taking
+it must be one step, or a respawn and a spare refill could take the same one
+(the rules are ``launcher/devices.py``).
 """
 
 from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
+
+from ckptless.launcher.devices import choose_gpu
 
 
 @dataclass
@@ -24,12 +29,15 @@ class Slot:
     spare: bool = False  # started without a rank, waiting to be assigned one
     ever_ranked: bool = False
     last_rank: int | None = None  # the rank it ran before it was unassigned (where that rank respawns)
+    device: int | None = None  # the GPU its worker uses (None: a CPU job, or past the node's GPUs)
 
 
 class SlotTable:
-    def __init__(self) -> None:
+    def __init__(self, gpus: int = 0) -> None:
         self._slots: dict[int, Slot] = {}
         self._lock = threading.Lock()
+        self.gpus = gpus  # the GPUs this node offers (0: a CPU job; launcher/devices.py)
+        self._bad: set[int] = set()  # GPUs a worker failed on with a GPU-class error: never used again
 
     def add(self, slot: Slot) -> None:
         with self._lock:
@@ -89,6 +97,67 @@ class SlotTable:
                 return Slot(**vars(s2))
             dead = [s for s in unassigned if not s.alive]
             return Slot(**vars(dead[0])) if dead else None
+
+    # --- GPUs (launcher/devices.py has the rules) ---------------------------------------------------
+    def _used(self, but: int | None = None) -> set[int]:
+        """GPUs taken: by live workers, and by dead ones whose rank no membership has moved yet (their
+        exit is being handled: a respawn may start there, and two failures at once must not both count
+        one free GPU). Once a membership unassigns a dead slot, its GPU is free (e.g. for a refill)."""
+        return {s.device for s in self._slots.values()
+                if (s.alive or s.rank is not None) and s.device is not None and s.local_rank != but}
+
+    def bad_gpus(self) -> frozenset[int]:
+        with self._lock:
+            return frozenset(self._bad)
+
+    def claim_device(self, local_rank: int) -> tuple[bool, int | None]:
+        """The GPU a new incarnation in this slot uses: its own unless bad or taken by a live worker,
+        else the lowest free good one. ``(False, None)``: the node has GPUs and none is left for it;
+        ``(True, None)``: a CPU job (or a member past the node's GPUs), nothing to choose."""
+        with self._lock:
+            s = self._slots[local_rank]
+            if self.gpus == 0 or s.device is None:  # a CPU job, or an oversubscribed node's extra rank
+                return True, s.device
+            gpu = choose_gpu(self.gpus, self._used(but=local_rank), self._bad, keep=s.device)
+            if gpu is None:
+                return False, None
+            s.device = gpu
+            return True, gpu
+
+    def device_failed(self, local_rank: int) -> tuple[int | None, bool]:
+        """This slot's worker exited with a GPU-class error: its GPU is marked bad for good, and the
+        slot takes another free good GPU now (so two failures do not count the same free GPU twice).
+        Returns (the GPU marked bad, whether the slot can start its rank again here). A slot without
+        a GPU of ours cannot: moving it off the failed device is not ours to do, and a respawn there
+        would meet the same device again."""
+        with self._lock:
+            s = self._slots[local_rank]
+            bad = s.device
+            if bad is None:
+                return None, False
+            self._bad.add(bad)
+            gpu = choose_gpu(self.gpus, self._used(but=local_rank), self._bad)
+            if gpu is not None:
+                s.device = gpu
+            return bad, gpu is not None
+
+    def gpu_free(self) -> bool:
+        """A new spare would find a GPU (always, in a CPU job)."""
+        with self._lock:
+            return self.gpus == 0 or choose_gpu(self.gpus, self._used(), self._bad) is not None
+
+    def add_with_device(self, slot: Slot) -> bool:
+        """Add a new spare's slot on the lowest free good GPU; False (nothing added): none is free."""
+        with self._lock:
+            if self.gpus > 0:
+                gpu = choose_gpu(self.gpus, self._used(), self._bad)
+                if gpu is None:
+                    return False
+                slot.device = gpu
+            slot.spare = slot.rank is None
+            slot.ever_ranked = slot.rank is not None
+            self._slots[slot.local_rank] = slot
+            return True
 
     def ever_ranked(self) -> bool:
         """Some slot of this node held a rank at some point (a spare-only node: never)."""

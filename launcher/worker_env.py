@@ -23,6 +23,7 @@ from string import Template
 from typing import TYPE_CHECKING
 
 from ckptless.errors import ConfigError
+from ckptless.launcher.devices import device_env
 
 if TYPE_CHECKING:  # only for a type annotation; args.py has no side effects anyway
     from ckptless.launcher.args import LaunchConfig
@@ -141,16 +142,9 @@ def torchrun_env(layout: WorkerLayout, local_rank: int, parent_env: Mapping[str,
 
 
 def _local_rank_env(layout: WorkerLayout, local_rank: int, parent_env: Mapping[str, str]) -> dict[str, str]:
-    """LOCAL_RANK and CUDA_VISIBLE_DEVICES, with torchrun's virtual-local-rank mode."""
-    visible = parent_env.get("CUDA_VISIBLE_DEVICES")
-    if not layout.virtual_local_rank:
-        return {"LOCAL_RANK": str(local_rank)} | ({} if visible is None else {"CUDA_VISIBLE_DEVICES": visible})
-    if visible is None:
-        return {"LOCAL_RANK": "0", "CUDA_VISIBLE_DEVICES": str(local_rank)}
-    gpus = visible.split(",")
-    if local_rank >= len(gpus):
-        raise ConfigError("CUDA_VISIBLE_DEVICES", visible, f"has no entry for local rank {local_rank}")
-    return {"LOCAL_RANK": "0", "CUDA_VISIBLE_DEVICES": gpus[local_rank].strip()}
+    """LOCAL_RANK and CUDA_VISIBLE_DEVICES, with torchrun's virtual-local-rank mode: a member's GPU is
+    its local rank (the rule a spare's and a respawn's GPU follow too lives in launcher/devices.py)."""
+    return device_env(local_rank, layout.virtual_local_rank, parent_env)
 
 
 def omp_num_threads(nproc: int, parent_env: Mapping[str, str]) -> str | None:

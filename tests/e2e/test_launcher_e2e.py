@@ -243,6 +243,34 @@ def test_bad_input_is_one_clear_line(args: list[str], needle: str) -> None:
     assert needle in lines[-1], res.stderr
 
 
+def test_spares_get_a_gpu_of_their_own_or_the_start_is_refused(tmp_path: Path) -> None:
+    """No GPU here: the node's GPUs are declared (CKPTLESS_NODE_GPUS, or the agent's CUDA_VISIBLE_DEVICES).
+    Members keep torchrun's GPU = local rank; each spare gets a free GPU as a valid ordinal (plain) or
+    as its one visible device (--virtual-local-rank); one spare too many is one line, exit 2."""
+    base = {k: v for k, v in child_env().items() if k not in ("CUDA_VISIBLE_DEVICES", "CKPTLESS_NODE_GPUS")}
+    refused = subprocess.run([*RUN, "--standalone", "--nproc-per-node", "2", "--spares", "3", "x.py"],
+                             env=dict(base, CKPTLESS_NODE_GPUS="4"), capture_output=True, text=True, timeout=60)
+    lines = [ln for ln in refused.stderr.splitlines() if ln.strip()]
+    assert refused.returncode == 2 and len(lines) == 1, refused.stderr
+    assert "--spares 3" in lines[0] and "has 4 (CKPTLESS_NODE_GPUS)" in lines[0] and "--nproc-per-node 0" in lines[0]
+    runs = {"plain": ({"CKPTLESS_NODE_GPUS": "4"}, [], {"w0": ("0", None), "w1": ("1", None),
+                                                        "spare0": ("2", None), "spare1": ("3", None)}),
+            "virtual": ({"CUDA_VISIBLE_DEVICES": "4,5,6,7"}, ["--virtual-local-rank"],
+                        {"w0": ("0", "4"), "w1": ("0", "5"), "spare0": ("0", "6"), "spare1": ("0", "7")})}
+    for name, (env, flags, expected) in runs.items():
+        out = tmp_path / name
+        out.mkdir()
+        res = subprocess.run([*RUN, "--standalone", "--nproc-per-node", "2", "--spares", "2", *flags,
+                              str(SCRIPTS / "dump_env.py"), str(out), "--by-worker", "--wait-for", "4"],
+                             env=dict(base, **env), capture_output=True, text=True, timeout=120)
+        assert res.returncode == 0, res.stderr[-3000:]
+        seen = {}
+        for worker in expected:
+            d = json.loads((out / f"env_{worker}.json").read_text())
+            seen[worker] = (d["LOCAL_RANK"], d.get("CUDA_VISIBLE_DEVICES"))
+        assert seen == expected, name
+
+
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_waiting_agent_obeys_signals_within_two_seconds(etcd: EmbeddedEtcd, tmp_path: Path, sig: int) -> None:
     """An agent waiting for a node that never comes (rendezvous) or for its job to start (a spare-only
