@@ -136,6 +136,9 @@ def child_env(extra: Mapping[str, str]) -> dict[str, str]:
     env.update({"GRPC_ENABLE_FORK_SUPPORT": "false", "GRPC_VERBOSITY": "ERROR", "OMP_NUM_THREADS": "1",
                 "CKPTLESS_LOG_LEVEL": "INFO", "CKPTLESS_COLLECTIVE_TIMEOUT": "90",
                 "CKPTLESS_RECOVERY_TIMEOUT": "180"})
+    # Its agents are "nodes" on one host: each would count every GPU of the host as its own and refuse
+    # more workers + spares than that. A local cluster gives out no GPUs unless told (launcher/devices.py).
+    env.setdefault("CKPTLESS_NODE_GPUS", "0")
     env.update(extra)
     return env
 

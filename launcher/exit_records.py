@@ -42,7 +42,7 @@ def record_exit(st: NodeState, ex: WorkerExit) -> None:
         return
     respawnable = True
     if kind == "device":
-        respawnable = _gpu_failed(st, ex.local_rank, slot.worker_id, error)
+        respawnable = _gpu_failed(st, ex.local_rank, slot.worker_id, slot.rank is None, error)
     rec = ExitRecord(rank=-1 if slot.rank is None else slot.rank, worker_id=slot.worker_id, node_id=st.node_id,
                      pid=ex.pid, exitcode=ex.exitcode, signal=ex.signal, time=ex.wall,
                      requested=ex.requested, kind=kind, error=error, respawnable=respawnable)
@@ -83,7 +83,7 @@ def record_exit(st: NodeState, ex: WorkerExit) -> None:
     st.wake.set()
 
 
-def _gpu_failed(st: NodeState, local_rank: int, worker_id: str, error: ErrorSummary | None) -> bool:
+def _gpu_failed(st: NodeState, local_rank: int, worker_id: str, spare: bool, error: ErrorSummary | None) -> bool:
     """Mark the worker's GPU bad (for good: a GPU that failed once is not trusted again by this agent)
     and move its slot to another free good GPU; whether one was left (the record's ``respawnable``)."""
     bad, respawnable = st.slots.device_failed(local_rank)
@@ -91,8 +91,12 @@ def _gpu_failed(st: NodeState, local_rank: int, worker_id: str, error: ErrorSumm
     if bad is None:
         log.warning("%s: its GPU failed (%s), and this agent does not know which GPU it used: its rank is "
                     "not started again on this node", worker_id, what)
+        return False
+    if spare:
+        then = "the spare leaves the pool"
+    elif respawnable:
+        then = f"its rank may start again here on GPU {st.slots.get(local_rank).device}"
     else:
-        log.warning("GPU %d is marked bad: %s failed on it (%s); %s", bad, worker_id, what,
-                    "its slot moves to another free GPU" if respawnable
-                    else "no other good GPU is free, so its rank is not started again on this node")
+        then = "no other good GPU is free, so its rank is not started again on this node"
+    log.warning("GPU %d is marked bad: %s failed on it (%s); %s", bad, worker_id, what, then)
     return respawnable

@@ -17,4 +17,7 @@ def child_env() -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     env.setdefault("OMP_NUM_THREADS", "1")
+    # The tests' jobs are CPU jobs, also on a GPU host: no GPU of the host is given out per spare, so a
+    # test with more workers + spares than the host has GPUs is not refused (a test about GPUs sets it).
+    env.setdefault("CKPTLESS_NODE_GPUS", "0")
     return env
