@@ -10,12 +10,13 @@ import pytest
 
 from ckptless.environment import ProcessEnv
 from ckptless.errors import ConfigError
-from ckptless.launcher import devices, refill
+from ckptless.launcher import devices, refill, respawn
 from ckptless.launcher.args import parse_args
 from ckptless.launcher.exit_records import record_exit
 from ckptless.launcher.node_state import NodeState
 from ckptless.launcher.slots import Slot, SlotTable
 from ckptless.launcher.worker_process import WorkerExit
+from ckptless.recovery.decision import Assignment
 from ckptless.recovery.view import ExitRecord
 
 
@@ -190,3 +191,14 @@ def test_a_plain_crash_leaves_the_gpus_alone(tmp_path: Path) -> None:
     record_exit(st, WorkerExit(1, 41, 0, None, 9, 0.0, 1.0, False))
     rec = ExitRecord.from_json(box.puts[st.keyspace.worker_exit(1)])
     assert rec.respawnable and rec.kind is None and not st.slots.bad_gpus()
+
+
+def test_a_respawn_is_put_on_its_gpu_and_one_with_no_gpu_left_is_recorded_at_once(tmp_path: Path) -> None:
+    st, box = _node(tmp_path, 2, 2, 0)
+    assert st.respawn_device_env(None) == {}  # a CPU job (or an oversubscribed rank): LOCAL_RANK as it was
+    assert st.respawn_device_env(1) == {"LOCAL_RANK": "1"}
+    _device_exit(st, 1, pid=41)  # GPU 1 fails; GPU 0 is rank 0's: nothing left for rank 1 here
+    respawn._respawn(st, None, Assignment(1, "n/respawn-g1-r1", "n", "respawn"), 1)  # type: ignore[arg-type]
+    rec = ExitRecord.from_json(box.puts[st.keyspace.worker_exit(1)])
+    assert (rec.worker_id, rec.pid, rec.kind, rec.respawnable) == ("n/respawn-g1-r1", -1, "device", False)
+    assert rec.outcome == "fault" and "no free good GPU" in rec.describe() and not st.slots.get(1).alive
