@@ -113,6 +113,11 @@ class CollectiveError(TransportError, RuntimeError):
     Also a ``RuntimeError``: code that caught torch's plain errors keeps working."""
 
 
+class DeviceTimeout(TransportError):
+    """The GPU did not finish a copy or stream before its deadline (a hung device, or a collective
+    nobody aborted): a fault, the rank is recovered, never a wait without end."""
+
+
 class PeerFailure(TransportError):
     """Another rank of this generation failed, as the coordinator says (an incident was opened)."""
 

@@ -60,6 +60,7 @@ import torch
 import torch.distributed as dist
 
 from ckptless.errors import MirrorError, TransportError
+from ckptless.mirror import buffers
 from ckptless.mirror.commit import RoundOutcome, decide, encode, round_ack
 from ckptless.mirror.config import MirrorConfig
 from ckptless.mirror.partial import MISSING, Pair, PairSpec, check_pairs, holdings_row, missing_from_rows, split
@@ -68,6 +69,7 @@ from ckptless.mirror.placement import Placement, compute_placement
 from ckptless.mirror.store import PeerStore, StoredImage
 from ckptless.mirror.transport import Deadline, MirrorTransport, RoundResult, wait_one
 from ckptless.state.checksum import chunk_checksums
+from ckptless.state.fence import CopyFence
 from ckptless.state.manifest import Manifest
 
 log = logging.getLogger(__name__)
@@ -86,6 +88,7 @@ class _Buf:
     state: str = FREE
     manifest: Manifest | None = None
     path: str | None = None  # its file in shm_dir (node-local tier), None: anonymous memory
+    fence: CopyFence | None = None  # device-to-host copies of its capture still in flight
 
 
 @dataclass(frozen=True)
@@ -194,12 +197,11 @@ class MirrorEngine:
                 return buf.tensor
 
     def _allocate(self, nbytes: int) -> tuple[torch.Tensor, str | None]:
-        if self.own_files is not None:
-            return self.own_files.allocate(nbytes)
-        return torch.empty(nbytes, dtype=torch.uint8), None
+        return buffers.allocate(self.own_files, nbytes)  # page-locked when the process uses CUDA
 
     def _regrow(self, buf: _Buf, nbytes: int) -> None:
-        buf.tensor = torch.empty(0, dtype=torch.uint8)  # free the old one first
+        buffers.drop(buf.tensor, buf.path, buf.fence, self.config.timeout_s)
+        buf.tensor, buf.fence = torch.empty(0, dtype=torch.uint8), None  # free the old one first
         if self.own_files is not None:
             self.own_files.release(buf.path)
         buf.tensor, buf.path = self._allocate(nbytes)
@@ -247,7 +249,8 @@ class MirrorEngine:
                     and _has_checksums(b.manifest)]
 
     # --- submission -------------------------------------------------------------------------
-    def submit(self, manifest: Manifest, buffer: torch.Tensor, pairs: PairSpec = None) -> None:
+    def submit(self, manifest: Manifest, buffer: torch.Tensor, pairs: PairSpec = None,
+               fence: CopyFence | None = None) -> None:
         """Queue one image for the next round; returns at once (background) or after it.
 
         ``pairs``: None = full round (every owner to all its holders). A set of
@@ -260,6 +263,10 @@ class MirrorEngine:
         same value. A manifest with no ``chunk_checksums`` (captured with
         ``checksum_now=False``) is checksummed at the start of its round, on
         the background thread; until then it is not one of :meth:`own_images`.
+        ``fence``: the capture's device-to-host copies still in flight into
+        ``buffer`` (:mod:`ckptless.state.fence`); the round waits for them
+        before it reads a byte, and an image the fence calls torn is never
+        mirrored (the engine breaks: a fault, the job rolls back).
         """
         self._raise_if_broken()
         if pairs is not None and pairs != MISSING:
@@ -271,7 +278,7 @@ class MirrorEngine:
             if entry is None:  # a foreign buffer: adopted into the pool, caller must not reuse it
                 entry = _Buf(buffer)
                 self._pool.append(entry)
-            entry.state, entry.manifest = QUEUED, manifest
+            entry.state, entry.manifest, entry.fence = QUEUED, manifest, fence
         if self._thread is None:
             self._round(manifest, buffer, pairs)
             self._raise_if_broken()
@@ -317,7 +324,14 @@ class MirrorEngine:
             entry = self._entry(buffer)
             assert entry is not None
             entry.state = INFLIGHT
+            fence = entry.fence
         try:
+            if fence is not None:  # an asynchronous capture: its copies must be done, and clean
+                fence.wait(self.config.timeout_s, f"the capture of v{manifest.version}")
+                torn = fence.seal()
+                if torn is not None:
+                    raise MirrorError(f"image v{manifest.version} of rank {self.rank} is not mirrored: {torn}")
+                entry.fence = None  # done: nothing to wait for, and its source tensors need not stay alive
             if not _has_checksums(manifest):  # captured with checksum_now=False: checksummed here,
                 # off the training thread (crc32c releases the GIL); nothing writes the buffer now
                 sums = tuple(chunk_checksums(buffer, manifest.chunk_bytes, manifest.total_bytes))
@@ -335,7 +349,7 @@ class MirrorEngine:
             log.error("mirror round v%d failed on rank %d: %s", manifest.version, self.rank, exc)
             with self._cond:
                 self.error = exc
-                entry.state = FREE
+                entry.state, entry.manifest = FREE, None  # never offered as an own image (it may be torn)
                 self._cond.notify_all()
             return
         files = self.own_files if outcome.advanced and outcome.committed == manifest.version else None
@@ -410,9 +424,12 @@ class MirrorEngine:
         the tensors it reads or writes, and images handed out by :meth:`own_images`
         hold theirs; what is dropped here is only the pool's. Without this, every
         recovery left one to three S-sized buffers per rank alive for the rest of the job.
+        A buffer's copies in flight are waited for and its registration ended first (``buffers.drop``).
         """
         with self._cond:
-            self._pool = []
+            pool, self._pool = self._pool, []
+        for b in pool:
+            buffers.drop(b.tensor, b.path, b.fence, self.config.timeout_s)
 
     def take_pool(self) -> list[torch.Tensor]:
         """Hand over the pool's plain-memory buffers and forget them (a retired engine whose thread ended).
@@ -421,6 +438,8 @@ class MirrorEngine:
         """
         with self._cond:
             pool, self._pool = self._pool, []
+        for b in pool:  # a queued round that never ran may have left its capture's copies in flight
+            buffers.drop(b.tensor, b.path, b.fence, self.config.timeout_s)
         return [b.tensor for b in pool if b.path is None]
 
     def donate(self, tensors: Sequence[torch.Tensor]) -> int:
@@ -457,5 +476,8 @@ class MirrorEngine:
             if self._thread.is_alive():
                 raise TransportError(f"mirror thread of rank {self.rank} did not stop within {timeout}s")
             self._thread = None
+        for b in self._pool:
+            if b.path is not None:
+                buffers.drop(b.tensor, b.path, b.fence, self.config.timeout_s)
         if self.own_files is not None:
             self.own_files.close()  # a clean end: nothing will be respawned from them

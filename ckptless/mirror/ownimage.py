@@ -52,6 +52,7 @@ import torch
 
 from ckptless.errors import IntegrityError, ManifestError
 from ckptless.mirror.shm import FallbackNotice, own_files, own_path, reserve_mapping, unlink_quiet
+from ckptless.state import host_memory
 from ckptless.state.checksum import bad_chunks
 from ckptless.state.manifest import Manifest
 
@@ -102,7 +103,7 @@ class OwnImageFiles:
         except (OSError, RuntimeError) as exc:
             unlink_quiet(path)
             self.notice.report("own image buffer", nbytes, exc)
-            return torch.empty(nbytes, dtype=torch.uint8), None
+            return host_memory.empty(nbytes), None
 
     def publish(self, path: str | None, manifest: Manifest) -> None:
         """``manifest`` committed in the buffer at ``path``: say so (atomically), before older ones go."""

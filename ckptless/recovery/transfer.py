@@ -25,6 +25,7 @@ from ckptless.mirror.store import PeerStore, StoredImage
 from ckptless.mirror.transport import Deadline, wait_all, wait_one
 from ckptless.recovery.decision import RecoveryPlan, Stripe, Transfer
 from ckptless.recovery.wire import Membership
+from ckptless.state import host_memory
 from ckptless.state.checksum import crc_of
 from ckptless.state.manifest import Manifest
 
@@ -121,7 +122,9 @@ def execute_transfers(
         manifest = Manifest.from_bytes(raw.numpy().tobytes())
         if (manifest.owner, manifest.version) != (t.owner, t.version):
             raise RecoveryError(f"holder sent v{manifest.version} of rank {manifest.owner}, plan says v{t.version} of {t.owner}")
-        buf = into if into is not None and into.numel() >= manifest.total_bytes else torch.empty(manifest.total_bytes, dtype=torch.uint8)
+        # Page-locked when this process already uses CUDA: the restore's host-to-device copies from it are
+        # then asynchronous, and the buffer joins the capture pool afterwards (worker/reuse.py).
+        buf = into if into is not None and into.numel() >= manifest.total_bytes else host_memory.empty(manifest.total_bytes)
         received = Received(manifest, buf[: manifest.total_bytes], {})
     # Stripes, with fallback rounds for corrupt ones.
     n_stripes = sum(len(t.stripes) for t in transfers)

@@ -20,8 +20,9 @@ from typing import Any
 import torch
 
 from ckptless.errors import ConfigError, StateError
-from ckptless.state import checksum
+from ckptless.state import checksum, host_memory, streams
 from ckptless.state.checksum import DEFAULT_CHUNK_BYTES
+from ckptless.state.fence import CopyFence, late_sources
 from ckptless.state.image import StateImage, check_buffer, slot
 from ckptless.state.manifest import Manifest, TensorEntry, dtype_name
 from ckptless.state.registry import StateRegistry
@@ -57,7 +58,8 @@ class Capturer:
         img = cap.capture(version=1, generation=g, out=img.buffer)
     """
 
-    def __init__(self, registry: StateRegistry, job_id: str, owner: int, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
+    def __init__(self, registry: StateRegistry, job_id: str, owner: int, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+                 timeout_s: float = 60.0) -> None:
         if not isinstance(job_id, str) or not job_id:
             raise ConfigError("job_id", job_id, "must be a non-empty string")
         if type(owner) is not int or owner < 0:
@@ -68,7 +70,7 @@ class Capturer:
         self.job_id = job_id
         self.owner = owner
         self.chunk_bytes = chunk_bytes
-        self._stream: Any = None  # CUDA side stream, created on first use
+        self.timeout_s = timeout_s
 
     def _collect(self) -> tuple[Any, list[torch.Tensor]]:
         states: dict[str, Any] = {}
@@ -88,11 +90,10 @@ class Capturer:
         return _layout(tensors)[1]
 
     def allocate(self, nbytes: int | None = None) -> torch.Tensor:
-        """A buffer for :meth:`capture` (pinned when CUDA is present, so
-        device-to-host copies can run asynchronously)."""
+        """A buffer for :meth:`capture`: page-locked when this process uses CUDA, so that the
+        device-to-host copies run asynchronously (:mod:`ckptless.state.host_memory`)."""
         n = self.required_bytes() if nbytes is None else nbytes
-        pin = torch.cuda.is_available()
-        return torch.empty(n, dtype=torch.uint8, pin_memory=pin)
+        return host_memory.empty(n)
 
     def capture(self, version: int, generation: int, out: torch.Tensor | None = None,
                 checksum_now: bool = True) -> StateImage:
@@ -100,8 +101,12 @@ class Capturer:
 
         ``checksum_now=False``: the manifest's ``chunk_checksums`` is left empty
         for the mirror engine to fill on its background thread (see
-        :meth:`ckptless.mirror.mirror.MirrorEngine.submit`): the training thread
-        then waits only for the copy. Such an image is not valid until then.
+        :meth:`ckptless.mirror.mirror.MirrorEngine.submit`), and device tensors
+        are copied asynchronously: the image's ``fence`` (:mod:`ckptless.state.fence`)
+        says when the bytes are final, and the training thread waits for
+        nothing. Such an image is not valid until the engine waited for the
+        fence and checksummed it. ``checksum_now=True`` waits for the copies
+        (with a deadline) and checksums here.
 
         Raises :class:`StateError` when ``out`` is too small (with both sizes)
         or when some state cannot be represented.
@@ -117,7 +122,12 @@ class Capturer:
         check_buffer(out, "capture buffer")
         if out.numel() < total:
             raise StateError(f"capture buffer too small: state needs {total} bytes, buffer has {out.numel()}")
-        self._copy(out, tensors, entries)
+        fence = self._copy(out, tensors, entries)
+        if fence is not None and checksum_now:
+            fence.wait(self.timeout_s, f"capture of version {version}")
+            if fence.seal() is not None:
+                raise StateError(f"capture of version {version} is torn: {fence.torn}")
+            fence = None
         sums = checksum.chunk_checksums(out, self.chunk_bytes, total) if checksum_now else []
         manifest = Manifest(
             job_id=self.job_id,
@@ -130,38 +140,58 @@ class Capturer:
             tensors=tuple(entries),
             tree=tree,
         )
-        return StateImage(manifest=manifest, buffer=out)
+        return StateImage(manifest=manifest, buffer=out, fence=fence)
 
-    def _copy(self, out: torch.Tensor, tensors: list[torch.Tensor], entries: list[TensorEntry]) -> None:
+    def _copy(self, out: torch.Tensor, tensors: list[torch.Tensor], entries: list[TensorEntry]) -> CopyFence | None:
+        """CPU tensors are copied here; device tensors are queued on side streams (returns their fence)."""
         end = 0
-        on_device: list[tuple[torch.Tensor, torch.Tensor]] = []
-        for t, e in zip(tensors, entries):
+        on_device: list[tuple[int, torch.Tensor, torch.Tensor]] = []
+        for i, (t, e) in enumerate(zip(tensors, entries)):
             if e.offset > end:
                 out[end : e.offset].zero_()
             dst = slot(out, e, t.dtype)
             if t.device.type == "cpu":
                 dst.copy_(t)
             else:
-                on_device.append((dst, t))
+                on_device.append((i, dst, t))
             end = e.offset + e.nbytes
-        if on_device:
-            self._copy_from_device(on_device)
+        if not on_device:
+            return None
+        return self._copy_from_device(on_device, late_sources(obj for _, obj in self.registry.items()))
 
-    def _copy_from_device(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Device-to-host copies on a side stream, then wait (not run on CPU CI).
+    def _copy_from_device(self, pairs: list[tuple[int, torch.Tensor, torch.Tensor]], late: set[int]) -> CopyFence:
+        """Device-to-host copies on one side stream per source device; returns their fence.
 
-        The side stream first waits for the compute stream so it reads
-        finished values; we synchronise before returning because the caller
-        checksums (and may ship) the bytes right away.
+        Each side stream first waits for its device's current stream (it reads
+        finished values), copies the early tensors, marks, copies the late ones
+        (parameters, optimizer state) and marks again. ``record_stream`` keeps a
+        source that the script frees meanwhile from being reused under the
+        copy. Nothing here waits: see :mod:`ckptless.state.fence` for who does.
+        Into page-locked memory the copies are asynchronous; into pageable
+        memory CUDA performs them before returning (correct, only slower).
         """
         if not torch.cuda.is_available():
-            raise StateError(f"tensor on {pairs[0][1].device} but CUDA is not available")
-        if self._stream is None:
-            self._stream = torch.cuda.Stream()
-        stream = self._stream
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for dst, src in pairs:
-                dst.copy_(src, non_blocking=True)
-        stream.synchronize()
-
+            raise StateError(f"tensor on {pairs[0][2].device} but CUDA is not available")
+        by_device: dict[torch.device, tuple[list[tuple[int, torch.Tensor, torch.Tensor]], list[tuple[int, torch.Tensor, torch.Tensor]]]] = {}
+        for item in pairs:
+            src = item[2]
+            early, late_items = by_device.setdefault(src.device, ([], []))
+            (late_items if src.data_ptr() in late else early).append(item)
+        early_marks: list[streams.Marker] = []
+        late_marks: list[streams.Marker] = []
+        watched: list[tuple[int, torch.Tensor, int]] = []
+        for device, (early, late_items) in by_device.items():
+            side = streams.side_stream(device)
+            with torch.cuda.device(device):
+                side.wait_stream(torch.cuda.current_stream(device))
+                with torch.cuda.stream(side):
+                    for _, dst, src in early:
+                        dst.copy_(src, non_blocking=True)
+                        src.record_stream(side)
+                    early_marks.append(streams.EventMarker(device, side))
+                    for i, dst, src in late_items:
+                        watched.append((i, src, src._version))
+                        dst.copy_(src, non_blocking=True)
+                        src.record_stream(side)
+                    late_marks.append(streams.EventMarker(device, side))
+        return CopyFence(early_marks, late_marks, watched)

@@ -7,11 +7,15 @@ re-exports for compatibility) can use them without an import cycle.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from ckptless.errors import StateError
 from ckptless.state.manifest import Manifest, TensorEntry
+
+if TYPE_CHECKING:
+    from ckptless.state.fence import CopyFence
 
 
 @dataclass
@@ -21,10 +25,15 @@ class StateImage:
     ``buffer`` is a 1-D contiguous uint8 CPU tensor of at least
     ``manifest.total_bytes`` bytes (it may be a larger reused buffer; only the
     first ``total_bytes`` are part of the image).
+
+    ``fence``: device-to-host copies still in flight into ``buffer`` (an
+    asynchronous capture, :mod:`ckptless.state.fence`); None when the bytes
+    are final.
     """
 
     manifest: Manifest
     buffer: torch.Tensor
+    fence: CopyFence | None = None
 
 
 def check_buffer(buf: torch.Tensor, what: str) -> None:

@@ -53,7 +53,7 @@ import torch
 from torch import nn
 
 from ckptless.errors import ManifestError
-from ckptless.state import fsdp
+from ckptless.state import devices, fsdp
 from ckptless.state.dtensor import DTensorSpec, is_dtensor, local_of, same_layout
 from ckptless.state.manifest import TensorEntry, dtype_from_name
 from ckptless.state.tree import _join, _where
@@ -284,7 +284,7 @@ def _match(node: Any, live: Any, path: str, entries: tuple[TensorEntry, ...], ou
     elif tag == "T":
         out.append(_target(live, val, entries, torch.device("cpu"), path))
     elif tag == "Td":
-        out.append(_target(live, val[0], entries, torch.device(val[1]), path))
+        out.append(_target(live, val[0], entries, devices.parse(val[1]), path))
     elif tag == "DT":
         out.append(_dtensor_target(live, val, entries, path))
     elif tag == "N":
@@ -314,8 +314,8 @@ def _target(live: Any, index: int, entries: tuple[TensorEntry, ...], device: tor
         dtype = dtype_from_name(entry.dtype)
     except ManifestError as exc:  # pragma: no cover - the manifest was validated
         raise NoPlan(str(exc)) from exc
-    if live.device != device:
-        raise NoPlan(f"{where}: live tensor on {live.device}, image tensor belongs on {device}")
+    if live.device.type != device.type:  # the image records a type: any GPU of the rank's is right
+        raise NoPlan(f"{where}: live tensor on {live.device}, image tensor belongs on a {device.type} device")
     if live.dtype != dtype or tuple(live.shape) != entry.shape:
         raise NoPlan(f"{where}: live {live.dtype} {tuple(live.shape)} != image {dtype} {entry.shape}")
     if live.layout != torch.strided or live.is_conj() or live.is_neg() or live.is_inference() or not _dense(live):
@@ -330,7 +330,7 @@ def _dtensor_target(live: Any, val: list[Any], entries: tuple[TensorEntry, ...],
     if not same_layout(live, DTensorSpec.from_json(val[1:], path)):
         raise NoPlan(f"{_where(path)}: live DTensor's placements, shape or mesh differ from the image's")
     ((tag, idx),) = val[0].items()
-    device = torch.device("cpu") if tag == "T" else torch.device(idx[1])
+    device = devices.CPU if tag == "T" else devices.parse(idx[1])
     local = _target(local_of(live), idx if tag == "T" else idx[0], entries, device, path)
     return Target(local.index, local.live, path, keep=live)
 

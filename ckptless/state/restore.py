@@ -10,10 +10,14 @@ Two ways to load one object, with bitwise-identical results:
   ``load_state_dict`` (the only way before issue 9). Used for every object
   without a plan: the RNG streams, the data position, schedulers, scalers,
   user extras, and a model/optimizer whose live state does not match the
-  image (a fresh replacement's optimizer has no moments yet).
+  image (a fresh replacement's optimizer has no moments yet). A tensor bound
+  for a GPU is not cloned on the CPU first: it is copied from the buffer
+  straight to the rank's device (``decode``'s device copy *is* the clone).
 
 Either way nothing the objects keep aliases the image buffer, which the
-mirror reuses for the next capture.
+mirror reuses for the next capture. Host-to-device copies are issued
+``non_blocking`` (asynchronous from a page-locked buffer) and waited for
+once, with a deadline, before :func:`restore` returns.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from typing import Any, overload
 import torch
 
 from ckptless.errors import ManifestError, StateError
-from ckptless.state import checksum, inplace
+from ckptless.state import checksum, devices, inplace, streams
 from ckptless.state.dtensor import Meshes
 from ckptless.state.image import StateImage, check_buffer, slot
 from ckptless.state.manifest import dtype_from_name
@@ -68,11 +72,19 @@ class RestoreReport:
 
 
 class _Clones(Sequence[torch.Tensor]):
-    """Image tensors cloned on first use, each once (what ``decode`` places for the clone path)."""
+    """Image tensors cloned on first use, each once (what ``decode`` places for the clone path).
 
-    def __init__(self, views: list[torch.Tensor]) -> None:
+    Tensors bound for a device (``on_device``) are handed over as views: ``decode`` copies them to
+    the device, which leaves nothing aliasing the buffer, without a CPU clone in between."""
+
+    def __init__(self, views: list[torch.Tensor], on_device: frozenset[int] = frozenset()) -> None:
         self._views = views
+        self._on_device = on_device
         self._done: dict[int, torch.Tensor] = {}
+
+    @property
+    def has_device(self) -> bool:
+        return bool(self._on_device)
 
     def __len__(self) -> int:
         return len(self._views)
@@ -84,6 +96,8 @@ class _Clones(Sequence[torch.Tensor]):
     def __getitem__(self, i: int | slice) -> torch.Tensor | Sequence[torch.Tensor]:
         if isinstance(i, slice):
             raise TypeError("slicing is not supported")
+        if i in self._on_device:
+            return self._views[i]
         t = self._done.get(i)
         if t is None:
             t = self._done[i] = self._views[i].clone()
@@ -138,7 +152,27 @@ def _tensor_indices(node: Any, out: list[int]) -> list[int]:
     return out
 
 
-def restore(registry: StateRegistry, image: StateImage, verify: bool = True, in_place: bool = True) -> RestoreReport:
+def _device_indices(node: Any, out: set[int]) -> set[int]:
+    """Indices of the tensors the tree places on a device (``{"Td": ...}``, also as a DTensor's shard)."""
+    if type(node) is list:
+        for v in node:
+            _device_indices(v, out)
+    elif type(node) is dict and len(node) == 1:
+        ((tag, val),) = node.items()
+        if tag == "Td":
+            out.add(val[0])
+        elif tag == "DT":
+            _device_indices(val[0], out)
+        elif tag == "d":
+            for _, v in val:
+                _device_indices(v, out)
+        elif tag in ("o", "t"):
+            _device_indices(val, out)
+    return out
+
+
+def restore(registry: StateRegistry, image: StateImage, verify: bool = True, in_place: bool = True,
+            timeout_s: float = 60.0) -> RestoreReport:
     """Load ``image`` into the registry's objects, exactly.
 
     Order of checks, all before any object is touched: buffer shape, manifest
@@ -183,8 +217,9 @@ def restore(registry: StateRegistry, image: StateImage, verify: bool = True, in_
         )
     subtrees = _object_subtrees(m.tree)
     t1 = time.perf_counter()
-    clones = _Clones(views)
+    clones = _Clones(views, frozenset(_device_indices(m.tree, set())))
     done: list[ObjectRestore] = []
+    touched: set[torch.device] = set()
     for name, obj in registry.items():
         sub = subtrees[name]
         idx = _tensor_indices(sub, [])
@@ -198,7 +233,7 @@ def restore(registry: StateRegistry, image: StateImage, verify: bool = True, in_
                 reason = str(why)
         try:
             if plan is not None:
-                _copy(name, plan, views)
+                touched.update(_copy(name, plan, views))
                 if plan.load:
                     live = {t.index: t.live if t.keep is None else t.keep for t in plan.targets}
                     obj.load_state_dict(decode(sub, _Overlay(clones, live), meshes=meshes))
@@ -209,13 +244,24 @@ def restore(registry: StateRegistry, image: StateImage, verify: bool = True, in_
         except Exception as exc:
             raise StateError(f"{name}.load_state_dict() failed: {exc}") from exc
         done.append(ObjectRestore(name, plan is not None, len(idx), nbytes, "" if plan is not None else reason))
+    cuda = {d for d in touched if d.type == "cuda"}
+    if clones.has_device and torch.cuda.is_available():
+        cuda.add(devices.target("cuda"))  # where decode copied the clone path's device tensors
+    if cuda:  # every device copy was asynchronous; the buffer is reused (the next capture) once they are done
+        streams.sync_devices(cuda, timeout_s, f"restoring image v{m.version} of owner {m.owner}")
     return RestoreReport(tuple(done), verify_s=t1 - t0, load_s=time.perf_counter() - t1)
 
 
-def _copy(name: str, plan: inplace.InPlacePlan, views: list[torch.Tensor]) -> None:
+def _copy(name: str, plan: inplace.InPlacePlan, views: list[torch.Tensor]) -> set[torch.device]:
+    """The plan's copies into live tensors (device ones asynchronous); returns the devices written."""
+    written: set[torch.device] = set()
     with torch.no_grad():
         for t in plan.targets:
             try:
-                t.live.copy_(views[t.index])
+                on_device = t.live.device.type != "cpu"
+                t.live.copy_(views[t.index], non_blocking=on_device)
+                if on_device:
+                    written.add(t.live.device)
             except RuntimeError as exc:
                 raise StateError(f"{name}: in-place copy into {t.path} failed: {exc}") from exc
+    return written

@@ -4,9 +4,21 @@ Why: a restored run must draw exactly the numbers the uninterrupted run would
 have drawn (dropout masks, augmentation, shuffles), so every global generator
 a training step may touch is captured with the rest of the state: Python's
 ``random``, NumPy's legacy global ``RandomState`` (what ``np.random.rand``
-uses), torch's CPU generator, and every CUDA device's generator when CUDA is
-available. Generators the user creates (``torch.Generator``,
-``np.random.default_rng``) are their own state: protect the objects owning them.
+uses), torch's CPU generator, and the CUDA generator of *the rank's own GPU*
+(the current device, which ``ckptless.init()`` sets). Generators the user
+creates (``torch.Generator``, ``np.random.default_rng``) are their own state:
+protect the objects owning them.
+
+Why the rank's own device and not every device: a rank draws its dropout
+masks from its own GPU's generator. Saved by device index (what
+``get_rng_state_all`` gives), a rank restored on another GPU (a spare on
+GPU 5 taking the rank that ran on GPU 3) would set GPU 3's generator and draw
+from GPU 5's, another stream, and a process that sees another number of
+GPUs could not restore at all. So the image holds one CUDA state, restored
+into the current device's generator wherever that is. A process that never
+touched CUDA saves none (reading it would create a CUDA context in a CPU job
+on a GPU host). Images with one state per device (written before this rule)
+still restore where the device count matches.
 
 The large state vectors are stored as int64 tensors, not JSON lists, so they
 travel in the raw buffer instead of bloating the manifest.
@@ -28,16 +40,16 @@ _KEYS = {"python", "numpy", "torch", "cuda"}
 class RNGState:
     """``Stateful`` snapshot/restore of all process-global generators.
 
-    The CUDA path (``torch.cuda.get_rng_state_all``) only runs where
-    ``torch.cuda.is_available()``; it is not exercised by the CPU test suite.
+    The CUDA path runs only in a process that initialised CUDA; the CPU suite does not
+    exercise it (``make test-gpu`` does, across processes and devices).
     """
 
     def state_dict(self) -> dict[str, Any]:
         version, internal, gauss = random.getstate()
         name, key, pos, has_gauss, cached = np.random.get_state(legacy=True)
         cuda: list[torch.Tensor] = []
-        if torch.cuda.is_available():
-            cuda = list(torch.cuda.get_rng_state_all())
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            cuda = [torch.cuda.get_rng_state(torch.cuda.current_device())]
         return {
             "python": {"version": version, "state": torch.tensor(internal, dtype=torch.int64), "gauss": gauss},
             "numpy": {
@@ -72,13 +84,16 @@ class RNGState:
             raise StateError(f"malformed RNG state: {exc}") from exc
         if cuda:
             self._check_cuda(len(cuda))
+        # One state: the rank's own device's generator, set on this process's current device.
         # Everything is parsed above before any generator is touched, so a
         # malformed state leaves the process's streams as they were.
         try:
             random.setstate(py_state)
             np.random.set_state(np_state)
             torch.set_rng_state(torch_state)
-            if cuda:
+            if len(cuda) == 1:
+                torch.cuda.set_rng_state(cuda[0], torch.cuda.current_device())
+            elif cuda:  # an image with one state per device: only where the count matches (checked above)
                 torch.cuda.set_rng_state_all(cuda)
         except (TypeError, ValueError, RuntimeError) as exc:
             raise StateError(f"could not restore RNG state: {exc}") from exc
@@ -86,5 +101,8 @@ class RNGState:
     @staticmethod
     def _check_cuda(n: int) -> None:
         have = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if have != n:
-            raise StateError(f"RNG state holds {n} CUDA generator(s) but this process sees {have} CUDA device(s)")
+        if have == 0:
+            raise StateError("RNG state holds a CUDA generator (a GPU rank's) but this process sees no CUDA device")
+        if n > 1 and have != n:
+            raise StateError(f"RNG state holds {n} CUDA generators (one per device, an older image) but this "
+                             f"process sees {have} CUDA device(s)")

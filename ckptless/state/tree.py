@@ -24,7 +24,9 @@ JSON array              ``list``
                         carry per-submodule versions there) or ``null``
 ``{"f": "nan"}``        non-finite ``float`` (``"nan"``, ``"inf"``, ``"-inf"``)
 ``{"T": i}``            CPU tensor ``tensors[i]``
-``{"Td": [i, dev]}``    tensor ``tensors[i]`` that lived on device ``dev``
+``{"Td": [i, type]}``   tensor ``tensors[i]`` that lived on a device of ``type``
+                        (``"cuda"``: the type only, never an index; see
+                        :mod:`ckptless.state.devices`)
 ``{"N": i}``            numpy array, stored as ``tensors[i]``
 ``{"n": [dt, v]}``      numpy scalar of dtype name ``dt`` (bool/int/float)
 ``{"dtype": name}``     ``torch.dtype``
@@ -44,6 +46,7 @@ import numpy as np
 import torch
 
 from ckptless.errors import ManifestError, StateError
+from ckptless.state import devices
 from ckptless.state.dtensor import DTensorSpec, Meshes, is_dtensor, local_of, same_layout
 from ckptless.state.manifest import dtype_name
 
@@ -126,7 +129,7 @@ def _enc(obj: Any, path: str, tensors: list[torch.Tensor], depth: int) -> Any:
 
 def _enc_tensor(t: torch.Tensor, path: str, tensors: list[torch.Tensor]) -> dict[str, Any]:
     idx = _add_tensor(t.detach(), path, tensors)
-    return {"T": idx} if t.device.type == "cpu" else {"Td": [idx, str(t.device)]}
+    return {"T": idx} if t.device.type == "cpu" else {"Td": [idx, devices.recorded(t)]}
 
 
 def _enc_items(obj: dict[Any, Any], path: str, tensors: list[torch.Tensor], depth: int) -> list[list[Any]]:
@@ -162,7 +165,11 @@ def decode(tree: Any, tensors: Sequence[torch.Tensor], move: bool = True, meshes
     """Rebuild the object :func:`encode` produced ``tree`` from.
 
     ``tensors[i]`` is placed wherever the tree says ``{"T": i}``; tensors that
-    were on an accelerator are moved back to it. Anything not produced by
+    were on an accelerator are copied to this process's current device of
+    that type (:func:`ckptless.state.devices.target`), *asynchronously*
+    (``non_blocking``): a caller that reuses the source buffer afterwards
+    synchronises first (:func:`ckptless.state.restore.restore` does, once).
+    Anything not produced by
     :func:`encode` raises :class:`ManifestError` naming the path: the tree may
     come from a peer or from disk and is validated, never trusted.
 
@@ -233,11 +240,13 @@ def _dec(node: Any, path: str, ctx: _Ctx, depth: int) -> Any:
             raise _bad(path, "device tensor payload must be [index, device]")
         t = ctx.tensors[_index(val[0], path, len(ctx.tensors))]
         try:
+            dev = devices.target(val[1])
             if not ctx.move:
-                torch.empty(0, device=torch.device(val[1]))  # the device exists here
+                torch.empty(0, device=dev)  # the device exists here
                 return t
-            return t.to(torch.device(val[1]))
-        except (RuntimeError, AssertionError) as exc:
+            # A live tensor an in-place restore copied into stays on its own device (any GPU of the rank's).
+            return t if t.device.type == dev.type else t.to(dev, non_blocking=True)
+        except (RuntimeError, AssertionError, StateError) as exc:
             raise StateError(f"cannot restore {_where(path)} onto device {val[1]!r}: {exc}") from exc
     if tag == "DT":
         return _dec_dtensor(val, path, ctx, depth)

@@ -30,6 +30,7 @@ from ckptless.goodput.ledger import EventKind
 from ckptless.mirror.config import MirrorConfig
 from ckptless.recovery.decision import Assignment
 from ckptless.recovery.wire import Membership
+from ckptless.state import host_memory
 from ckptless.state.digest import write_digest
 from ckptless.worker import abort, actions, ahead, exit_file, exit_guard, groups, rank_reads, training
 from ckptless.worker.context import WorkerContext
@@ -229,7 +230,7 @@ class WorkerDriver:
             # (the first one receives its image, which is then mirrored from it): the first-touch page
             # faults of S bytes each are taken off the recovery's critical path and its first steps.
             n = max(1, rt.mirror_config.pool_buffers)
-            rt.standby_buffers = [torch.zeros(rt.capturer.required_bytes(), dtype=torch.uint8) for _ in range(n)]
+            rt.standby_buffers = [host_memory.empty(rt.capturer.required_bytes()).zero_() for _ in range(n)]
 
     def write_digest(self, name: str = "digest") -> None:
         """The protected state's digest, only when a chaos runner asked (``CKPTLESS_DIGEST_DIR``)."""

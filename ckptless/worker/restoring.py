@@ -16,6 +16,7 @@ import time
 
 from ckptless.errors import (
     CoordinatorUnavailable,
+    DeviceTimeout,
     IntegrityError,
     RecoveryError,
     SnapshotError,
@@ -155,6 +156,10 @@ def leave(rt: WorkerRuntime, a: LeaveGroups) -> Event:
             rt.own_images = own
     else:
         groups.release_all(a.generation)
+    try:  # a restore writes the live tensors: the last capture's copies out of them must be done
+        rt.write_order.drain(rt.mirror_config.timeout_s)
+    except DeviceTimeout as exc:  # only that image is lost (never committed); the restore goes on
+        log.warning("rank %d: %s", rt.rank, exc)
     # A collective that failed mid forward/backward leaves FSDP2 per-iteration state (pending
     # all-gathers, unsharded parameters, partial gradients) that the retried step would trip on.
     reset = rt.registry.reset_after_failure()

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ckptless import chaos_hooks
 from ckptless.goodput.ledger import EventKind
 from ckptless.mirror.config import MirrorConfig
 from ckptless.mirror.mirror import MirrorEngine
@@ -38,6 +39,7 @@ from ckptless.recovery.transfer import Received
 from ckptless.recovery.wire import Membership
 from ckptless.snapshot import SnapshotConfig, SnapshotWriter
 from ckptless.state.capture import Capturer, StateImage
+from ckptless.state.fence import WriteOrder
 from ckptless.state.registry import StateRegistry
 from ckptless.worker import exit_guard, groups, rank_reads, reuse
 from ckptless.worker.context import WorkerContext
@@ -125,6 +127,8 @@ class WorkerRuntime:
         # A pre-built spare's receive buffer and further pool buffers, faulted in while it waits.
         self.standby_buffers: list[torch.Tensor] = []
         self._capturer: Capturer | None = None
+        # Where the next step waits (on the GPU) for the last capture's device-to-host copies.
+        self.write_order = WriteOrder()
         self._store: tuple[tuple[str, int], dist.Store] | None = None
 
     # --- identity (derived from the generation, never copied) ---------------------------------
@@ -176,13 +180,16 @@ class WorkerRuntime:
                 self.registry, self.rank, self.world_size)
 
     def layout_changed(self) -> None:
-        """New objects were protected: the next capture plans its layout anew."""
+        """New objects were protected: the next capture plans its layout anew, and every protected
+        optimizer's step orders itself after the capture's copies (``state/fence.py``)."""
         self._capturer = None
+        self.write_order.install(obj for _, obj in self.registry.items())
 
     @property
     def capturer(self) -> Capturer:
         if self._capturer is None or self._capturer.owner != self.rank:
-            self._capturer = Capturer(self.registry, self.ctx.job_id, self.rank, self.mirror_config.chunk_bytes)
+            self._capturer = Capturer(self.registry, self.ctx.job_id, self.rank, self.mirror_config.chunk_bytes,
+                                      timeout_s=self.mirror_config.timeout_s)
         return self._capturer
 
     def open_peer_store(self) -> PeerStore:
@@ -217,9 +224,13 @@ class WorkerRuntime:
             return self.capturer.capture(version, self.generation)
         reuse.donate_retired(self.own_images, engine)  # before acquiring: a retired engine's buffer is faulted in
         buf = engine.acquire_buffer(self.capturer.required_bytes())
-        # The training thread waits for the copy only; the engine's thread checksums it.
+        # The training thread waits for no copy: CPU tensors are copied here, device tensors on side
+        # streams (the next step waits for them on the GPU, where it would overwrite them); the engine's
+        # thread waits for them and checksums the image.
         image = self.capturer.capture(version, self.generation, out=buf, checksum_now=False)
-        engine.submit(image.manifest, image.buffer, pairs)
+        chaos_hooks.pause_point(f"capture:r{self.rank}:{version}", rank=self.rank, version=version)
+        engine.submit(image.manifest, image.buffer, pairs, fence=image.fence)
+        self.write_order.captured(image.fence)
         return image
 
     def step_done(self, step: int, generation: int, mirrored: bool = True) -> None:

@@ -1,0 +1,195 @@
+"""The asynchronous capture's fence (ckptless/state/fence.py), with stand-in markers.
+
+What must hold, whatever the script does: a step never overwrites a tensor whose copy is still in
+flight unless that is detected (the image is then called torn and never mirrored), early tensors
+are ordered at the start of the next step, late ones (parameters, optimizer state) at the
+optimizer's step, and a torn image switches the process to ordering everything at the step start.
+The CUDA events behind the markers run in ``make test-gpu``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from ckptless.errors import DeviceTimeout, StateError
+from ckptless.state import devices, host_memory, streams
+from ckptless.state.fence import CopyFence, WriteOrder, late_sources
+from ckptless.state.rng import RNGState
+
+
+class FakeMarker:
+    """A point in a device's work: ``finished`` says whether the GPU got there; ``ordered`` counts
+    how often a compute stream was made to wait for it."""
+
+    def __init__(self, finished: bool = False) -> None:
+        self.finished = finished
+        self.ordered = 0
+
+    def done(self) -> bool:
+        return self.finished
+
+    def order_current(self) -> None:
+        self.ordered += 1
+
+
+def _fence(watched: list[torch.Tensor], finished: bool = False) -> tuple[CopyFence, FakeMarker, FakeMarker]:
+    early, late = FakeMarker(finished), FakeMarker(finished)
+    return CopyFence([early], [late], [(i, t, t._version) for i, t in enumerate(watched)]), early, late
+
+
+def _model_and_opt() -> tuple[nn.Linear, torch.optim.SGD]:
+    m = nn.Linear(3, 2)
+    return m, torch.optim.SGD(m.parameters(), lr=0.1)
+
+
+def _step(m: nn.Linear, opt: torch.optim.SGD) -> None:
+    opt.zero_grad()
+    m(torch.ones(1, 3)).sum().backward()
+    opt.step()
+
+
+def test_early_copies_are_ordered_at_the_step_start_late_ones_at_the_optimizer_step() -> None:
+    m, opt = _model_and_opt()
+    order = WriteOrder()
+    order.install([m, opt])
+    fence, early, late = _fence([m.weight, m.bias])
+    order.captured(fence)
+    order.before_step()
+    assert (early.ordered, late.ordered) == (1, 0)  # the forward pass overlaps the late copies
+    m(torch.ones(1, 3)).sum().backward()
+    assert late.ordered == 0
+    opt.step()  # the pre-hook orders every copy before the first write
+    assert late.ordered == 1 and early.ordered == 2
+    _step(m, opt)  # idempotent: once per fence
+    assert late.ordered == 1
+    late.finished = early.finished = True
+    assert fence.seal() is None and fence.torn is None and not order.conservative
+
+
+def test_without_a_protected_optimizer_everything_is_ordered_at_the_step_start() -> None:
+    m, _ = _model_and_opt()
+    order = WriteOrder()
+    order.install([m])
+    assert not order.hooked
+    fence, early, late = _fence([m.weight])
+    order.captured(fence)
+    order.before_step()
+    assert early.ordered >= 1 and late.ordered == 1
+
+
+def test_a_write_before_the_optimizer_step_tears_the_image_and_turns_conservative() -> None:
+    m, opt = _model_and_opt()
+    order = WriteOrder()
+    order.install([m, opt])
+    fence, _, late = _fence([m.weight, m.bias])
+    order.captured(fence)
+    order.before_step()
+    with torch.no_grad():
+        m.weight.clamp_(-0.1, 0.1)  # the script writes a parameter in place before its optimizer step
+    opt.step()
+    assert fence.torn is not None and "#0" in fence.torn and "before the optimizer step" in fence.torn
+    assert order.conservative
+    late.finished = True
+    assert fence.seal() == fence.torn  # the mirror engine refuses it (tests/unit/test_fence.py::engine)
+    nxt, _, late2 = _fence([m.weight])
+    order.captured(nxt)
+    order.before_step()
+    assert late2.ordered == 1  # conservative: the late copies are ordered at the step start now
+
+
+def test_a_copy_done_before_any_write_is_sealed_clean_and_needs_no_ordering() -> None:
+    m, opt = _model_and_opt()
+    order = WriteOrder()
+    order.install([m, opt])
+    fence, early, late = _fence([m.weight], finished=True)
+    order.captured(fence)
+    assert fence.seal() is None  # the mirror thread saw it done first
+    order.before_step()
+    _step(m, opt)  # a write after the seal is harmless
+    assert (early.ordered, late.ordered) == (0, 0) and fence.torn is None
+
+
+def test_a_write_the_mirror_thread_sees_before_any_ordering_tears_the_image() -> None:
+    m, _ = _model_and_opt()
+    fence, _, _ = _fence([m.weight], finished=True)
+    with torch.no_grad():
+        m.weight.add_(1)
+    assert fence.seal() is not None
+
+
+def test_a_new_capture_orders_the_previous_one_and_drain_waits_for_it() -> None:
+    m, opt = _model_and_opt()
+    order = WriteOrder()
+    order.install([m, opt])
+    first, _, late1 = _fence([m.weight])
+    order.captured(first)
+    second, _, late2 = _fence([m.weight])
+    order.captured(second)  # no optimizer step in between (gradient accumulation): ordered now
+    assert late1.ordered == 1 and late2.ordered == 0
+    late2.finished = True
+    second.early[0].finished = True  # type: ignore[attr-defined]
+    order.drain(1.0)
+    assert late2.ordered == 1
+    order.before_step()  # nothing pending any more
+
+
+def test_a_copy_that_never_finishes_is_a_device_timeout_not_a_hang() -> None:
+    fence, _, _ = _fence([])
+    with pytest.raises(DeviceTimeout, match="did not finish within"):
+        fence.wait(0.05, "a capture")
+
+
+def test_install_again_replaces_the_hooks() -> None:
+    m, opt = _model_and_opt()
+    order = WriteOrder()
+    order.install([m, opt])
+    order.install([m, opt])
+    fence, _, late = _fence([m.weight])
+    order.captured(fence)
+    opt.step()
+    assert late.ordered == 1
+    order.install([m])
+    assert not order.hooked and not opt._optimizer_step_pre_hooks
+
+
+def test_late_sources_are_parameters_and_optimizer_state_never_buffers() -> None:
+    # CPU tensors are never copied asynchronously, so late_sources() lists device tensors only.
+    bn = nn.BatchNorm1d(3)
+    opt = torch.optim.Adam(bn.parameters())
+    _ = opt
+    assert late_sources([bn, opt]) == set()
+
+
+# --- device-relative images and host memory, on a machine without CUDA -----------------------------
+
+
+def test_images_record_a_device_type_and_legacy_indices_mean_the_type() -> None:
+    assert devices.parse("cuda:3") == torch.device("cuda") and devices.parse("cuda") == torch.device("cuda")
+    assert devices.same_kind(torch.device("cuda", 5), "cuda:3")
+    assert not devices.same_kind(torch.device("cpu"), "cuda")
+    assert devices.target("cpu") == torch.device("cpu")
+    with pytest.raises(StateError, match="invalid device"):
+        devices.parse("warp-drive:9")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU-only behaviour")
+def test_without_cuda_a_gpu_image_is_one_clear_error_and_nothing_is_pinned() -> None:
+    with pytest.raises(StateError, match="sees no CUDA device"):
+        devices.target("cuda")
+    buf = host_memory.empty(64)
+    assert not host_memory.pinned(buf) and not host_memory.register(buf) and host_memory.registered_bytes() == 0
+    host_memory.unregister(buf)  # a no-op
+    streams.sync_devices([torch.device("cpu")], 0.1, "nothing")  # CPU devices need no wait
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU-only behaviour")
+def test_rng_of_a_cpu_process_holds_no_cuda_state_and_refuses_a_gpu_ranks() -> None:
+    state = RNGState().state_dict()
+    assert state["cuda"] == []
+    state["cuda"] = [torch.zeros(16, dtype=torch.uint8)]  # what a GPU rank's image holds: one generator
+    before = torch.get_rng_state()
+    with pytest.raises(StateError, match="sees no CUDA device"):
+        RNGState().load_state_dict(state)
+    assert torch.equal(torch.get_rng_state(), before)  # nothing was touched
