@@ -24,7 +24,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from types import MappingProxyType
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -46,6 +46,7 @@ VARIABLES: dict[str, str] = {
     "CKPTLESS_COLLECTIVE_TIMEOUT": "collective_timeout_s",
     "CKPTLESS_SEED": "seed",
     "CKPTLESS_CPU_BACKEND": "cpu_backend",
+    "CKPTLESS_CUDA_BACKEND": "cuda_backend",
     "CKPTLESS_NODE_GPUS": "node_gpus",
     "TORCH_NCCL_ASYNC_ERROR_HANDLING": "nccl_error_handling",
     "CKPTLESS_ETCD_USER": "etcd_user",
@@ -79,6 +80,9 @@ class ProcessEnv(BaseModel):
                              "CPU tensors: gloo, or one the process registered (the tests' NCCL-semantics one)")
     node_gpus: int | None = Field(default=None, ge=0, description="the GPUs this node offers its workers, "
                                   "overriding the count from CUDA_VISIBLE_DEVICES or the driver (0: a CPU job)")
+    cuda_backend: Literal["nccl", "gloo", "none"] | None = Field(
+        default=None, description="the backend of the user's groups for CUDA tensors: nccl (the default where "
+        "CUDA is available), gloo (ranks may share a GPU: tests on one GPU), none (a CPU job on a GPU host)")
     nccl_error_handling: int | None = Field(default=None, ge=0, le=3, description="torch's NCCL error mode: "
                                             "ckptless needs 0 or 2 (abort without tearing the process down)")
     etcd_user: str | None = None

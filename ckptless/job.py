@@ -25,11 +25,13 @@ from collections.abc import Callable, Generator, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import torch
+
 from ckptless import environment
 from ckptless.errors import ConfigError, RecoveryError
 from ckptless.mirror.config import MirrorConfig
 from ckptless.state.registry import StateRegistry
-from ckptless.worker import exit_file, exit_guard, rank_reads, setup_seed, training
+from ckptless.worker import device, exit_file, exit_guard, rank_reads, setup_seed, training
 from ckptless.worker.context import WorkerContext
 from ckptless.worker.driver import WorkerDriver
 from ckptless.worker.machine import Event, State, UserError, is_terminal
@@ -70,6 +72,11 @@ class Job:
     @property
     def generation(self) -> int:
         return self._rt.generation
+
+    @property
+    def device(self) -> torch.device:
+        """The rank's own device: its GPU (made current by ``init()``), else the CPU."""
+        return device.bound() or torch.device("cpu")
 
     @property
     def committed_version(self) -> int | None:
@@ -190,7 +197,8 @@ def init(env: dict[str, str] | None = None) -> Job:
     connected to its peers on return; a replacement or spare returns with its
     groups unbound (collectives answer locally) and joins its peers in
     ``run()``, after your script built its objects. A spare blocks here until
-    the coordinator assigns it a rank.
+    the coordinator assigns it a rank. Where CUDA is available, the rank's GPU
+    (``cuda:LOCAL_RANK``) is made current first (``ckptless.worker.device``).
     """
     t0 = time.monotonic()
     _enable_crash_stacks()
@@ -198,6 +206,9 @@ def init(env: dict[str, str] | None = None) -> Job:
     # Before anything of the setup runs: an unseeded script's setup draws the same in every incarnation.
     seed = environment.current().seed if env is None else environment.ProcessEnv.from_mapping(env).seed
     setup_seed.seed_if_unseeded(seed, announce=ctx.rank == 0 and ctx.role == "member" and ctx.generation == 0)
+    # The rank's own GPU is current before anything is built or connected: its communicators, the
+    # device an image is restored onto and the CUDA generator saved with the RNG all follow it.
+    device.bind(ctx.local_rank)
     job = Job(ctx)
     if job.prebuilt:
         rank_reads.start()  # the setup that follows is the standby rank's: does it read its rank?

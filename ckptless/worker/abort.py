@@ -55,6 +55,7 @@ def abort_now(generation: int, why: str) -> int:
         _aborted.add(generation)
     sockets.shutdown(generation)
     n = sum(g.abort(generation) for g in groups.groups())
+    n += rebindable.abort_forming(generation)  # also those still connecting (a formation in progress)
     if first:
         log.info("generation %d aborted (%s): %d backend(s) aborted, connections shut down", generation, why, n)
     return n

@@ -33,7 +33,7 @@ from typing import Any, cast
 import torch.distributed as dist
 
 from ckptless.errors import ConfigError, TransportError
-from ckptless.worker import exit_guard, sockets
+from ckptless.worker import exit_guard, rebindable, sockets
 from ckptless.worker.rebindable import PLUGIN, RebindableGroup, new_gloo
 
 log = logging.getLogger(__name__)
@@ -203,7 +203,13 @@ def _abortable(fn: Callable[[], Any], generation: int, deadline: float, abort: A
     worker = threading.Thread(target=run, name=f"ckptless-{what}-g{generation}", daemon=True)
     worker.start()
     exit_guard.watch(worker.is_alive, worker.join)
-    wait_thread(worker, generation, deadline, abort, "communicators did not connect")
+    try:
+        wait_thread(worker, generation, deadline, abort, "communicators did not connect")
+    except FormationAborted:
+        # The helper may be inside a connect or its check: abort what it built (NCCL: ncclCommAbort
+        # ends a non-blocking init in progress); Gloo's connects end with their peers' sockets.
+        rebindable.abort_forming(generation)
+        raise
     if error:
         raise TransportError(f"forming generation {generation} failed: {error[0]}") from error[0]
     return out[0]
@@ -287,6 +293,8 @@ def release_all(generation: int | None = None) -> None:
         sockets.shutdown(ending)
     for g in groups():
         g.release()
+    if ending is not None:
+        rebindable.forget_forming(ending)
     gc.collect()  # Work objects in reference cycles keep a Gloo context (its sockets) alive
 
 

@@ -31,8 +31,13 @@ Failures are typed where they arise: a Work whose ``wait`` fails raises
 DDP reducer sees through futures in C++) marks the group broken for that
 generation, which :func:`collective_failed` reports.
 
-Not run on a GPU: with CUDA, ``bind`` also builds a ProcessGroupNCCL for
-cuda tensors (written device-agnostically, untested here).
+CUDA tensors (:mod:`ckptless.worker.device` decides the backend): with NCCL,
+``build`` also connects a ProcessGroupNCCL bound to the rank's GPU, eagerly
+and checked, inside the abortable formation (:mod:`ckptless.worker.nccl`;
+not run on several GPUs); with ``CKPTLESS_CUDA_BACKEND=gloo`` the same Gloo
+backend takes CUDA tensors. A backend being formed is reachable by
+:func:`abort_forming` before it is installed, so an abandoned formation ends
+a connect in progress instead of leaving it to NCCL's timeout.
 """
 
 from __future__ import annotations
@@ -49,12 +54,55 @@ from torch._C._distributed_c10d import _create_work_from_future
 
 from ckptless import environment
 from ckptless.errors import CollectiveError, ConfigError
+from ckptless.worker import device, nccl
 
 GLOO = dist.ProcessGroup.BackendType.GLOO
 PLUGIN = "ckptless"
 
 log = logging.getLogger(__name__)
 _broken_listeners: list[Callable[[int], None]] = []
+_forming: dict[int, list[Any]] = {}  # generation -> its non-Gloo backends built so far (installed or not)
+_aborted: dict[int, Any] = {}  # id() -> backend, those aborted so far (each once; held, so no id is reused)
+_forming_lock = threading.Lock()
+
+
+def _claim_abort(backend: Any) -> bool:
+    """True the first time ``backend`` is to be aborted (a backend is aborted once, by whoever is first)."""
+    with _forming_lock:
+        if id(backend) in _aborted:
+            return False
+        _aborted[id(backend)] = backend
+        return True
+
+
+def _forming_add(generation: int, backend: Any) -> None:
+    with _forming_lock:
+        _forming.setdefault(generation, []).append(backend)
+
+
+def abort_forming(generation: int) -> int:
+    """Abort every non-Gloo backend built for ``generation`` so far, installed or still connecting (an
+    abandoned formation's helper thread may be inside an NCCL init or its check); returns how many."""
+    with _forming_lock:
+        backends = list(_forming.get(generation, ()))
+    n = 0
+    for b in backends:
+        if not _claim_abort(b):
+            continue
+        try:
+            b.abort()
+            n += 1
+        except Exception:  # noqa: BLE001 - one backend's failed abort must not stop the others'
+            log.warning("aborting a %s of generation %d failed", type(b).__name__, generation, exc_info=True)
+    return n
+
+
+def forget_forming(upto: int) -> None:
+    """Drop the references to backends of generations up to ``upto`` (they were released)."""
+    with _forming_lock:
+        for g in [g for g in _forming if g <= upto]:
+            for b in _forming.pop(g):
+                _aborted.pop(id(b), None)
 
 
 def on_broken(listener: Callable[[int], None]) -> None:
@@ -197,6 +245,8 @@ class RebindableGroup(dist.ProcessGroup):
             backends = [b for b in self._backends if not isinstance(b, dist.ProcessGroupGloo)]
         n = 0
         for b in backends:
+            if not _claim_abort(b):
+                continue
             try:
                 b.abort()
                 n += 1
@@ -208,9 +258,13 @@ class RebindableGroup(dist.ProcessGroup):
     def build(self, store: dist.Store, generation: int) -> tuple[dist.ProcessGroup, list[Any]]:
         """The generation's communicator (blocks until every member of the group built it)."""
         prefix = dist.PrefixStore(f"ckptless/gen{generation}/pg/{self._name}/", store)
+        what = f"group {self._name!r} (generation {generation})"
         cpu_backend = environment.current().cpu_backend
         if cpu_backend != "gloo":
             group = self._build_plugin(cpu_backend, prefix)
+            _forming_add(generation, group)
+            nccl.connect(group, torch.device("cpu"))  # a lazy backend connects here, not in the first step
+            nccl.check_members(group, torch.device("cpu"), self.size(), what)
             return group, [group]
         inner = dist.ProcessGroup(prefix, self.rank(), self.size())
         gloo = new_gloo(prefix, self.rank(), self.size(), self.timeout)
@@ -220,12 +274,15 @@ class RebindableGroup(dist.ProcessGroup):
         inner._set_default_backend(GLOO)
         inner._register_backend(torch.device("cpu"), GLOO, gloo)
         backends: list[Any] = [gloo]
-        if torch.cuda.is_available():  # written device-agnostically; not run here (no GPU)
-            opts = dist.ProcessGroupNCCL.Options()
-            opts._timeout = self.timeout
-            nccl = dist.ProcessGroupNCCL(dist.PrefixStore("nccl/", prefix), self.rank(), self.size(), opts)
-            inner._register_backend(torch.device("cuda"), dist.ProcessGroup.BackendType.NCCL, nccl)
-            backends.append(nccl)
+        gpu, mode = device.bound(), device.bound_backend()
+        if gpu is not None and mode == "nccl":  # not run on several GPUs (docs/architecture.md, "GPU path")
+            backend = nccl.build(prefix, self.rank(), self.size(), self.timeout, self._name, self.global_ranks,
+                                 gpu, on_created=lambda b: _forming_add(generation, b))
+            nccl.check_members(backend, gpu, self.size(), what)
+            inner._register_backend(torch.device("cuda"), nccl.NCCL, backend)
+            backends.append(backend)
+        elif gpu is not None and mode == "gloo":  # ranks share a GPU (tests on one GPU): Gloo copies via the host
+            inner._register_backend(torch.device("cuda"), GLOO, gloo)
         return inner, backends
 
     def _build_plugin(self, name: str, store: dist.Store) -> Any:

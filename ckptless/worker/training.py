@@ -18,7 +18,7 @@ from ckptless.goodput.ledger import EventKind
 from ckptless.mirror.partial import PairSpec
 from ckptless.state.capture import StateImage
 from ckptless.worker import groups, reuse
-from ckptless.worker.faults import is_fault
+from ckptless.worker.faults import device_failure, is_fault
 from ckptless.worker.machine import (
     Committed,
     Event,
@@ -68,6 +68,9 @@ def classify(rt: WorkerRuntime, exc: BaseException) -> Event:
             raise exc
         rt.user_exception = exc
         return UserError(f"SystemExit: {exc.code}")
+    failed = device_failure(exc)  # the GPU itself failed: neither the user's error nor recoverable here
+    if failed is not None:
+        return failed
     if rt.recovery and is_fault(exc, rt.generation, rt.incident_check()):
         return Fault(f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}")
     rt.user_exception = exc
@@ -111,6 +114,7 @@ def train_steps(rt: WorkerRuntime, generation: int, from_step: int,
             if c.incident(generation):
                 return Fault(f"the coordinator declared generation {generation} failed")
         chaos_hooks.pause_point(f"step:r{rt.rank}:{step}", rank=rt.rank, step=step)
+        rt.write_order.before_step()  # the step must not overwrite what the last capture still copies
         failed = yield step
         if failed is None and groups.collective_failed(generation, settle_s=0.0):
             # The step returned, but a collective of it failed: with NCCL an aborted all-reduce's

@@ -338,11 +338,11 @@ def test_ddp_on_nccl_semantics_kill_in_backward(module_etcd: EmbeddedEtcd, tmp_p
     itself when rank 3 dies in backward; ckptless aborts the generation, nobody waits for the watchdog."""
     c = _kill_and_check(module_etcd, tmp_path / "ddp_nccl_r3_bwd", DDP_SCRIPT, (), 3, 5, "backward", ddp_baseline,
                         **nccl_like.job_env())
-    assert "[nccl_like] watchdog" not in c.log_text()
+    assert "[nccl_like] watchdog" not in c.log_text() and "[nccl_like] connected lazily" not in c.log_text()
 
 
 def test_fsdp2_on_nccl_semantics_kill_rank0_in_backward(module_etcd: EmbeddedEtcd, tmp_path: Path,
                                                          fsdp_baseline: dict) -> None:
     c = _kill_and_check(module_etcd, tmp_path / "fsdp_nccl_r0_bwd", FSDP_SCRIPT, (), 0, 5, "backward",
                         fsdp_baseline, **nccl_like.job_env())
-    assert "[nccl_like] watchdog" not in c.log_text()
+    assert "[nccl_like] watchdog" not in c.log_text() and "[nccl_like] connected lazily" not in c.log_text()

@@ -65,6 +65,7 @@ def test_survivors_leave_a_hung_collective_and_are_never_killed(module_etcd: Emb
     finally:
         c.kill_all()
     assert "[nccl_like] watchdog" not in c.log_text()  # nobody waited for the backstop
+    assert "[nccl_like] connected lazily" not in c.log_text()  # every communicator formed in its formation
     assert_recovered(c, baseline, lost={1})
     left = _left_after_incident(goodput, {0, 2, 3})
     assert all(dt < LEFT_WITHIN_S for dt in left.values()), f"survivors left the hung step late: {left}"

@@ -46,10 +46,13 @@ def test_spares_missing_counts_live_unassigned_spares() -> None:
 
 
 def test_spare_env_names_its_own_files_and_standby_rank() -> None:
-    env = refill.spare_env("n/spare3", 5, "/hb/hb5", "/hb/exit5.json", 2)
+    env = refill.spare_env("n/spare3", "/hb/hb5", "/hb/exit5.json", 2, {"LOCAL_RANK": "5"})
     assert env["CKPTLESS_WORKER_ID"] == "n/spare3" and env["LOCAL_RANK"] == "5"
     assert env["CKPTLESS_STANDBY_RANK"] == env["RANK"] == "2" and env["CKPTLESS_ROLE"] == "spare"
-    assert refill.spare_env("n/s", 1, "h", "e", None)["CKPTLESS_STANDBY_RANK"] == ""
+    assert refill.spare_env("n/s", "h", "e", None, {"LOCAL_RANK": "1"})["CKPTLESS_STANDBY_RANK"] == ""
+    # on a GPU node the device env puts it on its own GPU (launcher/devices.py)
+    gpu = refill.spare_env("n/s", "h", "e", 0, {"LOCAL_RANK": "0", "CUDA_VISIBLE_DEVICES": "6"})
+    assert gpu["CUDA_VISIBLE_DEVICES"] == "6" and gpu["LOCAL_RANK"] == "0"
 
 
 def test_logs_move_to_the_new_local_rank_directory(tmp_path: Path) -> None:

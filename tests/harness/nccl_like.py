@@ -9,6 +9,10 @@ reproduces on CPU (data moved by Gloo underneath):
   (NCCL's kernel spins; the CPU thread blocks at its next sync), whatever
   Gloo underneath saw, until the communicator is **aborted** from another
   thread; then it fails;
+* it connects **lazily**, as NCCL does without a bound device: at
+  ``eager_connect_single_device`` or else inside its first collective (then it
+  prints ``[nccl_like] connected lazily``: a formation that forgot to connect
+  it, leaving the connect to the user's first step, shows in the worker's log);
 * a watchdog acts at the collective timeout as torch's does with
   ``TORCH_NCCL_ASYNC_ERROR_HANDLING``: 1 or 3 (torchrun's default) tears the
   process down (``abort()``, SIGABRT, as NCCL's watchdog), 2 aborts the
@@ -117,10 +121,12 @@ class NcclLikeGroup(dist.ProcessGroup):
 
     def __init__(self, store: dist.Store, rank: int, size: int, timeout: Any, name: str) -> None:
         super().__init__(rank, size)
-        self._gloo = new_gloo(store, rank, size, timeout)
+        self._connect_args = (store, rank, size, timeout)
+        self._conn: dist.ProcessGroupGloo | None = None
         self._timeout_s = timeout.total_seconds()
         self._name = name
         self._lock = threading.Lock()
+        self._connect_lock = threading.Lock()  # not _lock: an abort must never wait for a connect
         self._live: set[_HeldWork] = set()
         self._aborted: str | None = None
         mode = os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
@@ -129,6 +135,23 @@ class NcclLikeGroup(dist.ProcessGroup):
 
     def getBackendName(self) -> str:
         return NAME
+
+    def eager_connect_single_device(self, device: Any) -> None:
+        """What ``ProcessGroupNCCL`` does for a bound device: connect now, not in the first collective."""
+        self._connect()
+
+    def _connect(self) -> dist.ProcessGroupGloo:
+        with self._connect_lock:
+            if self._conn is None:
+                self._conn = new_gloo(*self._connect_args)
+            return self._conn
+
+    @property
+    def _gloo(self) -> dist.ProcessGroupGloo:
+        if self._conn is None:
+            print(f"[nccl_like] connected lazily inside a collective of {self._name!r}", flush=True)
+            return self._connect()
+        return self._conn
 
     def abort(self) -> None:
         """ncclCommAbort: every incomplete work fails now, and every later one at once."""

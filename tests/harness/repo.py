@@ -20,4 +20,6 @@ def child_env() -> dict[str, str]:
     # The tests' jobs are CPU jobs, also on a GPU host: no GPU of the host is given out per spare, so a
     # test with more workers + spares than the host has GPUs is not refused (a test about GPUs sets it).
     env.setdefault("CKPTLESS_NODE_GPUS", "0")
+    # ... and their workers make no CUDA communicator or context (a GPU test sets its backend).
+    env.setdefault("CKPTLESS_CUDA_BACKEND", "none")
     return env
