@@ -3,6 +3,13 @@
 Reference job: 4 ranks on 2 agents, K = 1, dropout, AdamW, StepLR, the
 resumable data position (tests/harness/scripts/train_ref.py). Every test starts real
 agents on a real etcd and kills real processes with real signals.
+
+The respawn, the spare and the second failure run in CI on the backend with
+NCCL's failure semantics (tests/harness/nccl_like.py: a survivor's collective
+never fails by itself, only when ckptless aborts it), each killed at another
+point of the step (in the optimizer step, inside the capture, at the step's
+start); their Gloo twins run in the slow tier (Gloo's own failure path runs in
+CI everywhere else: the flag matrix, the chaos subset, DDP/FSDP2).
 """
 
 from __future__ import annotations
@@ -15,17 +22,38 @@ import pytest
 
 from ckptless.coordinator.embedded import EmbeddedEtcd
 
-from ..harness.cluster import (FaultFree, assert_bitwise_equal, assert_recovered, assert_survivors_kept_pids,
+from ..harness import nccl_like
+from ..harness.cluster import (Cluster, FaultFree, assert_bitwise_equal, assert_recovered, assert_survivors_kept_pids,
                                independent_pair, kill_when_paused, new_cluster, ring_holders, wait_membership)
-from ..harness.waiting import wait_until
+from ..harness.waiting import wait_json, wait_until
+
+# CI runs the NCCL-semantics variant; the Gloo twin is in the slow tier (see the module doc).
+BACKENDS = [pytest.param("nccl_like", id="nccl-like"), pytest.param("gloo", id="gloo", marks=pytest.mark.slow)]
 
 
-def test_sigkill_one_worker_respawned_on_its_node(module_etcd: EmbeddedEtcd, tmp_path: Path,
-                                                  baseline: FaultFree) -> None:
-    c = new_cluster(module_etcd.endpoint, tmp_path, "kill9", REF_PAUSE_RANK="1", REF_PAUSE_STEP="5")
+def _backend_env(backend: str) -> dict[str, str]:
+    return nccl_like.job_env() if backend == "nccl_like" else {}
+
+
+def _no_nccl_backstop(c: Cluster, backend: str) -> None:
+    """On the NCCL-semantics backend nobody waited for the watchdog, and no communicator connected late."""
+    if backend == "nccl_like":
+        text = c.log_text()
+        assert "[nccl_like] watchdog" not in text and "[nccl_like] connected lazily" not in text
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sigkill_one_worker_respawned_on_its_node(module_etcd: EmbeddedEtcd, tmp_path: Path, baseline: FaultFree,
+                                                  backend: str) -> None:
+    """NCCL semantics: rank 1 dies inside step 5, after its all-reduce and before its optimizer step
+    (its peers finish step 5, capture, and hang in step 6's all-reduce until ckptless aborts it)."""
+    where = {"REF_PAUSE_WHERE": "optimizer"} if backend == "nccl_like" else {}
+    c = new_cluster(module_etcd.endpoint, tmp_path, "kill9", REF_PAUSE_RANK="1", REF_PAUSE_STEP="5", **where,
+                    **_backend_env(backend))
     kill_when_paused(c, 1)
     assert_recovered(c, baseline, {1})
     assert c.pids(1)[-1]["role"] == "replacement"
+    _no_nccl_backstop(c, backend)
 
 
 def test_hung_worker_is_killed_and_replaced(module_etcd: EmbeddedEtcd, tmp_path: Path, baseline: FaultFree) -> None:
@@ -53,19 +81,32 @@ def test_node_loss_replaced_by_spares_on_a_third_agent(module_etcd: EmbeddedEtcd
     assert all(c.pids(r)[-1]["role"] == "spare" for r in lost)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_worker_killed_spare_on_another_agent_takes_its_rank(module_etcd: EmbeddedEtcd, tmp_path: Path,
-                                                             baseline: FaultFree) -> None:
+                                                             baseline: FaultFree, backend: str) -> None:
     """The victim's own agent survives and its rank goes to a pre-built spare on a spare-only agent:
-    every agent must still exit 0 at the end (the store's host waits for the spare's exit record)."""
+    every agent must still exit 0 at the end (the store's host waits for the spare's exit record).
+    NCCL semantics: rank 0 dies inside the capture of version 5 (copies made, not yet handed to its
+    mirror engine); Gloo: at the start of step 5."""
     from ckptless.coordinator.keyspace import Keyspace
     from ckptless.recovery.wire import spare_from_json
 
-    c = new_cluster(module_etcd.endpoint, tmp_path, "spare0", REF_PAUSE_RANK="0", REF_PAUSE_STEP="5")
+    chaos = tmp_path / "chaos"
+    if backend == "nccl_like":
+        env = {"CKPTLESS_CHAOS_DIR": str(chaos), "CKPTLESS_CHAOS_POINTS": "cap=capture:r0:5", **_backend_env(backend)}
+    else:
+        env = {"REF_PAUSE_RANK": "0", "REF_PAUSE_STEP": "5"}
+    c = new_cluster(module_etcd.endpoint, tmp_path, "spare0", **env)
     try:
         c.start_agent()
         c.start_agent()
         c.start_agent("--spares", "1", nproc=0)
-        pid = c.paused_pid(0)
+        if backend == "nccl_like":
+            paused = wait_json(chaos / "paused_cap.json", 120)
+            assert paused["point"] == "capture:r0:5"
+            pid = int(paused["pid"])
+        else:
+            pid = c.paused_pid(0)
         with c.client() as cl:
             def spare_stands_by_for_rank0() -> bool:
                 kvs, _ = cl.get_prefix(Keyspace(c.job_id).spares_prefix)
@@ -77,6 +118,7 @@ def test_worker_killed_spare_on_another_agent_takes_its_rank(module_etcd: Embedd
         c.kill_all()
     assert_recovered(c, baseline, {0})
     assert c.pids(0)[-1]["role"] == "spare"
+    _no_nccl_backstop(c, backend)
 
 
 def test_any_rank_spare_takes_another_rank_as_built(module_etcd: EmbeddedEtcd, tmp_path: Path,
@@ -158,9 +200,14 @@ def test_two_failures_in_different_placement_groups(module_etcd: EmbeddedEtcd, t
     assert_recovered(c, baseline, {a, b})
 
 
-def test_second_failure_while_recovering(module_etcd: EmbeddedEtcd, tmp_path: Path, baseline: FaultFree) -> None:
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_second_failure_while_recovering(module_etcd: EmbeddedEtcd, tmp_path: Path, baseline: FaultFree,
+                                         backend: str) -> None:
+    """A second rank dies while the first failure's recovery is under way (on NCCL semantics the
+    formation's communicators are aborted as well as the training ones)."""
     a, b = independent_pair()
-    c = new_cluster(module_etcd.endpoint, tmp_path, "during", REF_PAUSE_RANK=str(a), REF_PAUSE_STEP="5")
+    c = new_cluster(module_etcd.endpoint, tmp_path, "during", REF_PAUSE_RANK=str(a), REF_PAUSE_STEP="5",
+                    **_backend_env(backend))
     try:
         c.start_agent()
         c.start_agent()
@@ -175,6 +222,7 @@ def test_second_failure_while_recovering(module_etcd: EmbeddedEtcd, tmp_path: Pa
     m = c.membership()
     assert m is not None and m.generation >= 2
     assert_survivors_kept_pids(c, {a, b})
+    _no_nccl_backstop(c, backend)
 
 
 @pytest.mark.slow  # CI budget: leader loss is also covered by test_leader_killed_mid_publish, the loop API by the DDP/FSDP2 e2e

@@ -10,6 +10,8 @@ Environment knobs for fault injection by the test (which sends the real signal):
                    more pause points (announced as paused2_/paused3_rank<R>.json).
                    A pause step of -1 holds before job.run(): nothing of that rank is
                    captured or mirrored yet.
+  REF_PAUSE_WHERE  ``optimizer``: the first pause point holds inside the step, after its all-reduce and
+                   before ``opt.step()`` (default ``start``: before the step's forward)
   REF_PAUSE_RELEASE
                    a file name NAME: pause point <N> ("" for the first, "2", "3") also ends
                    as soon as OUT/NAME<N> exists (the test lets the held rank go on).
@@ -30,6 +32,8 @@ Environment knobs for fault injection by the test (which sends the real signal):
                    by it, as scripts that shard data at setup do: a pre-built spare built as
                    another rank must not take this rank with its objects as built
   REF_LOOP_API     if set, train with ``for step in job.steps(n): with job.guard(): ...`` instead of run()
+  REF_DEVICE       ``cuda``: train on the rank's GPU (``job.device``), deterministic algorithms on
+                   (the GPU tests, tests/gpu: dropout then draws from the CUDA generator)
 Writes OUT/final_rank<R>.pt (params, optimizer state, RNG draws, data position) and
 OUT/pids_rank<R>.json (every pid that ran this rank).
 """
@@ -76,6 +80,9 @@ def main() -> None:
             with open(os.path.join(out, f"pids_rank{job.rank}.jsonl"), "a") as f:
                 f.write(json.dumps({"pid": os.getpid(), "role": job.ctx.role, "generation": job.generation}) + "\n")
 
+    device = job.device if os.environ.get("REF_DEVICE") == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.use_deterministic_algorithms(True)
     model = torch.nn.Sequential(
         torch.nn.Linear(16, hidden), torch.nn.ReLU(), torch.nn.Dropout(0.2), torch.nn.Linear(hidden, 1)
     )
@@ -83,6 +90,7 @@ def main() -> None:
         g = torch.Generator().manual_seed(42)
         for p in model.parameters():
             p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    model = model.to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.7)
     data_gen = torch.Generator().manual_seed(5)
@@ -106,13 +114,15 @@ def main() -> None:
     if os.environ.get("REF_EXIT_RANK") is not None and os.environ.get("REF_EXIT_STEP") is not None:
         exit_at = (int(os.environ["REF_EXIT_RANK"]), int(os.environ["REF_EXIT_STEP"]))
     exit_kind = os.environ.get("REF_EXIT_KIND", "raise")
+    pause_where = os.environ.get("REF_PAUSE_WHERE", "start")
 
     # After the setup, the rank is job.rank: a pre-built spare ran the setup as its standby rank and,
     # with --spare-any-rank, may take another rank with its objects as built (the script's contract).
-    def hold(step: int) -> None:
+    def hold(step: int, where: str = "start") -> None:
         rank = job.rank
         key = (rank, step)
-        if key in pauses and job.ctx.role == "member":
+        # REF_PAUSE_WHERE moves the first pause point only; the others hold at the step's start.
+        if key in pauses and job.ctx.role == "member" and where == (pause_where if not pauses[key] else "start"):
             _announce(os.path.join(out, f"paused{pauses[key]}_rank{rank}.json"), {"pid": os.getpid(), "step": step})
             deadline = time.monotonic() + 120
             while time.monotonic() < deadline:  # held here until the test's signal arrives
@@ -131,9 +141,10 @@ def main() -> None:
 
     def train_step(step: int) -> None:
         record_pid()
-        hold(step)
+        hold(step, "start")
         user_failure(step)
         x, y = loader.next_batch()
+        x, y = x.to(device), y.to(device)
         noise = torch.randn(1).item() * 1e-3 + random.random() * 1e-3 + float(np.random.rand()) * 1e-3
         loss = torch.nn.functional.mse_loss(model(x), y) + noise
         opt.zero_grad()
@@ -146,6 +157,7 @@ def main() -> None:
             n = p.numel()
             p.grad.copy_(flat[off : off + n].view_as(p))
             off += n
+        hold(step, "optimizer")
         opt.step()
         sched.step()
 
