@@ -1,8 +1,8 @@
 """What a training script under test writes at the end, for the bitwise verdict.
 
 Why here: the reference test script and the demo must record exactly the same
-things (parameters, optimizer state, LR, draws from every RNG stream, the data
-position), and the runner compares them leaf by leaf with ``torch.equal``.
+things (parameters, optimizer state, LR, draws from every RNG stream, the
+rank's GPU generator included, the data position), and the runner compares them leaf by leaf with ``torch.equal``.
 """
 
 from __future__ import annotations
@@ -30,6 +30,9 @@ def write_final_state(out_dir: str, rank: int, model: torch.nn.Module, optimizer
         "generation": torch.tensor(result.generation),
         "recoveries": torch.tensor(result.recoveries),
     }
+    gpu = next((p.device for p in model.parameters() if p.device.type == "cuda"), None)
+    if gpu is not None:  # a GPU rank: draws from its own device's generator too
+        final["rng_cuda"] = torch.rand(4, device=gpu).cpu()
     path = os.path.join(out_dir, f"final_rank{rank}.pt")
     torch.save(final, path)
     return path

@@ -1,0 +1,51 @@
+"""The GPU tests (``make test-gpu``): skipped as a whole where CUDA is not available.
+
+Each test runs its case in a fresh process (``run_script``): NCCL and CUDA state
+must not leak from one case into the next, and a case that hangs a thread in
+NCCL must not hang the test run. Results (JSON) go to ``$CKPTLESS_GPU_OUT``
+(the folder ``make test-gpu GPU_OUT=...`` is given; a temporary one otherwise).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPTS = Path(__file__).resolve().parent / "scripts"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA (make test-gpu on a GPU machine)")
+    for item in items:
+        if "tests/gpu/" in str(item.fspath).replace(os.sep, "/"):
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def gpu_out() -> Path:
+    d = Path(os.environ.get("CKPTLESS_GPU_OUT") or tempfile.mkdtemp(prefix="ckptless-gpu-"))
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def run_script(out: Path, name: str, *args: str, timeout: float = 300, env: dict[str, str] | None = None) -> dict[str, Any]:
+    """Run ``scripts/<name>.py *args OUT_JSON`` in a fresh interpreter; returns what it wrote."""
+    result = out / f"{name}-{'-'.join(args) or 'run'}.json"
+    full = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+                CUBLAS_WORKSPACE_CONFIG=":4096:8", **(env or {}))
+    proc = subprocess.run([sys.executable, str(SCRIPTS / f"{name}.py"), *args, str(result)], env=full,
+                          capture_output=True, text=True, timeout=timeout)
+    (out / f"{name}-{'-'.join(args) or 'run'}.log").write_text(proc.stdout + proc.stderr)
+    assert proc.returncode == 0, f"{name} {args} exited {proc.returncode}:\n{(proc.stdout + proc.stderr)[-4000:]}"
+    return json.loads(result.read_text()) if result.exists() else {}

@@ -1,0 +1,123 @@
+"""One GPU, one process: ckptless's NCCL communicators are created, used, aborted and made again.
+
+Usage: nccl_paths.py CASE OUT_JSON, CASE one of:
+
+* ``cycle``: 50 times a world-1 communicator the way a generation forms one
+  (:func:`ckptless.worker.nccl.build`: eager, bound to the GPU, non-blocking
+  init, checked), an all-reduce, ``abort()``, dropped. Records GPU memory
+  (the device's free memory: NCCL's buffers are not torch's), threads and
+  file descriptors after 5 and after 50 cycles: nothing may grow.
+* ``forming``: a world-2 communicator whose second rank never comes (a peer
+  that died during formation): the formation's helper thread is stuck in the
+  connect or its check; ``rebindable.abort_forming`` must free it.
+* ``hung``: a world-1 communicator with a receive nobody sends (a kernel that
+  spins, as a survivor's all-reduce does when its peer died); a thread waits
+  for it in a CUDA sync; the abort path must release that thread.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import sys
+import threading
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ckptless.worker import nccl, rebindable
+
+CASE, OUT = sys.argv[1], sys.argv[2]
+DEV = torch.device("cuda", 0)
+torch.cuda.set_device(DEV)
+TIMEOUT = timedelta(seconds=60)
+
+
+def counts() -> dict[str, int]:
+    free, _ = torch.cuda.mem_get_info(DEV)
+    return {"gpu_free": int(free), "threads": len(os.listdir("/proc/self/task")), "fds": len(os.listdir("/proc/self/fd")),
+            "torch_allocated": int(torch.cuda.memory_allocated(DEV))}
+
+
+def cycle() -> dict[str, Any]:
+    store = dist.HashStore()
+    samples: dict[str, Any] = {}
+    t0 = time.perf_counter()
+    for i in range(50):
+        b = nccl.build(dist.PrefixStore(f"g{i}/", store), 0, 1, TIMEOUT, f"g{i}", [0], DEV)
+        nccl.check_members(b, DEV, 1, f"cycle {i}")
+        x = torch.ones(1 << 20, device=DEV)
+        b.allreduce([x]).wait()
+        torch.cuda.synchronize()
+        assert float(x[0]) == 1.0
+        b.abort()
+        del b, x
+        gc.collect()
+        torch.cuda.synchronize()
+        if i + 1 in (5, 50):
+            samples[f"after_{i + 1}"] = counts()
+    samples["seconds_per_cycle"] = (time.perf_counter() - t0) / 50
+    return samples
+
+
+def forming() -> dict[str, Any]:
+    store = dist.HashStore()
+    made: list[Any] = []
+    error: list[str] = []
+
+    def form() -> None:
+        try:
+            b = nccl.build(dist.PrefixStore("w2/", store), 0, 2, TIMEOUT, "w2", [0, 1], DEV,
+                           on_created=lambda b: (made.append(b), rebindable._forming_add(7, b)))
+            nccl.check_members(b, DEV, 2, "the world-2 group")
+            error.append("formed without its second rank")
+        except Exception as exc:  # noqa: BLE001 - the expected way out
+            error.append(f"{type(exc).__name__}: {exc}"[:300])
+
+    th = threading.Thread(target=form, daemon=True)
+    th.start()
+    th.join(3.0)
+    stuck = th.is_alive()
+    t0 = time.monotonic()
+    aborted = rebindable.abort_forming(7)
+    th.join(30)
+    return {"stuck_before_abort": stuck, "aborted": aborted, "released": not th.is_alive(),
+            "released_after_s": time.monotonic() - t0, "thread_error": error}
+
+
+def hung() -> dict[str, Any]:
+    store = dist.HashStore()
+    b = nccl.build(dist.PrefixStore("h/", store), 0, 1, TIMEOUT, "h", [0], DEV)
+    nccl.check_members(b, DEV, 1, "the world-1 group")
+    buf = torch.zeros(16, device=DEV)
+    outcome: list[str] = []
+
+    def waiter() -> None:
+        try:
+            b.recv([buf], 0, 0)  # nobody sends: the kernel spins
+            torch.cuda.synchronize()  # the training thread's next sync
+            outcome.append("returned")
+        except Exception as exc:  # noqa: BLE001 - raised after the abort: the thread is out
+            outcome.append(f"raised {type(exc).__name__}: {exc}"[:300])
+
+    th = threading.Thread(target=waiter, daemon=True)
+    th.start()
+    th.join(3.0)
+    if not th.is_alive():
+        return {"skipped": f"the self-receive did not hang: {outcome}"}
+    t0 = time.monotonic()
+    b.abort()
+    th.join(30)
+    return {"released": not th.is_alive(), "released_after_s": time.monotonic() - t0, "outcome": outcome}
+
+
+if __name__ == "__main__":
+    result = {"cycle": cycle, "forming": forming, "hung": hung}[CASE]()
+    with open(OUT, "w") as f:
+        json.dump(result, f)
+    sys.stdout.flush()
+    os._exit(0)  # a thread may still be inside NCCL after a failed case: do not wait for it
