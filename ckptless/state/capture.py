@@ -49,6 +49,21 @@ def _layout(tensors: list[torch.Tensor]) -> tuple[list[TensorEntry], int]:
     return entries, end
 
 
+Copy = tuple[int, torch.Tensor, torch.Tensor]  # (tensor index in the image, destination slot, source)
+
+
+def copy_plan(pairs: list[Copy], late: set[int]) -> dict[torch.device, tuple[list[Copy], list[Copy]]]:
+    """The device-to-host copies of one capture, per *source* device (each gets its own side stream:
+    a stream orders work on its own device only), each split into early and late copies (sources in
+    ``late``: parameters and optimizer state, see :mod:`ckptless.state.fence`); image order kept."""
+    by_device: dict[torch.device, tuple[list[Copy], list[Copy]]] = {}
+    for item in pairs:
+        src = item[2]
+        early, late_items = by_device.setdefault(src.device, ([], []))
+        (late_items if src.data_ptr() in late else early).append(item)
+    return by_device
+
+
 class Capturer:
     """Captures a :class:`StateRegistry` into :class:`StateImage` s.
 
@@ -145,7 +160,7 @@ class Capturer:
     def _copy(self, out: torch.Tensor, tensors: list[torch.Tensor], entries: list[TensorEntry]) -> CopyFence | None:
         """CPU tensors are copied here; device tensors are queued on side streams (returns their fence)."""
         end = 0
-        on_device: list[tuple[int, torch.Tensor, torch.Tensor]] = []
+        on_device: list[Copy] = []
         for i, (t, e) in enumerate(zip(tensors, entries)):
             if e.offset > end:
                 out[end : e.offset].zero_()
@@ -159,7 +174,7 @@ class Capturer:
             return None
         return self._copy_from_device(on_device, late_sources(obj for _, obj in self.registry.items()))
 
-    def _copy_from_device(self, pairs: list[tuple[int, torch.Tensor, torch.Tensor]], late: set[int]) -> CopyFence:
+    def _copy_from_device(self, pairs: list[Copy], late: set[int]) -> CopyFence:
         """Device-to-host copies on one side stream per source device; returns their fence.
 
         Each side stream first waits for its device's current stream (it reads
@@ -172,11 +187,7 @@ class Capturer:
         """
         if not torch.cuda.is_available():
             raise StateError(f"tensor on {pairs[0][2].device} but CUDA is not available")
-        by_device: dict[torch.device, tuple[list[tuple[int, torch.Tensor, torch.Tensor]], list[tuple[int, torch.Tensor, torch.Tensor]]]] = {}
-        for item in pairs:
-            src = item[2]
-            early, late_items = by_device.setdefault(src.device, ([], []))
-            (late_items if src.data_ptr() in late else early).append(item)
+        by_device = copy_plan(pairs, late)
         early_marks: list[streams.Marker] = []
         late_marks: list[streams.Marker] = []
         watched: list[tuple[int, torch.Tensor, int]] = []

@@ -193,3 +193,94 @@ def test_rng_of_a_cpu_process_holds_no_cuda_state_and_refuses_a_gpu_ranks() -> N
     with pytest.raises(StateError, match="sees no CUDA device"):
         RNGState().load_state_dict(state)
     assert torch.equal(torch.get_rng_state(), before)  # nothing was touched
+
+
+# --- per-device streams, the rank's device, its CUDA generator: pure logic with stand-ins --------------
+# (the real CUDA calls behind them run in make test-gpu: tests/gpu/scripts/capture_restore.py, rng_device.py)
+
+
+class OnDevice:
+    """Stands for a GPU tensor in the copy plan: it has a device and a data pointer, nothing more."""
+
+    def __init__(self, device: str, ptr: int) -> None:
+        self.device = torch.device(device)
+        self._ptr = ptr
+
+    def data_ptr(self) -> int:
+        return self._ptr
+
+
+def test_each_source_device_gets_its_own_copies_early_before_late_in_image_order() -> None:
+    from ckptless.state.capture import copy_plan
+
+    dst = torch.empty(0)
+    pairs = [(0, dst, OnDevice("cuda:1", 10)), (1, dst, OnDevice("cuda:0", 20)), (2, dst, OnDevice("cuda:1", 30)),
+             (3, dst, OnDevice("cuda:0", 40)), (4, dst, OnDevice("cuda:1", 50))]
+    plan = copy_plan(pairs, late={10, 40})  # type: ignore[arg-type]
+    assert set(plan) == {torch.device("cuda", 0), torch.device("cuda", 1)}  # a stream per source device
+    early1, late1 = plan[torch.device("cuda", 1)]
+    assert [i for i, _, _ in early1] == [2, 4] and [i for i, _, _ in late1] == [0]
+    early0, late0 = plan[torch.device("cuda", 0)]
+    assert [i for i, _, _ in early0] == [1] and [i for i, _, _ in late0] == [3]
+
+
+class FakeCuda:
+    """torch.cuda's generator calls, for one process that sees ``n`` GPUs with ``current`` current."""
+
+    def __init__(self, n: int, current: int) -> None:
+        self.n, self.current = n, current
+        self.states = {i: torch.full((16,), i, dtype=torch.uint8) for i in range(n)}
+
+    def install(self, mp: pytest.MonkeyPatch) -> None:
+        mp.setattr(torch.cuda, "is_available", lambda: True)
+        mp.setattr(torch.cuda, "is_initialized", lambda: True)
+        mp.setattr(torch.cuda, "device_count", lambda: self.n)
+        mp.setattr(torch.cuda, "current_device", lambda: self.current)
+        mp.setattr(torch.cuda, "get_rng_state", lambda device: self.states[int(device)].clone())
+        mp.setattr(torch.cuda, "set_rng_state", lambda state, device: self.states.__setitem__(int(device), state))
+        mp.setattr(torch.cuda, "set_rng_state_all", lambda states: self.states.update(enumerate(states)))
+
+
+def test_the_rank_saves_its_own_gpus_generator_and_restores_it_on_whatever_gpu_it_runs(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    saver = FakeCuda(n=8, current=3)
+    saver.install(monkeypatch)
+    state = RNGState().state_dict()
+    assert len(state["cuda"]) == 1 and torch.equal(state["cuda"][0], saver.states[3])  # GPU 3's, not all 8
+    restorer = FakeCuda(n=2, current=1)  # another node, another index, another count
+    restorer.install(monkeypatch)
+    before0 = restorer.states[0].clone()
+    RNGState().load_state_dict(state)
+    assert torch.equal(restorer.states[1], saver.states[3]) and torch.equal(restorer.states[0], before0)
+
+
+def test_an_older_image_with_one_state_per_gpu_restores_only_where_the_count_matches(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    old = FakeCuda(n=4, current=0)
+    old.install(monkeypatch)
+    state = RNGState().state_dict()
+    state["cuda"] = [old.states[i] for i in range(4)]
+    FakeCuda(n=2, current=0).install(monkeypatch)
+    with pytest.raises(StateError, match="one per device, an older image"):
+        RNGState().load_state_dict(state)
+    same = FakeCuda(n=4, current=2)
+    same.install(monkeypatch)
+    RNGState().load_state_dict(state)
+    assert all(torch.equal(same.states[i], old.states[i]) for i in range(4))
+
+
+def test_gpu_tensors_go_to_the_current_device_when_no_live_tensor_says(monkeypatch: pytest.MonkeyPatch) -> None:
+    FakeCuda(n=8, current=5).install(monkeypatch)
+    assert devices.target("cuda") == torch.device("cuda", 5)
+    assert devices.target("cuda:3") == torch.device("cuda", 5)  # an older image's index is not obeyed
+
+
+def test_an_in_place_restore_matches_device_types_not_indices() -> None:
+    from ckptless.state import inplace
+    from ckptless.state.manifest import TensorEntry
+
+    live = torch.zeros(2)
+    entry = TensorEntry("float32", (2,), 0, 8)
+    assert inplace._target(live, 0, (entry,), torch.device("cpu"), "w").live is live
+    with pytest.raises(inplace.NoPlan, match="belongs on a cuda device"):
+        inplace._target(live, 0, (entry,), devices.parse("cuda:3"), "w")
