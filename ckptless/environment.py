@@ -47,6 +47,7 @@ VARIABLES: dict[str, str] = {
     "CKPTLESS_SEED": "seed",
     "CKPTLESS_CPU_BACKEND": "cpu_backend",
     "CKPTLESS_CUDA_BACKEND": "cuda_backend",
+    "CKPTLESS_CAPTURE_ORDER": "capture_order",
     "CKPTLESS_NODE_GPUS": "node_gpus",
     "TORCH_NCCL_ASYNC_ERROR_HANDLING": "nccl_error_handling",
     "CKPTLESS_ETCD_USER": "etcd_user",
@@ -83,6 +84,10 @@ class ProcessEnv(BaseModel):
     cuda_backend: Literal["nccl", "gloo", "none"] | None = Field(
         default=None, description="the backend of the user's groups for CUDA tensors: nccl (the default where "
         "CUDA is available), gloo (ranks may share a GPU: tests on one GPU), none (a CPU job on a GPU host)")
+    capture_order: Literal["overlap", "step"] = Field(
+        default="overlap", description="where a step waits for the last capture's GPU copies: overlap (the "
+        "optimizer step; the forward and backward overlap the copy) or step (the step's start, for scripts "
+        "that write parameters in ways no version counter shows)")
     nccl_error_handling: int | None = Field(default=None, ge=0, le=3, description="torch's NCCL error mode: "
                                             "ckptless needs 0 or 2 (abort without tearing the process down)")
     etcd_user: str | None = None

@@ -208,7 +208,8 @@ def init(env: dict[str, str] | None = None) -> Job:
     setup_seed.seed_if_unseeded(seed, announce=ctx.rank == 0 and ctx.role == "member" and ctx.generation == 0)
     # The rank's own GPU is current before anything is built or connected: its communicators, the
     # device an image is restored onto and the CUDA generator saved with the RNG all follow it.
-    device.bind(ctx.local_rank)
+    chosen = None if env is None else environment.ProcessEnv.from_mapping(env).cuda_backend
+    device.bind(ctx.local_rank, ctx.recovery_timeout_s, chosen)
     job = Job(ctx)
     if job.prebuilt:
         rank_reads.start()  # the setup that follows is the standby rank's: does it read its rank?

@@ -322,6 +322,10 @@ class NodeAgent:
         )
         common = ckptless_env_from_config(cfg, etcd_endpoint=",".join(etcd_config.endpoints), node_id=self.node_id,
                                           generation=0, recovery=st.recovery)
+        if st.slots.gpus == 0 and environment.current().cuda_backend is None:
+            # A node that offers no GPU (a CPU host, or CKPTLESS_NODE_GPUS=0 on a GPU host): its workers make
+            # no CUDA context and no NCCL communicator (ckptless/worker/device.py), whatever torch can see.
+            common["CKPTLESS_CUDA_BACKEND"] = "none"
         preload = environment.current().preload or "ckptless.job"
         envs = []
         standby = st.spares.standby_ranks(result.world_size, cfg.spares)

@@ -268,6 +268,11 @@ class MirrorEngine:
         before it reads a byte, and an image the fence calls torn is never
         mirrored (the engine breaks: a fault, the job rolls back).
         """
+        if fence is not None:  # before anything can raise: the buffer is not dropped under its copies
+            with self._cond:
+                entry = self._entry(buffer)
+                if entry is not None:
+                    entry.fence = fence
         self._raise_if_broken()
         if pairs is not None and pairs != MISSING:
             pairs = check_pairs(self.placement, pairs)
@@ -330,6 +335,8 @@ class MirrorEngine:
                 fence.wait(self.config.timeout_s, f"the capture of v{manifest.version}")
                 torn = fence.seal()
                 if torn is not None:
+                    with self._cond:
+                        entry.manifest = None  # never one of own_images(), whatever its manifest says
                     raise MirrorError(f"image v{manifest.version} of rank {self.rank} is not mirrored: {torn}")
                 entry.fence = None  # done: nothing to wait for, and its source tensors need not stay alive
             if not _has_checksums(manifest):  # captured with checksum_now=False: checksummed here,
@@ -349,7 +356,7 @@ class MirrorEngine:
             log.error("mirror round v%d failed on rank %d: %s", manifest.version, self.rank, exc)
             with self._cond:
                 self.error = exc
-                entry.state, entry.manifest = FREE, None  # never offered as an own image (it may be torn)
+                entry.state = FREE  # unsealed or torn, it has no checksums: never one of own_images()
                 self._cond.notify_all()
             return
         files = self.own_files if outcome.advanced and outcome.committed == manifest.version else None

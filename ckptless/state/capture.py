@@ -15,6 +15,7 @@ padding bytes are zeroed so identical states give identical images.
 
 from __future__ import annotations
 
+from collections.abc import Container
 from typing import Any
 
 import torch
@@ -52,7 +53,7 @@ def _layout(tensors: list[torch.Tensor]) -> tuple[list[TensorEntry], int]:
 Copy = tuple[int, torch.Tensor, torch.Tensor]  # (tensor index in the image, destination slot, source)
 
 
-def copy_plan(pairs: list[Copy], late: set[int]) -> dict[torch.device, tuple[list[Copy], list[Copy]]]:
+def copy_plan(pairs: list[Copy], late: Container[int]) -> dict[torch.device, tuple[list[Copy], list[Copy]]]:
     """The device-to-host copies of one capture, per *source* device (each gets its own side stream:
     a stream orders work on its own device only), each split into early and late copies (sources in
     ``late``: parameters and optimizer state, see :mod:`ckptless.state.fence`); image order kept."""
@@ -174,7 +175,7 @@ class Capturer:
             return None
         return self._copy_from_device(on_device, late_sources(obj for _, obj in self.registry.items()))
 
-    def _copy_from_device(self, pairs: list[Copy], late: set[int]) -> CopyFence:
+    def _copy_from_device(self, pairs: list[Copy], late: dict[int, torch.Tensor]) -> CopyFence:
         """Device-to-host copies on one side stream per source device; returns their fence.
 
         Each side stream first waits for its device's current stream (it reads
@@ -201,7 +202,8 @@ class Capturer:
                         src.record_stream(side)
                     early_marks.append(streams.EventMarker(device, side))
                     for i, dst, src in late_items:
-                        watched.append((i, src, src._version))
+                        watch = late.get(src.data_ptr(), src)  # a DTensor's own counter, not its shard's
+                        watched.append((i, watch, watch._version))
                         dst.copy_(src, non_blocking=True)
                         src.record_stream(side)
                     late_marks.append(streams.EventMarker(device, side))

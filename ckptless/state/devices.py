@@ -12,9 +12,12 @@ restore places each tensor
 
 * into the live tensor at the same path, on whatever device *that* tensor
   is (the in-place path, :mod:`ckptless.state.inplace`), or else
-* on this process's current device of that type (:func:`target`): the
-  rank's own GPU, which ``ckptless.init()`` makes current
-  (:mod:`ckptless.worker.device`).
+* on the rank's own GPU (:func:`target`): the *home* device that
+  ``ckptless.init()`` sets here (:mod:`ckptless.worker.device`), else this
+  thread's current device. A process-wide home, not the thread's current
+  device: CUDA's current device is per thread, and the mirror, transfer and
+  abort threads never set theirs (a CUDA call made there on device 0 would
+  create a context on a neighbour's GPU).
 
 Images written before this rule carry ``"cuda:<i>"``; the index is ignored
 in the same way, so they restore onto the rank's own device too.
@@ -27,6 +30,22 @@ import torch
 from ckptless.errors import StateError
 
 CPU = torch.device("cpu")
+_home: list[torch.device] = []
+
+
+def set_home(device: torch.device | None) -> None:
+    """The rank's own GPU, for every thread of this process (``ckptless.init()`` sets it)."""
+    _home[:] = [] if device is None else [device]
+
+
+def home() -> torch.device | None:
+    """The rank's own GPU: the home device, else (a process that set none) this thread's current one;
+    None without CUDA."""
+    if _home:
+        return _home[0]
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return torch.device("cuda", torch.cuda.current_device())
+    return None
 
 
 def recorded(t: torch.Tensor) -> str:
@@ -51,7 +70,7 @@ def target(name: str) -> torch.device:
     if kind == "cuda":
         if not torch.cuda.is_available():
             raise StateError("the image holds GPU tensors but this process sees no CUDA device")
-        return torch.device("cuda", torch.cuda.current_device())
+        return _home[0] if _home else torch.device("cuda", torch.cuda.current_device())
     module = getattr(torch, kind, None)
     current = getattr(module, "current_device", None)
     if callable(current):

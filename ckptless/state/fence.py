@@ -20,15 +20,29 @@ on the GPU (a stream waits for an event), never on the CPU:
 
 What if a script writes a late tensor elsewhere (a weight clamp in the forward
 pass, an EMA written before the step)? Then the copy may read a half-updated
-tensor. Every in-place write bumps a tensor's version counter, so the fence
-records each late tensor's version at capture and checks it when the late copy
-is ordered (the optimizer pre-hook) or, if it finished first, when the mirror
-thread sees it done (:meth:`CopyFence.seal`). A changed version before either
-point means the image may be torn: it is never committed (the mirror engine
-treats it as a fault, the job rolls back to the committed version), and from
-then on this process orders *every* copy at the start of the step
-(conservative, one warning). Correctness never depends on the script's shape;
-only the overlap does.
+tensor. Every in-place write through autograd bumps a tensor's version counter
+(for a DTensor, the DTensor's own counter: its local shard's does not move),
+so the fence records each late tensor's version at capture, and:
+
+* **a probe first.** A process orders every copy at the start of the step for
+  its first :data:`PROBE_CAPTURES` captures followed by an optimizer step, and
+  checks the versions at that optimizer step. A script that writes a late
+  tensor outside its optimizer step shows here, where nothing could race, and
+  the process stays in that ordering (conservative, one warning).
+* **then overlap, still checked.** A version that changed before the late
+  copy was ordered (the optimizer pre-hook) or, if the copy finished first,
+  before the mirror thread saw it done (:meth:`CopyFence.seal`) means the image
+  may be torn: it is never mirrored nor offered for a rollback (the mirror
+  engine breaks: a fault, the job rolls back to the committed version), and
+  the process turns conservative.
+
+Not seen by version counters (docs/state.md, "GPUs"): writes through
+``tensor.data`` (it has a counter of its own), kernels and collectives that
+write a parameter without autograd, and an optimizer step captured in a CUDA
+graph and replayed (no pre-hook runs). The last is detected when its pre-hook
+runs during the capture (the process turns conservative); for the others, set
+``CKPTLESS_CAPTURE_ORDER=step`` (every copy ordered at the start of the step).
+Correctness otherwise never depends on the script's shape; only the overlap does.
 
 Pure logic over :class:`~ckptless.state.streams.Marker` s: the CPU suite drives
 it with stand-in markers; ``make test-gpu`` runs it with CUDA events.
@@ -49,13 +63,16 @@ from ckptless.state.dtensor import is_dtensor, local_of
 
 log = logging.getLogger(__name__)
 
+PROBE_CAPTURES = 2
+"""Captures, each followed by an optimizer step, ordered at the step's start and checked before overlap."""
+
 
 @dataclass
 class CopyFence:
     """The in-flight device-to-host copies of one capture (one early and one late marker per device).
 
-    ``watched``: (tensor index in the image, source tensor, its version at capture) of every
-    late source tensor.
+    ``watched``: (tensor index in the image, the tensor whose version an in-place write bumps, its
+    version at capture) of every late source.
     """
 
     early: Sequence[streams.Marker]
@@ -65,12 +82,10 @@ class CopyFence:
     torn: str | None = None
     _early_ordered: bool = False
     _late_ordered: bool = False
+    _at_start: bool = False  # the late copies were ordered at the step's start (conservative or probing)
+    _checked: bool = False
     _sealed: bool = False
     _lock: threading.Lock = field(default_factory=threading.Lock)
-
-    def done(self) -> bool:
-        """Every copy finished (late markers come after the early ones on each device's stream)."""
-        return all(m.done() for m in self.late) and all(m.done() for m in self.early)
 
     def wait(self, timeout_s: float, what: str) -> None:
         """Block until every copy finished (the mirror thread, before it checksums the bytes)."""
@@ -85,15 +100,27 @@ class CopyFence:
             for m in self.early:
                 m.order_current()
 
-    def order_late(self) -> None:
-        """The compute streams wait for every copy; a late tensor written before this point tears the image."""
+    def order_late(self, at_start: bool = False) -> None:
+        """The compute streams wait for every copy (idempotent). ``at_start``: at the step's start,
+        before any of the script's code: nothing can have raced the copies yet."""
         with self._lock:
             if self._late_ordered or self._sealed:
                 return
-            self._late_ordered = True
-            self._check_versions("before the optimizer step")
+            self._late_ordered, self._at_start = True, at_start
+            if not at_start:
+                self._check_versions("before the optimizer step")
             for m in (*self.early, *self.late):
                 m.order_current()
+
+    def check_writes(self) -> bool | None:
+        """At the first optimizer step after the capture: did the script write a late tensor before
+        it? None when already asked (a second optimizer's step). Ordered at the step's start, a write
+        tears nothing: it is only a fact about the script."""
+        with self._lock:
+            if self._checked:
+                return None
+            self._checked = True
+            return any(t._version != v for _, t, v in self.watched)
 
     def seal(self) -> str | None:
         """Called once the copies are done (:meth:`wait`): the image is final. Returns why it may be
@@ -116,24 +143,36 @@ class CopyFence:
 
 
 class WriteOrder:
-    """Where this process's training steps wait (on the GPU) for the newest capture's copies."""
+    """Where this process's training steps wait (on the GPU) for the newest capture's copies.
 
-    def __init__(self) -> None:
-        self.conservative = False  # order every copy at the start of the step (after a torn image)
+    ``always_at_start`` (``CKPTLESS_CAPTURE_ORDER=step``): every copy is ordered at the step's
+    start, for scripts whose writes no version counter shows (see the module doc)."""
+
+    def __init__(self, always_at_start: bool = False) -> None:
+        self.conservative = always_at_start  # order every copy at the start of the step
+        self.clean_probes = 0  # captures followed by an optimizer step that wrote no late tensor before it
         self._pending: CopyFence | None = None
         self._handles: list[Any] = []
         self._lock = threading.Lock()
 
     def install(self, objects: Iterable[Any]) -> None:
-        """A step pre-hook on every protected optimizer (again after new objects were protected)."""
+        """A step pre-hook on every protected optimizer (again after new objects were protected). An
+        optimizer that takes none (a wrapper that never ran ``Optimizer.__init__``) leaves the process
+        ordering every copy at the step's start."""
         for h in self._handles:
             h.remove()
-        self._handles = [obj.register_step_pre_hook(self._before_optimizer_step)
-                         for obj in objects if isinstance(obj, torch.optim.Optimizer)]
+        self._handles = []
+        for obj in objects:
+            if isinstance(obj, torch.optim.Optimizer):
+                try:
+                    self._handles.append(obj.register_step_pre_hook(self._before_optimizer_step))
+                except AttributeError as exc:
+                    self.go_conservative(f"{type(obj).__qualname__} takes no step pre-hook ({exc})")
 
     @property
-    def hooked(self) -> bool:
-        return bool(self._handles)
+    def overlapping(self) -> bool:
+        """Late copies overlap the next step's forward and backward (else they are ordered at its start)."""
+        return bool(self._handles) and not self.conservative and self.clean_probes >= PROBE_CAPTURES
 
     def captured(self, fence: CopyFence | None) -> None:
         """A new capture's copies are in flight. The previous capture's are ordered first: a
@@ -151,13 +190,26 @@ class WriteOrder:
         if f is None:
             return
         f.order_early()
-        if self.conservative or not self._handles:
-            f.order_late()
+        if not self.overlapping:
+            f.order_late(at_start=True)
 
     def _before_optimizer_step(self, *_: Any) -> None:
         f = self._pending
-        if f is not None:
-            f.order_late()
+        if f is None:
+            return
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            # Recorded into a CUDA graph: replays run no pre-hook. The kernels being recorded do not run
+            # now; from the next step on, every copy is ordered at the step's start, outside any graph.
+            self.go_conservative("the optimizer step is captured in a CUDA graph")
+            return
+        f.order_late()
+        if self.clean_probes < PROBE_CAPTURES and f._at_start:
+            wrote = f.check_writes()
+            if wrote:
+                self.go_conservative("the script writes a parameter or optimizer state in place before its "
+                                     "optimizer step")
+            elif wrote is False:
+                self.clean_probes += 1
 
     def drain(self, timeout_s: float) -> None:
         """Wait (CPU) for the newest capture's copies: before anything restores into the live tensors."""
@@ -170,20 +222,21 @@ class WriteOrder:
     def go_conservative(self, why: str) -> None:
         if not self.conservative:
             self.conservative = True
-            log.warning("the capture may have raced a write (%s): every step now waits for the capture's "
-                        "copies at its start (the next step does not overlap the copy)", why)
+            log.warning("%s: every step now waits for the capture's copies at its start (the next step no "
+                        "longer overlaps them)", why)
 
 
-def late_sources(objects: Iterable[Any]) -> set[int]:
-    """Data pointers of the tensors only an optimizer step writes: module parameters (a DTensor's
-    local shard) and optimizer state. Everything else a capture copies is early."""
-    out: set[int] = set()
+def late_sources(objects: Iterable[Any]) -> dict[int, torch.Tensor]:
+    """The tensors only an optimizer step writes (module parameters, optimizer state), by the data
+    pointer of what the capture copies (a DTensor's local shard), each with the tensor whose version
+    counter an in-place write bumps (the DTensor itself). Everything else a capture copies is early."""
+    out: dict[int, torch.Tensor] = {}
 
     def add(t: Any) -> None:
         if isinstance(t, torch.Tensor):
             local = local_of(t) if is_dtensor(t) else t
-            if local.device.type != "cpu" and local.numel():
-                out.add(local.data_ptr())
+            if local.numel():
+                out[local.data_ptr()] = t
 
     for obj in objects:
         if isinstance(obj, torch.nn.Module):

@@ -25,21 +25,38 @@ is one warning; the buffer stays pageable: slower, never wrong.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
+from collections.abc import Callable, Iterator
 
 import torch
+
+from ckptless.state import devices
 
 log = logging.getLogger(__name__)
 
 _lock = threading.Lock()
 _registered: dict[int, int] = {}  # data_ptr -> bytes, buffers this process registered
 _warned: list[str] = []
+REGISTER_TIMEOUT_S = 300.0  # page-locking runs at GB/s; a registration that takes longer is given up on
 
 
 def uses_cuda() -> bool:
     """This process has a CUDA context already (it trains on a GPU); never creates one."""
     return torch.cuda.is_available() and torch.cuda.is_initialized()
+
+
+@contextlib.contextmanager
+def _on_home() -> Iterator[None]:
+    """On the rank's own GPU: pinned memory is allocated in the calling thread's context, and a thread
+    that never set its device would make one on GPU 0, a neighbour's (hundreds of MiB)."""
+    home = devices.home()
+    if home is None:
+        yield
+    else:
+        with torch.cuda.device(home):
+            yield
 
 
 def _warn_once(what: str, exc: BaseException | str) -> None:
@@ -49,13 +66,37 @@ def _warn_once(what: str, exc: BaseException | str) -> None:
 
 
 def empty(nbytes: int) -> torch.Tensor:
-    """A 1-D uint8 host buffer, page-locked when this process uses CUDA."""
+    """A 1-D uint8 host buffer, page-locked when this process uses CUDA.
+
+    torch's pinned allocator rounds a block up to a power of two and caches freed blocks, so an
+    anonymous pinned buffer may hold up to twice its bytes (the node-local tier's file buffers are
+    registered at their exact size instead: :func:`register`)."""
     if uses_cuda():
         try:
-            return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+            with _on_home():
+                return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
         except RuntimeError as exc:
             _warn_once(f"a {nbytes}-byte buffer", exc)
     return torch.empty(nbytes, dtype=torch.uint8)
+
+
+def _cudart_on_home_thread(call: Callable[[], int], what: str) -> int | None:
+    """Run one CUDA runtime call on a short-lived thread bound to the home GPU; its error code, or None
+    when it did not return in time. Why a thread: a failed CUDA runtime call leaves the calling thread's
+    last-error state set, which torch's next kernel-launch check on that thread would raise as a
+    device error (the training thread's next step); a thread of its own takes it away with it."""
+    out: list[int] = []
+
+    def run() -> None:
+        home = devices.home()
+        if home is not None:
+            torch.cuda.set_device(home)
+        out.append(int(call()))
+
+    t = threading.Thread(target=run, name=f"ckptless-{what}", daemon=True)
+    t.start()
+    t.join(REGISTER_TIMEOUT_S)
+    return out[0] if out else None
 
 
 def register(t: torch.Tensor) -> bool:
@@ -66,9 +107,10 @@ def register(t: torch.Tensor) -> bool:
     with _lock:
         if ptr in _registered:
             return True
-        err = int(torch.cuda.cudart().cudaHostRegister(ptr, n, 1))  # 1: cudaHostRegisterPortable
-        if err != 0:
-            _warn_once(f"a {n}-byte mapped buffer", f"cudaHostRegister error {err}")
+        err = _cudart_on_home_thread(lambda: torch.cuda.cudart().cudaHostRegister(ptr, n, 1), "register")
+        if err != 0:  # 1: cudaHostRegisterPortable (every context sees it as pinned)
+            _warn_once(f"a {n}-byte mapped buffer", f"cudaHostRegister error {err}" if err is not None
+                       else f"cudaHostRegister did not return within {REGISTER_TIMEOUT_S:.0f}s")
             return False
         _registered[ptr] = n
     return True
@@ -81,9 +123,9 @@ def unregister(t: torch.Tensor) -> None:
     with _lock:
         if _registered.pop(ptr, None) is None:
             return
-        err = int(torch.cuda.cudart().cudaHostUnregister(ptr))
+        err = _cudart_on_home_thread(lambda: torch.cuda.cudart().cudaHostUnregister(ptr), "unregister")
     if err != 0:
-        log.warning("cudaHostUnregister of a capture buffer failed (error %d)", err)
+        log.warning("cudaHostUnregister of a capture buffer failed (%s)", err)
 
 
 def pinned(t: torch.Tensor) -> bool:
@@ -93,7 +135,8 @@ def pinned(t: torch.Tensor) -> bool:
     with _lock:
         if t.data_ptr() in _registered:
             return True
-    return bool(t.is_pinned())
+    with _on_home():
+        return bool(t.is_pinned())
 
 
 def registered_bytes() -> int:

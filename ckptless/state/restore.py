@@ -220,41 +220,50 @@ def restore(registry: StateRegistry, image: StateImage, verify: bool = True, in_
     clones = _Clones(views, frozenset(_device_indices(m.tree, set())))
     done: list[ObjectRestore] = []
     touched: set[torch.device] = set()
-    for name, obj in registry.items():
-        sub = subtrees[name]
-        idx = _tensor_indices(sub, [])
-        nbytes = sum(m.tensors[i].nbytes for i in idx)
-        plan: inplace.InPlacePlan | None = None
-        reason = "in_place=False" if not in_place else "no tensors"
-        if in_place and idx:
-            try:
-                plan = inplace.plan(obj, sub, m.tensors, buf)
-            except inplace.NoPlan as why:
-                reason = str(why)
-        try:
-            if plan is not None:
-                touched.update(_copy(name, plan, views))
-                if plan.load:
-                    live = {t.index: t.live if t.keep is None else t.keep for t in plan.targets}
-                    obj.load_state_dict(decode(sub, _Overlay(clones, live), meshes=meshes))
-            else:
-                obj.load_state_dict(decode(sub, clones, meshes=meshes))
-        except StateError:
-            raise
-        except Exception as exc:
-            raise StateError(f"{name}.load_state_dict() failed: {exc}") from exc
-        done.append(ObjectRestore(name, plan is not None, len(idx), nbytes, "" if plan is not None else reason))
-    cuda = {d for d in touched if d.type == "cuda"}
-    if clones.has_device and torch.cuda.is_available():
-        cuda.add(devices.target("cuda"))  # where decode copied the clone path's device tensors
-    if cuda:  # every device copy was asynchronous; the buffer is reused (the next capture) once they are done
-        streams.sync_devices(cuda, timeout_s, f"restoring image v{m.version} of owner {m.owner}")
+    try:
+        for name, obj in registry.items():
+            done.append(_load_one(name, obj, subtrees[name], m, buf, views, clones, meshes, in_place, touched))
+    finally:
+        # Every device copy was asynchronous: the buffer is reused (the next capture, another restore)
+        # once they are done, also when a later object failed to load.
+        cuda = {d for d in touched if d.type == "cuda"}
+        if clones.has_device and torch.cuda.is_available():
+            cuda.add(devices.target("cuda"))  # where decode copied the clone path's device tensors
+        if cuda:
+            streams.sync_devices(cuda, timeout_s, f"restoring image v{m.version} of owner {m.owner}")
     return RestoreReport(tuple(done), verify_s=t1 - t0, load_s=time.perf_counter() - t1)
 
 
-def _copy(name: str, plan: inplace.InPlacePlan, views: list[torch.Tensor]) -> set[torch.device]:
-    """The plan's copies into live tensors (device ones asynchronous); returns the devices written."""
-    written: set[torch.device] = set()
+def _load_one(name: str, obj: Any, sub: Any, m: Any, buf: torch.Tensor, views: list[torch.Tensor],
+              clones: _Clones, meshes: Meshes, in_place: bool, touched: set[torch.device]) -> ObjectRestore:
+    """Load one protected object, in place where a plan exists, else from clones; ``touched`` collects
+    the devices written asynchronously (the caller waits for them)."""
+    idx = _tensor_indices(sub, [])
+    nbytes = sum(m.tensors[i].nbytes for i in idx)
+    plan: inplace.InPlacePlan | None = None
+    reason = "in_place=False" if not in_place else "no tensors"
+    if in_place and idx:
+        try:
+            plan = inplace.plan(obj, sub, m.tensors, buf)
+        except inplace.NoPlan as why:
+            reason = str(why)
+    try:
+        if plan is not None:
+            _copy(name, plan, views, touched)
+            if plan.load:
+                live = {t.index: t.live if t.keep is None else t.keep for t in plan.targets}
+                obj.load_state_dict(decode(sub, _Overlay(clones, live), meshes=meshes))
+        else:
+            obj.load_state_dict(decode(sub, clones, meshes=meshes))
+    except StateError:
+        raise
+    except Exception as exc:
+        raise StateError(f"{name}.load_state_dict() failed: {exc}") from exc
+    return ObjectRestore(name, plan is not None, len(idx), nbytes, "" if plan is not None else reason)
+
+
+def _copy(name: str, plan: inplace.InPlacePlan, views: list[torch.Tensor], written: set[torch.device]) -> None:
+    """The plan's copies into live tensors (device ones asynchronous); ``written`` gets their devices."""
     with torch.no_grad():
         for t in plan.targets:
             try:
@@ -264,4 +273,3 @@ def _copy(name: str, plan: inplace.InPlacePlan, views: list[torch.Tensor]) -> se
                     written.add(t.live.device)
             except RuntimeError as exc:
                 raise StateError(f"{name}: in-place copy into {t.path} failed: {exc}") from exc
-    return written

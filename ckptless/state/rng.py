@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from ckptless.errors import StateError
+from ckptless.state import devices
 
 _KEYS = {"python", "numpy", "torch", "cuda"}
 
@@ -49,7 +50,8 @@ class RNGState:
         name, key, pos, has_gauss, cached = np.random.get_state(legacy=True)
         cuda: list[torch.Tensor] = []
         if torch.cuda.is_available() and torch.cuda.is_initialized():
-            cuda = [torch.cuda.get_rng_state(torch.cuda.current_device())]
+            own = devices.home()
+            cuda = [torch.cuda.get_rng_state(own if own is not None else torch.cuda.current_device())]
         return {
             "python": {"version": version, "state": torch.tensor(internal, dtype=torch.int64), "gauss": gauss},
             "numpy": {
@@ -92,7 +94,8 @@ class RNGState:
             np.random.set_state(np_state)
             torch.set_rng_state(torch_state)
             if len(cuda) == 1:
-                torch.cuda.set_rng_state(cuda[0], torch.cuda.current_device())
+                own = devices.home()
+                torch.cuda.set_rng_state(cuda[0], own if own is not None else torch.cuda.current_device())
             elif cuda:  # an image with one state per device: only where the count matches (checked above)
                 torch.cuda.set_rng_state_all(cuda)
         except (TypeError, ValueError, RuntimeError) as exc:

@@ -55,7 +55,8 @@ class EventMarker:
         self.event.record(stream)
 
     def done(self) -> bool:
-        return bool(self.event.query())
+        with torch.cuda.device(self.device):  # the polling thread (the mirror's) never set a device
+            return bool(self.event.query())
 
     def order_current(self) -> None:
         torch.cuda.current_stream(self.device).wait_event(self.event)

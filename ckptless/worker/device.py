@@ -33,6 +33,7 @@ import torch
 
 from ckptless import environment
 from ckptless.errors import ConfigError
+from ckptless.state import devices
 
 log = logging.getLogger(__name__)
 
@@ -41,9 +42,10 @@ CudaBackend = Literal["nccl", "gloo", "none"]
 _bound: dict[str, object] = {"device": None, "backend": "none"}
 
 
-def cuda_backend() -> CudaBackend:
-    """The backend of this process's CUDA collectives (see the module doc)."""
-    chosen = environment.current().cuda_backend
+def cuda_backend(chosen: CudaBackend | None = None) -> CudaBackend:
+    """The backend of this process's CUDA collectives (see the module doc); ``chosen``: the value of
+    ``CKPTLESS_CUDA_BACKEND`` when not this process's own environment's."""
+    chosen = chosen if chosen is not None else environment.current().cuda_backend
     if chosen is not None:
         return chosen
     return "nccl" if torch.cuda.is_available() else "none"
@@ -69,18 +71,27 @@ def choose(local_rank: int, n_gpus: int, backend: CudaBackend) -> int | None:
     return local_rank
 
 
-def bind(local_rank: int) -> torch.device | None:
-    """Make the rank's GPU current (once per process); returns it, or None for a job without CUDA."""
-    backend = cuda_backend()
+def bind(local_rank: int, formation_timeout_s: float, chosen: CudaBackend | None = None) -> torch.device | None:
+    """Make the rank's GPU current and every thread's home (``state.devices``), once per process;
+    returns it, or None for a job without CUDA.
+
+    ``TORCH_NCCL_NONBLOCKING_TIMEOUT`` (unless the user set it) becomes ``formation_timeout_s``: it is
+    how long torch waits for a non-blocking NCCL init, hence how long aborting one can block; torch's
+    default is 30 minutes."""
+    backend = cuda_backend(chosen)
     n = torch.cuda.device_count() if backend != "none" else 0
     index = choose(local_rank, n, backend)
     _bound["backend"] = backend
     if index is None:
         _bound["device"] = None
+        devices.set_home(None)
         return None
     dev = torch.device("cuda", index)
     torch.cuda.set_device(dev)
     _bound["device"] = dev
+    devices.set_home(dev)
+    if backend == "nccl":
+        environment.set_default("TORCH_NCCL_NONBLOCKING_TIMEOUT", str(max(1, int(formation_timeout_s))))
     log.info("rank's GPU: %s (CUDA collectives: %s)", dev, backend)
     return dev
 

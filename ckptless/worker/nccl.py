@@ -46,6 +46,7 @@ import torch
 import torch.distributed as dist
 
 from ckptless.errors import TransportError
+from ckptless.state import streams
 
 NCCL = dist.ProcessGroup.BackendType.NCCL
 
@@ -73,13 +74,23 @@ def connect(backend: Any, device: torch.device) -> None:
         eager(device)
 
 
-def check_members(backend: Any, device: torch.device, size: int, what: str) -> None:
-    """All-reduce a one over ``backend`` and wait for it (on the caller's thread: the formation's
-    helper, which the formation abandons on an abort or its deadline); the sum must be ``size``."""
-    one = torch.ones(1, dtype=torch.int32, device=device)
+def check_members(backend: Any, device: torch.device, size: int, what: str, timeout_s: float) -> None:
+    """All-reduce a one over ``backend`` and wait for it, with a deadline, on the caller's thread (the
+    formation's helper, which the formation abandons on an abort or its deadline); the sum must be
+    ``size``. On a GPU the check runs on a stream of its own: a check that never completes (a peer
+    that never came) must not block the device's default stream, which the training thread uses."""
     opts = dist.AllreduceOptions()
     opts.reduceOp = dist.ReduceOp.SUM  # type: ignore[assignment]
-    backend.allreduce([one], opts).wait()
-    got = int(one.item())  # on a GPU: waits for the kernel, i.e. for the end of the non-blocking init
+    if device.type == "cuda":
+        stream = torch.cuda.Stream(device=device)
+        with torch.cuda.device(device), torch.cuda.stream(stream):
+            one = torch.ones(1, dtype=torch.int32, device=device)
+            backend.allreduce([one], opts).wait()  # the check's stream waits for NCCL's, the CPU does not
+            done = streams.EventMarker(device, stream)
+        streams.wait([done], timeout_s, f"the member check of {what}")  # ends with the non-blocking init
+    else:
+        one = torch.ones(1, dtype=torch.int32)
+        backend.allreduce([one], opts).wait()
+    got = int(one.item())
     if got != size:
         raise TransportError(f"{what} formed with {got} of its {size} members: refusing it")

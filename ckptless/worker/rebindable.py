@@ -63,6 +63,7 @@ log = logging.getLogger(__name__)
 _broken_listeners: list[Callable[[int], None]] = []
 _forming: dict[int, list[Any]] = {}  # generation -> its non-Gloo backends built so far (installed or not)
 _aborted: dict[int, Any] = {}  # id() -> backend, those aborted so far (each once; held, so no id is reused)
+_aborted_generations: set[int] = set()  # a backend built for one of these later is aborted as it is made
 _forming_lock = threading.Lock()
 
 
@@ -78,23 +79,38 @@ def _claim_abort(backend: Any) -> bool:
 def _forming_add(generation: int, backend: Any) -> None:
     with _forming_lock:
         _forming.setdefault(generation, []).append(backend)
+        late = generation in _aborted_generations
+    if late:  # the formation's helper built it after the generation was given up: end it at once
+        _abort_async(backend, generation)
+
+
+def _abort_async(backend: Any, generation: int) -> bool:
+    """``backend.abort()`` on a thread of its own (once per backend); False if it was aborted already.
+
+    Why not on the caller's thread: ProcessGroupNCCL's abort waits for a non-blocking init still in
+    progress (the communicator's lock is held while torch waits for it to be ready, up to
+    ``TORCH_NCCL_NONBLOCKING_TIMEOUT``, which ``ckptless.init()`` bounds), and the callers (the
+    aborter thread, the driver abandoning a formation) must not wait on that."""
+    if not _claim_abort(backend):
+        return False
+
+    def run() -> None:
+        try:
+            backend.abort()
+        except Exception:  # noqa: BLE001 - one backend's failed abort must not stop the others'
+            log.warning("aborting a %s of generation %d failed", type(backend).__name__, generation, exc_info=True)
+
+    threading.Thread(target=run, name=f"ckptless-abort-g{generation}", daemon=True).start()
+    return True
 
 
 def abort_forming(generation: int) -> int:
     """Abort every non-Gloo backend built for ``generation`` so far, installed or still connecting (an
     abandoned formation's helper thread may be inside an NCCL init or its check); returns how many."""
     with _forming_lock:
+        _aborted_generations.add(generation)
         backends = list(_forming.get(generation, ()))
-    n = 0
-    for b in backends:
-        if not _claim_abort(b):
-            continue
-        try:
-            b.abort()
-            n += 1
-        except Exception:  # noqa: BLE001 - one backend's failed abort must not stop the others'
-            log.warning("aborting a %s of generation %d failed", type(b).__name__, generation, exc_info=True)
-    return n
+    return sum(_abort_async(b, generation) for b in backends)
 
 
 def forget_forming(upto: int) -> None:
@@ -103,6 +119,7 @@ def forget_forming(upto: int) -> None:
         for g in [g for g in _forming if g <= upto]:
             for b in _forming.pop(g):
                 _aborted.pop(id(b), None)
+        _aborted_generations.difference_update([g for g in _aborted_generations if g <= upto])
 
 
 def on_broken(listener: Callable[[int], None]) -> None:
@@ -235,25 +252,16 @@ class RebindableGroup(dist.ProcessGroup):
     def abort(self, generation: int) -> int:
         """Abort the backends of ``generation`` that need an explicit abort to end a blocked
         collective (NCCL: ``ncclCommAbort``; not Gloo, whose connections ``sockets.shutdown`` ends);
-        returns how many. Called from a thread other than the one blocked (worker/abort.py); the
-        communicators stay referenced until :meth:`release`."""
+        returns how many aborts it started (each on a thread of its own: :func:`_abort_async`). Called
+        from a thread other than the one blocked (worker/abort.py); the communicators stay referenced
+        until :meth:`release`."""
         with self.lock:
             if self.generation != generation:
                 return 0
             if self.broken_generation is None or generation > self.broken_generation:
                 self.broken_generation = generation
             backends = [b for b in self._backends if not isinstance(b, dist.ProcessGroupGloo)]
-        n = 0
-        for b in backends:
-            if not _claim_abort(b):
-                continue
-            try:
-                b.abort()
-                n += 1
-            except Exception:  # noqa: BLE001 - one backend's failed abort must not stop the others'
-                log.warning("aborting %s of group %r (generation %d) failed", type(b).__name__, self._name,
-                            generation, exc_info=True)
-        return n
+        return sum(_abort_async(b, generation) for b in backends)
 
     def build(self, store: dist.Store, generation: int) -> tuple[dist.ProcessGroup, list[Any]]:
         """The generation's communicator (blocks until every member of the group built it)."""
@@ -264,7 +272,7 @@ class RebindableGroup(dist.ProcessGroup):
             group = self._build_plugin(cpu_backend, prefix)
             _forming_add(generation, group)
             nccl.connect(group, torch.device("cpu"))  # a lazy backend connects here, not in the first step
-            nccl.check_members(group, torch.device("cpu"), self.size(), what)
+            nccl.check_members(group, torch.device("cpu"), self.size(), what, self.timeout.total_seconds())
             return group, [group]
         inner = dist.ProcessGroup(prefix, self.rank(), self.size())
         gloo = new_gloo(prefix, self.rank(), self.size(), self.timeout)
@@ -278,7 +286,7 @@ class RebindableGroup(dist.ProcessGroup):
         if gpu is not None and mode == "nccl":  # not run on several GPUs (docs/architecture.md, "GPU path")
             backend = nccl.build(prefix, self.rank(), self.size(), self.timeout, self._name, self.global_ranks,
                                  gpu, on_created=lambda b: _forming_add(generation, b))
-            nccl.check_members(backend, gpu, self.size(), what)
+            nccl.check_members(backend, gpu, self.size(), what, self.timeout.total_seconds())
             inner._register_backend(torch.device("cuda"), nccl.NCCL, backend)
             backends.append(backend)
         elif gpu is not None and mode == "gloo":  # ranks share a GPU (tests on one GPU): Gloo copies via the host

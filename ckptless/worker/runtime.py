@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ckptless import chaos_hooks
+from ckptless import chaos_hooks, environment
 from ckptless.goodput.ledger import EventKind
 from ckptless.mirror.config import MirrorConfig
 from ckptless.mirror.mirror import MirrorEngine
@@ -128,7 +128,7 @@ class WorkerRuntime:
         self.standby_buffers: list[torch.Tensor] = []
         self._capturer: Capturer | None = None
         # Where the next step waits (on the GPU) for the last capture's device-to-host copies.
-        self.write_order = WriteOrder()
+        self.write_order = WriteOrder(always_at_start=environment.current().capture_order == "step")
         self._store: tuple[tuple[str, int], dist.Store] | None = None
 
     # --- identity (derived from the generation, never copied) ---------------------------------
@@ -228,9 +228,9 @@ class WorkerRuntime:
         # streams (the next step waits for them on the GPU, where it would overwrite them); the engine's
         # thread waits for them and checksums the image.
         image = self.capturer.capture(version, self.generation, out=buf, checksum_now=False)
+        self.write_order.captured(image.fence)  # first: whatever happens next, a leave drains these copies
         chaos_hooks.pause_point(f"capture:r{self.rank}:{version}", rank=self.rank, version=version)
         engine.submit(image.manifest, image.buffer, pairs, fence=image.fence)
-        self.write_order.captured(image.fence)
         return image
 
     def step_done(self, step: int, generation: int, mirrored: bool = True) -> None:

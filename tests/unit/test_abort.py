@@ -40,8 +40,9 @@ def _bound(generation: int) -> tuple[RebindableGroup, FakeNccl]:
 def test_only_the_bound_generation_is_aborted() -> None:
     g, fake = _bound(3)
     assert g.abort(2) == 0 and fake.aborted_on == []
-    assert g.abort(3) == 1 and len(fake.aborted_on) == 1
+    assert g.abort(3) == 1 and fake.done.wait(5) and len(fake.aborted_on) == 1
     assert g.broken_generation == 3
+    assert g.abort(3) == 0  # once per backend
 
 
 def test_a_failed_collective_aborts_its_generation_off_the_calling_thread(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -53,10 +54,36 @@ def test_a_failed_collective_aborts_its_generation_off_the_calling_thread(monkey
     abort.install()
     g.mark_broken(7)  # as a done-callback or a failed wait() does
     assert fake.done.wait(5), "the aborter thread never aborted the backend"
-    assert fake.aborted_on == ["ckptless-aborter"] and shut == [7]
+    # Off the calling thread, and off the aborter's too: an NCCL abort may wait for an init in progress.
+    assert fake.aborted_on == ["ckptless-abort-g7"] and shut == [7]
     g.mark_broken(7)  # seen again: no second abort
     abort.request(7, "again")
-    assert fake.aborted_on == ["ckptless-aborter"]
+    assert fake.aborted_on == ["ckptless-abort-g7"]
+
+
+class SlowNccl(FakeNccl):
+    """An abort that blocks, as ProcessGroupNCCL's does while a non-blocking init is in progress."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.release = threading.Event()
+
+    def abort(self) -> None:
+        self.release.wait(10)
+        super().abort()
+
+
+def test_a_blocking_abort_holds_up_nobody_and_a_late_backend_is_aborted_as_it_is_made() -> None:
+    slow, late = SlowNccl(), FakeNccl()
+    rebindable._forming_add(41, slow)
+    assert rebindable.abort_forming(41) == 1  # returns at once: the abort runs on its own thread
+    assert not slow.done.is_set()
+    rebindable._forming_add(41, late)  # the formation's helper built one more after the give-up
+    assert late.done.wait(5), "a backend made for an aborted generation was not aborted"
+    slow.release.set()
+    assert slow.done.wait(5)
+    rebindable.forget_forming(41)
+    assert 41 not in rebindable._aborted_generations
 
 
 def test_broken_listeners_hear_each_generation_once(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -15,7 +15,7 @@ from torch import nn
 
 from ckptless.errors import DeviceTimeout, StateError
 from ckptless.state import devices, host_memory, streams
-from ckptless.state.fence import CopyFence, WriteOrder, late_sources
+from ckptless.state.fence import PROBE_CAPTURES, CopyFence, WriteOrder, late_sources
 from ckptless.state.rng import RNGState
 
 
@@ -39,6 +39,15 @@ def _fence(watched: list[torch.Tensor], finished: bool = False) -> tuple[CopyFen
     return CopyFence([early], [late], [(i, t, t._version) for i, t in enumerate(watched)]), early, late
 
 
+def _overlapping(objects: list[object]) -> WriteOrder:
+    """A write order past its probe: late copies overlap the next step (what the steady state does)."""
+    order = WriteOrder()
+    order.install(objects)
+    order.clean_probes = PROBE_CAPTURES
+    assert order.overlapping
+    return order
+
+
 def _model_and_opt() -> tuple[nn.Linear, torch.optim.SGD]:
     m = nn.Linear(3, 2)
     return m, torch.optim.SGD(m.parameters(), lr=0.1)
@@ -52,8 +61,7 @@ def _step(m: nn.Linear, opt: torch.optim.SGD) -> None:
 
 def test_early_copies_are_ordered_at_the_step_start_late_ones_at_the_optimizer_step() -> None:
     m, opt = _model_and_opt()
-    order = WriteOrder()
-    order.install([m, opt])
+    order = _overlapping([m, opt])
     fence, early, late = _fence([m.weight, m.bias])
     order.captured(fence)
     order.before_step()
@@ -72,7 +80,8 @@ def test_without_a_protected_optimizer_everything_is_ordered_at_the_step_start()
     m, _ = _model_and_opt()
     order = WriteOrder()
     order.install([m])
-    assert not order.hooked
+    order.clean_probes = PROBE_CAPTURES
+    assert not order.overlapping
     fence, early, late = _fence([m.weight])
     order.captured(fence)
     order.before_step()
@@ -81,8 +90,7 @@ def test_without_a_protected_optimizer_everything_is_ordered_at_the_step_start()
 
 def test_a_write_before_the_optimizer_step_tears_the_image_and_turns_conservative() -> None:
     m, opt = _model_and_opt()
-    order = WriteOrder()
-    order.install([m, opt])
+    order = _overlapping([m, opt])
     fence, _, late = _fence([m.weight, m.bias])
     order.captured(fence)
     order.before_step()
@@ -101,8 +109,7 @@ def test_a_write_before_the_optimizer_step_tears_the_image_and_turns_conservativ
 
 def test_a_copy_done_before_any_write_is_sealed_clean_and_needs_no_ordering() -> None:
     m, opt = _model_and_opt()
-    order = WriteOrder()
-    order.install([m, opt])
+    order = _overlapping([m, opt])
     fence, early, late = _fence([m.weight], finished=True)
     order.captured(fence)
     assert fence.seal() is None  # the mirror thread saw it done first
@@ -121,8 +128,7 @@ def test_a_write_the_mirror_thread_sees_before_any_ordering_tears_the_image() ->
 
 def test_a_new_capture_orders_the_previous_one_and_drain_waits_for_it() -> None:
     m, opt = _model_and_opt()
-    order = WriteOrder()
-    order.install([m, opt])
+    order = _overlapping([m, opt])
     first, _, late1 = _fence([m.weight])
     order.captured(first)
     second, _, late2 = _fence([m.weight])
@@ -151,15 +157,88 @@ def test_install_again_replaces_the_hooks() -> None:
     opt.step()
     assert late.ordered == 1
     order.install([m])
-    assert not order.hooked and not opt._optimizer_step_pre_hooks
+    assert not order.overlapping and not opt._optimizer_step_pre_hooks
 
 
 def test_late_sources_are_parameters_and_optimizer_state_never_buffers() -> None:
-    # CPU tensors are never copied asynchronously, so late_sources() lists device tensors only.
     bn = nn.BatchNorm1d(3)
     opt = torch.optim.Adam(bn.parameters())
-    _ = opt
-    assert late_sources([bn, opt]) == set()
+    bn(torch.randn(4, 3)).sum().backward()
+    opt.step()
+    late = late_sources([bn, opt])
+    moments = [v for st in opt.state.values() for v in st.values() if v.numel()]
+    assert set(late) == {bn.weight.data_ptr(), bn.bias.data_ptr(), *(v.data_ptr() for v in moments)}
+    assert bn.running_mean.data_ptr() not in late  # a forward pass writes it: early, ordered at the step start
+
+
+def test_the_probe_orders_at_the_step_start_and_finds_a_script_that_writes_outside_its_step() -> None:
+    m, opt = _model_and_opt()
+    order = WriteOrder()
+    order.install([m, opt])
+    fence, _, late = _fence([m.weight, m.bias])
+    order.captured(fence)
+    order.before_step()
+    assert late.ordered == 1  # probing: nothing overlaps yet, so nothing can race
+    with torch.no_grad():
+        m.weight.clamp_(-0.1, 0.1)
+    opt.step()
+    assert order.conservative and fence.torn is None  # found while nothing could tear
+
+
+def test_the_probe_lets_a_clean_script_overlap_after_its_probe_captures() -> None:
+    m, opt = _model_and_opt()
+    order = WriteOrder()
+    order.install([m, opt])
+    for i in range(PROBE_CAPTURES + 1):
+        fence, _, late = _fence([m.weight, m.bias])
+        order.captured(fence)
+        order.before_step()
+        assert late.ordered == (1 if i < PROBE_CAPTURES else 0), i
+        _step(m, opt)
+    assert order.overlapping and not order.conservative
+
+
+def test_capture_order_step_orders_everything_at_the_step_start_forever() -> None:
+    m, opt = _model_and_opt()
+    order = WriteOrder(always_at_start=True)
+    order.install([m, opt])
+    order.clean_probes = PROBE_CAPTURES
+    fence, _, late = _fence([m.weight])
+    order.captured(fence)
+    order.before_step()
+    assert late.ordered == 1 and not order.overlapping
+
+
+def test_an_optimizer_without_step_hooks_turns_the_order_conservative() -> None:
+    class Bare(torch.optim.Optimizer):
+        def __init__(self) -> None:  # never runs Optimizer.__init__ (some wrappers do this)
+            self.param_groups = []
+
+    order = WriteOrder()
+    order.install([Bare()])
+    assert order.conservative
+
+
+def test_a_dtensor_write_is_seen_on_the_dtensors_counter_not_its_shards() -> None:
+    """FSDP2 parameters are DTensors: an in-place write bumps the DTensor's counter only."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        p = nn.Parameter(distribute_tensor(torch.randn(4, 2), mesh, [Shard(0)]))
+        late = late_sources([nn.ParameterList([p])])
+        shard = p.to_local()
+        watch = late[shard.data_ptr()]
+        assert watch is p
+        fence = CopyFence([FakeMarker(True)], [FakeMarker(True)], [(0, watch, watch._version)])
+        with torch.no_grad():
+            p.add_(1)
+        assert fence.seal() is not None
+    finally:
+        dist.destroy_process_group()
 
 
 # --- device-relative images and host memory, on a machine without CUDA -----------------------------
@@ -224,6 +303,10 @@ def test_each_source_device_gets_its_own_copies_early_before_late_in_image_order
     assert [i for i, _, _ in early0] == [1] and [i for i, _, _ in late0] == [3]
 
 
+def _index(device: int | torch.device) -> int:
+    return device.index if isinstance(device, torch.device) else int(device)  # type: ignore[return-value]
+
+
 class FakeCuda:
     """torch.cuda's generator calls, for one process that sees ``n`` GPUs with ``current`` current."""
 
@@ -236,8 +319,8 @@ class FakeCuda:
         mp.setattr(torch.cuda, "is_initialized", lambda: True)
         mp.setattr(torch.cuda, "device_count", lambda: self.n)
         mp.setattr(torch.cuda, "current_device", lambda: self.current)
-        mp.setattr(torch.cuda, "get_rng_state", lambda device: self.states[int(device)].clone())
-        mp.setattr(torch.cuda, "set_rng_state", lambda state, device: self.states.__setitem__(int(device), state))
+        mp.setattr(torch.cuda, "get_rng_state", lambda device: self.states[_index(device)].clone())
+        mp.setattr(torch.cuda, "set_rng_state", lambda state, device: self.states.__setitem__(_index(device), state))
         mp.setattr(torch.cuda, "set_rng_state_all", lambda states: self.states.update(enumerate(states)))
 
 
@@ -269,10 +352,15 @@ def test_an_older_image_with_one_state_per_gpu_restores_only_where_the_count_mat
     assert all(torch.equal(same.states[i], old.states[i]) for i in range(4))
 
 
-def test_gpu_tensors_go_to_the_current_device_when_no_live_tensor_says(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_gpu_tensors_go_to_the_ranks_gpu_when_no_live_tensor_says(monkeypatch: pytest.MonkeyPatch) -> None:
     FakeCuda(n=8, current=5).install(monkeypatch)
     assert devices.target("cuda") == torch.device("cuda", 5)
     assert devices.target("cuda:3") == torch.device("cuda", 5)  # an older image's index is not obeyed
+    devices.set_home(torch.device("cuda", 6))  # what init() sets: every thread, whatever its current device
+    try:
+        assert devices.target("cuda") == torch.device("cuda", 6) and devices.home() == torch.device("cuda", 6)
+    finally:
+        devices.set_home(None)
 
 
 def test_an_in_place_restore_matches_device_types_not_indices() -> None:
