@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install sysdeps browser demo test test-loaded test-all test-gpu bench clean
+.PHONY: install sysdeps browser demo test test-loaded test-all test-gpu bench-gpu bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -68,10 +68,13 @@ test-all: $(STAMP) sysdeps
 # asynchronous capture and restore bitwise (plain, DDP, FSDP2), the CUDA generator in a new process, a
 # job sharing the GPU killed and recovered bitwise. That machine reaches no index: tools/gpu_wheels.sh
 # fetches what it lacks into .whl/ first, here. Without CUDA every GPU test is skipped (exit 0).
-# bench/gpu.py is the GPU benchmark (docs/benchmarks.md).
+# `make bench-gpu GPU_OUT=...` is the GPU benchmark (bench/gpu.py, docs/benchmarks.md), the same set-up first.
 GPU_OUT ?= gpu-results
 test-gpu:
 	tools/test_gpu.sh $(GPU_OUT)
+
+bench-gpu:
+	tools/bench_gpu.sh $(GPU_OUT)
 
 bench: $(STAMP)
 	$(PY) bench/mirror.py

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # `make test-gpu GPU_OUT=DIR`: the GPU checks of issue 19, results and timings in DIR.
 #
-# On a machine with CUDA: a virtual environment over the machine's own torch (--system-site-packages),
-# the wheels from .whl/ (tools/gpu_wheels.sh fetches them where an index is reachable) and this tree
-# (editable, no index), then the tests in tests/gpu and the CUDA cases of the unit suite, with JUnit
-# XML, the pytest log and every case's JSON in DIR. Without CUDA every GPU test is skipped (exit 0).
+# On a machine with CUDA: tools/gpu_setup.sh makes ckptless importable by the machine's own Python
+# (no index there), then the tests in tests/gpu and the CUDA cases of the unit suite run, with JUnit
+# XML, the pytest log and every case's JSON in DIR. Without CUDA every GPU test is collected and
+# skipped (exit 0), with this checkout's .venv.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=$(realpath -m "${1:-gpu-results}")
@@ -16,12 +16,8 @@ if ! "$base" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else
   echo "test-gpu: no CUDA device here; the GPU tests are collected and skipped" | tee "$out/skipped.txt"
   exec "$base" -m pytest -q -p no:cacheprovider "${tests[@]}"
 fi
-venv=${GPU_VENV:-/tmp/ckptless-gpu-venv}
-[ -x "$venv/bin/python" ] || "$base" -m venv --system-site-packages "$venv"
-if [ -d .whl ]; then "$venv/bin/python" -m pip install -q --no-index --no-deps --no-compile .whl/*.whl; fi
-"$venv/bin/python" -m pip install -q --no-index --no-deps --no-build-isolation -e .
-"$venv/bin/python" -c 'import torch; print("torch", torch.__version__, "on", torch.cuda.get_device_name(0))' | tee "$out/device.txt"
+py=$(tools/gpu_setup.sh "$base" 2> >(tee "$out/setup.log" >&2))
 set +e
-PYTHONUNBUFFERED=1 CKPTLESS_GPU_OUT="$out" "$venv/bin/python" -m pytest -q -p no:cacheprovider "${tests[@]}" \
+PYTHONUNBUFFERED=1 CKPTLESS_GPU_OUT="$out" "$py" -m pytest -q -p no:cacheprovider "${tests[@]}" \
   --junitxml "$out/junit.xml" --durations=0 2>&1 | tee "$out/pytest.log"
 exit "${PIPESTATUS[0]}"
