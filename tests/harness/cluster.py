@@ -325,3 +325,22 @@ def wait_membership(cluster: Cluster, generation: int, timeout: float = 120) -> 
 
     wait_until(ready, timeout, f"membership of generation {generation}", interval_s=0.02)
     return found[-1]
+
+
+def _events(path: Path) -> list[dict[str, object]]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def left_after_incident(goodput: Path, survivors: set[int]) -> dict[int, float]:
+    """Seconds from the leader's incident to each survivor leaving generation 0 (wall clocks, one host),
+    from the job's goodput ledgers."""
+    opened = [e for e in _events(goodput / "leader.jsonl") if e["kind"] == "incident_opened"]
+    assert opened, "the leader opened no incident"
+    t0 = float(opened[0]["t_wall"])  # type: ignore[arg-type]
+    out = {}
+    for r in survivors:
+        left = [e for e in _events(goodput / f"rank{r}.jsonl")
+                if e["kind"] == "failure_detected" and e["generation"] == 0]
+        assert left, f"survivor rank {r} never left generation 0"
+        out[r] = float(left[0]["t_wall"]) - t0  # type: ignore[arg-type]
+    return out
