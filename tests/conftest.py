@@ -57,13 +57,23 @@ def module_etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedEt
         yield server
 
 
-@pytest.fixture(scope="module")
-def baseline(module_etcd: EmbeddedEtcd, tmp_path_factory: pytest.TempPathFactory) -> FaultFree:
+@pytest.fixture(scope="session")
+def session_etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedEtcd]:
+    """A real etcd for what the whole session shares (the fault-free reference run)."""
+    d = tmp_path_factory.mktemp("session-etcd")
+    with EmbeddedEtcd(data_dir=d / "data", log_path=d / "etcd.log") as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def baseline(session_etcd: EmbeddedEtcd, tmp_path_factory: pytest.TempPathFactory) -> FaultFree:
     """The reference job without faults (tests/harness/scripts/train_ref.py: 2 agents x 2 workers, K = 1),
-    once per module: its cluster (logs) and every rank's final state, which a recovered run must equal."""
+    once per session (six modules compare with it: it was run once per module, ~10 s each): its
+    cluster (logs) and every rank's final state, which a recovered run must equal. Its final states
+    depend on nothing but the script and its defaults, so which etcd it ran on does not matter."""
     from .harness.cluster import fault_free
 
-    return fault_free(module_etcd.endpoint, tmp_path_factory.mktemp("base"))
+    return fault_free(session_etcd.endpoint, tmp_path_factory.mktemp("base"))
 
 
 @pytest.fixture
