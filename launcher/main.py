@@ -8,12 +8,12 @@ user's to fix and a traceback would bury the one fact that matters.
 from __future__ import annotations
 
 import logging
-import os
 import sys
 from collections.abc import Sequence
 
 from ckptless import environment
 from ckptless.errors import CkptlessError
+from ckptless.worker import exit_guard
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -52,14 +52,7 @@ def entry() -> None:
     revoked, etcd stopped); interpreter finalization would only add seconds of
     torch/gRPC/TCPStore teardown between a Ctrl-C and the shell prompt.
     """
-    code = main()
-    logging.shutdown()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):
-            pass
-    os._exit(code)
+    exit_guard.leave_now(main())
 
 
 if __name__ == "__main__":

@@ -132,42 +132,26 @@ def _object_subtrees(tree: Any) -> dict[str, Any]:
     return {k: v for k, v in items}
 
 
-def _tensor_indices(node: Any, out: list[int]) -> list[int]:
+def _tensor_indices(node: Any, out: list[int], devices_only: bool = False) -> list[int]:
+    """Indices of the tensors under ``node``; ``devices_only``: those the tree places on a device
+    (``{"Td": ...}``, also as a DTensor's shard)."""
     if type(node) is list:
         for v in node:
-            _tensor_indices(v, out)
+            _tensor_indices(v, out, devices_only)
     elif type(node) is dict and len(node) == 1:
         ((tag, val),) = node.items()
         if tag in ("T", "N"):
-            out.append(val)
+            if not devices_only:
+                out.append(val)
         elif tag == "Td":
             out.append(val[0])
         elif tag == "DT":
-            _tensor_indices(val[0], out)
+            _tensor_indices(val[0], out, devices_only)
         elif tag == "d":
             for _, v in val:
-                _tensor_indices(v, out)
+                _tensor_indices(v, out, devices_only)
         elif tag in ("o", "t"):
-            _tensor_indices(val, out)
-    return out
-
-
-def _device_indices(node: Any, out: set[int]) -> set[int]:
-    """Indices of the tensors the tree places on a device (``{"Td": ...}``, also as a DTensor's shard)."""
-    if type(node) is list:
-        for v in node:
-            _device_indices(v, out)
-    elif type(node) is dict and len(node) == 1:
-        ((tag, val),) = node.items()
-        if tag == "Td":
-            out.add(val[0])
-        elif tag == "DT":
-            _device_indices(val[0], out)
-        elif tag == "d":
-            for _, v in val:
-                _device_indices(v, out)
-        elif tag in ("o", "t"):
-            _device_indices(val, out)
+            _tensor_indices(val, out, devices_only)
     return out
 
 
@@ -217,7 +201,7 @@ def restore(registry: StateRegistry, image: StateImage, verify: bool = True, in_
         )
     subtrees = _object_subtrees(m.tree)
     t1 = time.perf_counter()
-    clones = _Clones(views, frozenset(_device_indices(m.tree, set())))
+    clones = _Clones(views, frozenset(_tensor_indices(m.tree, [], devices_only=True)))
     done: list[ObjectRestore] = []
     touched: set[torch.device] = set()
     try:

@@ -91,13 +91,7 @@ def _guard(grace_s: float = 1.0) -> None:
     for join in _joins:
         join(grace_s / max(len(_joins), 1))
     if any(alive() for alive in _pending):
-        logging.shutdown()
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except (OSError, ValueError):
-                pass
-        os._exit(_exit_code)
+        leave_now(_exit_code)
 
 
 def leave_now(code: int) -> NoReturn:
