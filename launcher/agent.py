@@ -184,7 +184,7 @@ class NodeAgent:
             elif cfg.replicas >= result.world_size:
                 raise ConfigError("replicas", cfg.replicas,
                                   f"must be < the world size ({result.world_size}): a rank's K mirrors live on other ranks")
-            watch = client.watch_prefix(st.keyspace.prefix, lambda events: follower.on_events(st, events))
+            watch = client.watch_prefix(st.keyspace.job_prefix, lambda events: follower.on_events(st, events))
             stack.callback(watch.cancel)
             st.status = completion.read_status(st)
 

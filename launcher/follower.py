@@ -27,7 +27,8 @@ log = logging.getLogger("ckptless.agent")
 
 
 def on_events(st: NodeState, events: list[WatchEvent]) -> None:
-    """The etcd watch's callback over the job's prefix."""
+    """The etcd watch's callback over the job's ``job/`` keys (membership, status, incidents: all an agent
+    follows; the exits, reports and spares are the leader's to read)."""
     for ev in events:
         if ev.key == st.keyspace.membership and ev.kind == "put":
             apply_membership(st, membership_from_json(ev.value))
@@ -36,11 +37,7 @@ def on_events(st: NodeState, events: list[WatchEvent]) -> None:
                 st.status = JobStatus.from_json(ev.value)
             except CkptlessError:
                 st.status = JobStatus("failed", "the job's status record is malformed")
-        elif ev.kind == "put" and ev.key.startswith(st.keyspace.prefix + "incident/g"):
-            try:
-                g = int(ev.key.rsplit("/g", 1)[1])
-            except ValueError:
-                continue
+        elif ev.kind == "put" and (g := st.keyspace.incident_generation(ev.key)) is not None:
             if g not in st.incident_t:
                 st.incident_t[g] = time.monotonic()
                 if st.metrics is not None:

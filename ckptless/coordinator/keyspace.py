@@ -54,9 +54,17 @@ class Keyspace:
         return f"{self.prefix}election/"
 
     @property
+    def job_prefix(self) -> str:
+        """``job/``: the few keys every worker and agent acts on (the generation, the membership, the
+        incidents, the job's status), and nothing else, so that one watch on it costs a worker O(1)
+        events per incident whatever W is. Reports, ready marks, exits and spares live elsewhere:
+        only the leader reads them (docs/scale.md)."""
+        return f"{self.prefix}job/"
+
+    @property
     def generation(self) -> str:
         """Monotonic generation counter, advanced only by fenced transactions."""
-        return f"{self.prefix}generation"
+        return f"{self.job_prefix}generation"
 
     # --- workers -------------------------------------------------------------
     @property
@@ -83,7 +91,7 @@ class Keyspace:
         """Current generation's membership (rank -> worker, store address, the plan that made it).
 
         Written only together with ``generation`` in one fenced transaction."""
-        return f"{self.prefix}membership"
+        return f"{self.job_prefix}membership"
 
     def facts_prefix(self, generation: int) -> str:
         """``facts/g<G>/<rank>`` -> survivor's WorkerReport for the incident ending generation G."""
@@ -104,8 +112,7 @@ class Keyspace:
     def run_state_prefixes(self) -> tuple[str, ...]:
         """Keys of one run's recovery state, cleared when the job is started again under the same id."""
         p = self.prefix
-        return (f"{p}exits/", f"{p}facts/", f"{p}ready/", f"{p}incident/", f"{p}status", f"{p}membership",
-                f"{p}generation", f"{p}ported")
+        return (f"{p}exits/", f"{p}facts/", f"{p}ready/", self.job_prefix, f"{p}ported")
 
     @property
     def ported(self) -> str:
@@ -119,11 +126,25 @@ class Keyspace:
     def ready(self, generation: int, rank: int) -> str:
         return f"{self.ready_prefix(generation)}{rank}"
 
+    @property
+    def incident_prefix(self) -> str:
+        """``job/incident/g<G>``: see :meth:`incident`."""
+        return f"{self.job_prefix}incident/g"
+
     def incident(self, generation: int) -> str:
         """Set by the leader when it sees generation G fail: tells every worker to stop and report."""
-        return f"{self.prefix}incident/g{generation}"
+        return f"{self.incident_prefix}{generation}"
+
+    def incident_generation(self, key: str) -> int | None:
+        """The G of an ``incident/g<G>`` key (None for any other key)."""
+        if not key.startswith(self.incident_prefix):
+            return None
+        try:
+            return int(key[len(self.incident_prefix):])
+        except ValueError:
+            return None
 
     @property
     def status(self) -> str:
         """Job status: {state: succeeded | failed, reason, root_cause}; written once, by the leader, at the end."""
-        return f"{self.prefix}status"
+        return f"{self.job_prefix}status"

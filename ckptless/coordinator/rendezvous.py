@@ -176,7 +176,10 @@ class Rendezvous:
         self.register(me)
         deadline = time.monotonic() + timeout_s
         changed = threading.Event()
-        watch = self._client.watch_prefix(self._ks.prefix, lambda _evs: changed.set())
+        # Only what the join decides on: the round and the live nodes (not the whole job's keys, which
+        # every joining agent would otherwise receive: O(nodes) events each while the job forms).
+        watches = [self._client.watch_prefix(p, lambda _evs: changed.set())
+                   for p in (self._ks.rdzv_state, self._ks.nodes_prefix)]
         try:
             last_size = -1
             last_change = time.monotonic()
@@ -206,7 +209,8 @@ class Rendezvous:
                         f"rendezvous for job {self._ks.job_id!r} timed out after {timeout_s}s with "
                         f"{len(state.participants)} of {min_nodes}..{max_nodes} node(s)"
                     )
-                # Wake on any change under the job prefix, or to re-check the last call.
+                # Wake on a change of the round or the nodes, or to re-check the last call.
                 changed.wait(min(remaining, 0.25, max(0.05, last_call_s - (time.monotonic() - last_change))))
         finally:
-            watch.cancel()
+            for w in watches:
+                w.cancel()

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import threading
 import time
 import uuid
@@ -130,10 +131,13 @@ class RecoveryLeader:
         while not self._stop.is_set():
             try:
                 self._session.check()
-                self._election.campaign(self._session.name, timeout_s=1.0)
+                # Waits on etcd until we lead (or stop): no re-campaign, no events while we wait.
+                self._election.campaign(self._session.name, timeout_s=math.inf, stop=self._stop)
                 return True
             except CoordinatorError:
-                continue  # not elected yet, or etcd briefly away: campaign again
+                if self._session.done.is_set():
+                    return False  # our lease is gone: this agent is finished, nothing to lead
+                self._stop.wait(0.1)  # etcd briefly away: campaign again (keeping our place)
         return False
 
     def _lead(self) -> None:

@@ -1,10 +1,14 @@
 """A worker's control-plane handle: report facts, learn the next generation, see the job end.
 
 Why workers talk to etcd at all: only at the edges of a recovery (never per
-step). One watch on the job's prefix keeps three local facts fresh -- which
-generations have an open incident, the newest membership's generation, and
-whether the job ended -- so the training loop checks a flag per step, not
-etcd. Credentials come from the same ``CKPTLESS_ETCD_*`` variables the agent
+step). One watch keeps three local facts fresh -- which generations have an
+open incident, the newest membership's generation, and whether the job ended
+-- so the training loop checks a flag per step, not etcd. The watch covers
+the keyspace's ``job/`` only (generation, membership, incidents, status):
+not the other ranks' reports, ready marks or exit records, which only the
+leader reads, so a worker receives O(1) events per incident whatever W is
+(it received every rank's writes, about 25 W + 1.8 W^2 events per incident
+in all, before: docs/scale.md). Credentials come from the same ``CKPTLESS_ETCD_*`` variables the agent
 uses (workers inherit them), so a job on an authenticated etcd works.
 
 etcd outages: a healthy worker never needs etcd to train. When it must write
@@ -51,7 +55,8 @@ class WorkerControl:
         self._newest_generation = -1
         self._status: JobStatus | None = None
         self._changed = threading.Event()
-        self._watch = self.client.watch_prefix(self.keyspace.prefix, self._on_events)
+        self._watch = self.client.watch_prefix(self.keyspace.job_prefix, self._on_events)
+        self.events_seen = 0  # events this worker's watch delivered (docs/scale.md, bench/scale.py)
         self._read_initial()
 
     def _read_initial(self) -> None:
@@ -72,14 +77,12 @@ class WorkerControl:
 
     def _on_events(self, events: list[WatchEvent]) -> None:
         ks = self.keyspace
+        self.events_seen += len(events)
         for e in events:
             if e.kind != "put":
                 continue
-            if e.key.startswith(ks.prefix + "incident/g"):
-                try:
-                    failed = int(e.key.rsplit("/g", 1)[1])
-                except ValueError:
-                    continue
+            failed = ks.incident_generation(e.key)
+            if failed is not None:
                 self._incidents.add(failed)
                 # The leader declared the generation failed: end its connections and abort its
                 # communicators now, off the training thread, so a collective blocked on healthy peers
