@@ -9,6 +9,9 @@ elements plus its AdamW state (exp_avg, exp_avg_sq), i.e. ~BENCH_STATE_BYTES per
 gradient, AdamW update of the whole shard, and one small all_reduce (so a dead peer
 is seen by the collective, as in a real job).
 
+BENCH_STEP_SLEEP (seconds, default 0): each step also sleeps, releasing the CPU as a GPU step
+does (bench/scale.py runs up to 32 ranks on two cores).
+
 Fault injection (same idea as tests/harness/scripts/train_ref.py): BENCH_PAUSES="r:s,r:s,..."
 lists (rank, step) points; the rank that is about to run step s writes
 OUT/pause<i>.json ({"pid", "rank", "step"}) and holds (bounded) until the bench
@@ -76,7 +79,12 @@ def _build(rank: int) -> tuple[Shard, torch.optim.Optimizer]:
     return model, opt
 
 
+STEP_SLEEP = float(os.environ.get("BENCH_STEP_SLEEP", "0"))  # a step that releases the CPU (as a GPU's)
+
+
 def _step(model: Shard, opt: torch.optim.Optimizer, step: int) -> None:
+    if STEP_SLEEP:
+        time.sleep(STEP_SLEEP)
     p = model.w
     torch.mul(p.detach(), 1e-3 * (1 + step % 3), out=p.grad)
     opt.step()

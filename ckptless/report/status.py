@@ -122,15 +122,15 @@ def _read(c: EtcdClient, ks: Keyspace, endpoint: str) -> JobStatus:
         except (ValueError, TypeError, AttributeError):
             problems.append(f"malformed {ks.status}")
     incidents = []
-    for i in c.get_prefix(f"{ks.prefix}incident/")[0]:
-        tail = i.key.rsplit("/", 1)[-1]
+    for i in c.get_prefix(ks.incident_prefix)[0]:
         try:
             doc = json.loads(i.value)
             lost = ",".join(str(r) for r in doc.get("lost", []))
         except (ValueError, TypeError, AttributeError):
             lost = "?"
-        if tail.startswith("g") and tail[1:].isdigit():
-            incidents.append((int(tail[1:]), lost))
+        g = ks.incident_generation(i.key)
+        if g is not None:
+            incidents.append((g, lost))
     incidents.sort()
     note = "not stored in etcd"
     if incidents:  # the newest incident's survivors reported the version they had committed

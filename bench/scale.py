@@ -1,0 +1,189 @@
+"""Benchmark: what one recovery costs as the world grows (issue 20), on real jobs.
+
+Run:  .venv/bin/python bench/scale.py                       (W = 4 8 16 32; ~1 min per W on 2 cores)
+      .venv/bin/python bench/scale.py --worlds 4 8 --json scale.json
+
+Setup per W: a fresh embedded etcd (its counters are this job's alone), two
+agents of W/2 ranks each, K = 1, a tiny state (``--state-kib`` per rank) and a
+step that sleeps ``--step-sleep`` (it releases the CPU, as a GPU step does, so
+W processes can share two cores), the recovery worker of ``bench/recovery.py``.
+Rank 1 is SIGKILLed at step 8, once the job trains steadily; it is respawned
+warm on its node.
+
+Columns (every time from the goodput ledgers, one monotonic clock):
+``resumed_s`` kill -> every rank's first step after the recovery; ``learned_s``
+kill -> the last survivor's ``failure_detected`` (hop by hop before issue 20);
+``planned_s`` kill -> the leader's ``plan_published``; ``sockets_before`` /
+``sockets_after`` the most socket descriptors of a worker (``/proc/<pid>/fd``)
+before the kill and three steps after the recovery; ``etcd_events_per_rank``
+watch events etcd sent (``etcd_debugging_mvcc_events_total``) from the kill to
+every rank stepping, per rank; ``etcd_kib_per_rank`` gRPC bytes etcd sent
+meanwhile, per rank; ``idle_events_s`` events etcd sent per second of
+failure-free training; ``peak_rss_mib`` the largest worker's peak RSS.
+``--json FILE`` writes ``{"rows": [...]}`` with these keys; the table goes to
+docs/benchmarks.md ("Scale") with the load average.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+import uuid
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from _recovery_common import PY, WORKER, child_env, kill_group, read_events, wait_file  # noqa: E402
+
+from ckptless.coordinator.embedded import EmbeddedEtcd  # noqa: E402
+
+KILL_STEP = 8
+VICTIM = 1
+
+
+def etcd_counters(endpoint: str) -> dict[str, float]:
+    """Watch events and gRPC bytes etcd sent so far (its Prometheus endpoint)."""
+    with urllib.request.urlopen(f"http://{endpoint}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    out = {"events": 0.0, "bytes": 0.0}
+    for line in text.splitlines():
+        if line.startswith("etcd_debugging_mvcc_events_total"):
+            out["events"] += float(line.rsplit(" ", 1)[1])
+        elif line.startswith("etcd_network_client_grpc_sent_bytes_total"):
+            out["bytes"] += float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def sockets_of(pid: int) -> int:
+    try:
+        return sum(1 for fd in os.listdir(f"/proc/{pid}/fd")
+                   if os.readlink(f"/proc/{pid}/fd/{fd}").startswith("socket:"))
+    except OSError:
+        return 0
+
+
+def rank_pids(out: Path, world: int) -> dict[int, int]:
+    """The newest process of each rank (the workers append a line at their first step)."""
+    pids = {}
+    for r in range(world):
+        f = out / f"pids_rank{r}.jsonl"
+        if f.exists():
+            lines = [json.loads(x) for x in f.read_text().splitlines() if x.strip()]
+            if lines:
+                pids[r] = int(lines[-1]["pid"])
+    return pids
+
+
+def leader_events(gdir: Path) -> list[dict[str, Any]]:
+    f = gdir / "leader.jsonl"
+    return [json.loads(x) for x in f.read_text().splitlines() if x.strip()] if f.exists() else []
+
+
+def run_one(world: int, state_bytes: int, step_sleep: float, work: Path, log: Any) -> dict[str, Any]:
+    job = f"scale{world}-{uuid.uuid4().hex[:6]}"
+    out = work / job
+    gdir = out / "goodput"
+    out.mkdir(parents=True)
+    steps = KILL_STEP + 12
+    env = child_env({"BENCH_STATE_BYTES": str(state_bytes), "BENCH_STEPS": str(steps),
+                     "BENCH_STEP_SLEEP": str(step_sleep), "BENCH_PAUSES": f"{VICTIM}:{KILL_STEP}",
+                     "CKPTLESS_LOG_LEVEL": "WARNING", "CKPTLESS_COLLECTIVE_TIMEOUT": "120",
+                     "CKPTLESS_RECOVERY_TIMEOUT": "300", "CKPTLESS_NODE_GPUS": "0"})
+    with EmbeddedEtcd(data_dir=out / "etcd", log_path=out / "etcd.log") as etcd:
+        common = ["--nnodes", "2", "--nproc-per-node", str(world // 2), "--rdzv-id", job, "--rdzv-endpoint",
+                  etcd.endpoint, "--lease-ttl", "1", "--goodput-dir", str(gdir), "--no-shm-dir"]
+        procs, logs = [], []
+        try:
+            for i in range(2):
+                lf = open(out / f"agent{i}.log", "wb")
+                logs.append(lf)
+                procs.append(subprocess.Popen([PY, "-m", "ckptless.launcher.main", *common, WORKER, "ckptless",
+                                               str(out)], env=env, stdout=lf, stderr=subprocess.STDOUT,
+                                              start_new_session=True))
+            doc = wait_file(out / "pause0.json", 600, procs)
+            # Steady training of the others while the victim holds: idle etcd traffic, sockets before.
+            c0, t0 = etcd_counters(etcd.endpoint), time.monotonic()
+            time.sleep(3.0)  # the measured window (what is counted is etcd's traffic in it)
+            c1 = etcd_counters(etcd.endpoint)
+            idle = (c1["events"] - c0["events"]) / (time.monotonic() - t0)
+            before = rank_pids(out, world)
+            sockets_before = max(sockets_of(p) for p in before.values())
+            t_kill = time.monotonic()
+            os.kill(int(doc["pid"]), signal.SIGKILL)
+            deadline = time.monotonic() + 600
+            while True:
+                evs = read_events(gdir)
+                done = {e["rank"] for e in evs if e["kind"] == "first_step_after_recovery"}
+                if len(done) == world:
+                    break
+                if time.monotonic() > deadline or any(p.poll() not in (None, 0) for p in procs):
+                    raise RuntimeError(f"W={world}: the recovery did not finish")
+                time.sleep(0.02)
+            c2 = etcd_counters(etcd.endpoint)
+            resumed = max(e["t_monotonic"] for e in evs if e["kind"] == "first_step_after_recovery") - t_kill
+            learned = max(e["t_monotonic"] for e in evs if e["kind"] == "failure_detected") - t_kill
+            plans = [e["t_monotonic"] for e in leader_events(gdir) if e["kind"] == "plan_published"]
+            gen = max(e["generation"] for e in evs if e["kind"] == "first_step_after_recovery")
+            target = max(e["step"] for e in evs if e["kind"] == "first_step_after_recovery") + 3
+            while max((e["step"] for e in read_events(gdir) if e["kind"] == "step_done"
+                       and e["generation"] == gen), default=0) < target:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"W={world}: no steps after the recovery")
+                time.sleep(0.05)
+            after = rank_pids(out, world)
+            sockets_after = max(sockets_of(p) for p in after.values())
+            for p in procs:
+                p.wait(300)
+            mem = [json.loads(f.read_text()) for f in out.glob("mem_rank*.json")]
+            row = {"world": world, "resumed_s": resumed, "learned_s": learned,
+                   "planned_s": (min(plans) - t_kill) if plans else float("nan"),
+                   "sockets_before": sockets_before, "sockets_after": sockets_after,
+                   "etcd_events_per_rank": (c2["events"] - c1["events"]) / world,
+                   "etcd_kib_per_rank": (c2["bytes"] - c1["bytes"]) / world / 1024,
+                   "idle_events_s": idle, "peak_rss_mib": max(m["peak_rss"] for m in mem) / 2**20,
+                   "load1": os.getloadavg()[0]}
+            log(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}))
+            return row
+        finally:
+            for p in procs:
+                kill_group(p)
+            for lf in logs:
+                lf.close()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--worlds", type=int, nargs="+", default=[4, 8, 16, 32])
+    ap.add_argument("--state-kib", type=int, default=64)
+    ap.add_argument("--step-sleep", type=float, default=0.2)
+    ap.add_argument("--json", type=Path, default=None)
+    a = ap.parse_args()
+    if any(w < 4 or w % 2 for w in a.worlds):
+        ap.error("--worlds: even sizes of at least 4 (two agents of W/2 ranks)")
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="ckptless-scale-") as tmp:
+        for w in a.worlds:
+            rows.append(run_one(w, a.state_kib * 1024, a.step_sleep, Path(tmp), lambda s: print(s, flush=True)))
+    print("\n| W | kill -> resumed s | last survivor learns s | plan published s | sockets/worker before -> after "
+          "| etcd events/rank | etcd KiB/rank | idle etcd events/s | peak RSS MiB | load |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['world']} | {r['resumed_s']:.2f} | {r['learned_s']:.3f} | {r['planned_s']:.2f} | "
+              f"{r['sockets_before']} -> {r['sockets_after']} | {r['etcd_events_per_rank']:.1f} | "
+              f"{r['etcd_kib_per_rank']:.1f} | {r['idle_events_s']:.1f} | {r['peak_rss_mib']:.0f} | {r['load1']:.1f} |")
+    if a.json is not None:
+        a.json.write_text(json.dumps({"rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
