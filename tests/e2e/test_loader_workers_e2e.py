@@ -19,7 +19,7 @@ import pytest
 from ckptless.coordinator.embedded import EmbeddedEtcd
 from ckptless.worker import sockets
 
-from ..harness.cluster import Cluster, assert_bitwise_equal, new_cluster, run_fault_free
+from ..harness.cluster import Cluster, FaultFree, assert_bitwise_equal, new_cluster
 
 COLLECTIVE_TIMEOUT_S = 60  # a hop that waits it out shows as a job that takes over a minute
 
@@ -32,8 +32,10 @@ def _cluster(etcd: EmbeddedEtcd, tmp_path: Path, name: str, **env: str) -> Clust
 # CI budget: one victim in CI (rank 3, on the second node); rank 1 in the slow tier.
 @pytest.mark.parametrize("victim", [pytest.param(1, marks=pytest.mark.slow), 3])
 def test_kill_with_loader_workers_recovers_without_waiting_out_a_timeout(module_etcd: EmbeddedEtcd, tmp_path: Path,
-                                                                        victim: int) -> None:
-    base = run_fault_free(_cluster(module_etcd, tmp_path, "base", REF_LOADER_WORKERS="2"))
+                                                                        baseline: FaultFree, victim: int) -> None:
+    # The session's fault-free run (no loader workers): worker processes fetch the same batches in
+    # the same order (ResumableLoader), so a recovered run with them must equal it bitwise too.
+    base = baseline.finals
     c = _cluster(module_etcd, tmp_path, "kill", REF_LOADER_WORKERS="2", REF_PAUSE_RANK=str(victim),
                  REF_PAUSE_STEP="5")
     try:

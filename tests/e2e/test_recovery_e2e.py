@@ -83,6 +83,7 @@ def test_sigkill_one_worker_respawned_on_its_node(module_etcd: EmbeddedEtcd, tmp
     _no_nccl_backstop(c, backend)
 
 
+@pytest.mark.slow  # CI budget: a hang is also tests/e2e/test_chaos_matrix.py::test_ci_seeded_hang_then_kill's
 def test_hung_worker_is_killed_and_replaced(module_etcd: EmbeddedEtcd, tmp_path: Path, baseline: FaultFree) -> None:
     c = new_cluster(module_etcd.endpoint, tmp_path, "hang", REF_PAUSE_RANK="2", REF_PAUSE_STEP="4")
     kill_when_paused(c, 2, "--hang-timeout", "2", sig=signal.SIGSTOP)
