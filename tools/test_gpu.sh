@@ -6,13 +6,9 @@
 # XML, the pytest log and every case's JSON in DIR. Without CUDA every GPU test is collected and
 # skipped (exit 0), with this checkout's .venv.
 set -euo pipefail
-cd "$(dirname "$0")/.."
-out=$(realpath -m "${1:-gpu-results}")
-mkdir -p "$out"
-base=${GPU_PYTHON:-python3}
-if ! "$base" -c 'import torch' 2>/dev/null; then base=.venv/bin/python; fi
+source "$(dirname "$0")/gpu_common.sh"
 tests=(tests/gpu tests/unit/test_state_restore.py -k "gpu or cuda")
-if ! "$base" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
+if [ "$cuda" = 0 ]; then
   echo "test-gpu: no CUDA device here; the GPU tests are collected and skipped" | tee "$out/skipped.txt"
   exec "$base" -m pytest -q -p no:cacheprovider "${tests[@]}"
 fi

@@ -79,8 +79,3 @@ def target(name: str) -> torch.device:
         except (RuntimeError, AssertionError, TypeError, ValueError) as exc:
             raise StateError(f"the image holds {kind} tensors but this process has no {kind} device: {exc}") from exc
     return torch.device(kind)
-
-
-def same_kind(live: torch.device, recorded_name: str) -> bool:
-    """Can a tensor recorded on ``recorded_name`` be restored into a live tensor on ``live``?"""
-    return live.type == parse(recorded_name).type

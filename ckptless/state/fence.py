@@ -16,7 +16,8 @@ on the GPU (a stream waits for an event), never on the CPU:
   bytes) are written only by the optimizer's step, so the compute stream
   waits for their copies in a step pre-hook of every protected optimizer
   (:meth:`WriteOrder.install`). The next step's forward and backward overlap
-  the copy; on a GPU step >= 5x the copy, the step does not wait at all.
+  the copy (what that saves on a real GPU is ``bench/gpu.py``'s to measure;
+  it has not run yet).
 
 What if a script writes a late tensor elsewhere (a weight clamp in the forward
 pass, an EMA written before the step)? Then the copy may read a half-updated

@@ -121,7 +121,10 @@ def test_worker_killed_spare_on_another_agent_takes_its_rank(module_etcd: Embedd
 
     chaos = tmp_path / "chaos"
     if backend == "nccl_like":
-        env = {"CKPTLESS_CHAOS_DIR": str(chaos), "CKPTLESS_CHAOS_POINTS": "cap=capture:r0:5", **_backend_env(backend)}
+        # Issue 19's modes beside the fault: step-start capture ordering, and agents that count 4 GPUs
+        # each (the spare gets one of its own; the workers stay on CUDA backend "none", as on a CPU host).
+        env = {"CKPTLESS_CHAOS_DIR": str(chaos), "CKPTLESS_CHAOS_POINTS": "cap=capture:r0:5",
+               "CKPTLESS_CAPTURE_ORDER": "step", "CKPTLESS_NODE_GPUS": "4", **_backend_env(backend)}
     else:
         env = {"REF_PAUSE_RANK": "0", "REF_PAUSE_STEP": "5"}
     c = new_cluster(module_etcd.endpoint, tmp_path, "spare0", **env)
