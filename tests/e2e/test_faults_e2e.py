@@ -89,7 +89,7 @@ def test_second_failure_at_same_committed_version(module_etcd: EmbeddedEtcd, tmp
     still the newest commit. Reports then hold v4 twice (old and re-protected replicas). Was: duplicate
     replica -> unrecoverable."""
     c = new_cluster(module_etcd.endpoint, tmp_path, "samever", REF_PAUSE_RANK="1", REF_PAUSE_STEP="6",
-                     REF_PAUSE_RANK2="2", REF_PAUSE_STEP2="7")
+                     REF_PAUSE_RANK2="2", REF_PAUSE_STEP2="7", REF_PAUSE_COMMITTED="4")
     try:
         c.start_agent("--mirror-every", "4")
         c.start_agent("--mirror-every", "4")

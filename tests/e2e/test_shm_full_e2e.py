@@ -52,7 +52,8 @@ def full_shm(tmp_path: Path) -> Iterator[Path]:
 
 def test_full_shm_dir_degrades_to_memory_and_the_job_recovers_bitwise(module_etcd: EmbeddedEtcd, tmp_path: Path,
                                                                       full_shm: Path, baseline: FaultFree) -> None:
-    c = new_cluster(module_etcd.endpoint, tmp_path, "shmfull", REF_PAUSE_RANK=str(VICTIM), REF_PAUSE_STEP=str(STEP))
+    c = new_cluster(module_etcd.endpoint, tmp_path, "shmfull", REF_PAUSE_RANK=str(VICTIM), REF_PAUSE_STEP=str(STEP),
+                    REF_PAUSE_COMMITTED="1")
     try:
         for _ in range(2):
             c.start_agent("--shm-dir", str(full_shm))

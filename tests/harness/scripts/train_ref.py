@@ -12,6 +12,10 @@ Environment knobs for fault injection by the test (which sends the real signal):
                    captured or mirrored yet.
   REF_PAUSE_WHERE  ``optimizer``: the first pause point holds inside the step, after its all-reduce and
                    before ``opt.step()`` (default ``start``: before the step's forward)
+  REF_PAUSE_COMMITTED
+                   a version N: a pause point announces itself only once job.committed_version >= N
+                   (bounded), so a test that kills there knows which version the survivors hold
+                   (the rounds are asynchronous: on a busy machine v4 may still be in flight at step 6)
   REF_PAUSE_RELEASE
                    a file name NAME: pause point <N> ("" for the first, "2", "3") also ends
                    as soon as OUT/NAME<N> exists (the test lets the held rank go on).
@@ -115,6 +119,7 @@ def main() -> None:
         exit_at = (int(os.environ["REF_EXIT_RANK"]), int(os.environ["REF_EXIT_STEP"]))
     exit_kind = os.environ.get("REF_EXIT_KIND", "raise")
     pause_where = os.environ.get("REF_PAUSE_WHERE", "start")
+    pause_committed = int(os.environ.get("REF_PAUSE_COMMITTED", "-1"))
 
     # After the setup, the rank is job.rank: a pre-built spare ran the setup as its standby rank and,
     # with --spare-any-rank, may take another rank with its objects as built (the script's contract).
@@ -123,6 +128,9 @@ def main() -> None:
         key = (rank, step)
         # REF_PAUSE_WHERE moves the first pause point only; the others hold at the step's start.
         if key in pauses and job.ctx.role == "member" and where == (pause_where if not pauses[key] else "start"):
+            committed_by = time.monotonic() + 60
+            while (job.committed_version or -1) < pause_committed and time.monotonic() < committed_by:
+                time.sleep(0.01)  # the mirror rounds run on their own thread, beside this held step
             _announce(os.path.join(out, f"paused{pauses[key]}_rank{rank}.json"), {"pid": os.getpid(), "step": step})
             deadline = time.monotonic() + 120
             while time.monotonic() < deadline:  # held here until the test's signal arrives
