@@ -22,7 +22,8 @@ built for it (:func:`install`), and each install re-reads the settings.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from types import MappingProxyType
 from typing import Any, Literal
 
@@ -162,6 +163,22 @@ def set_default(name: str, value: str) -> None:
     """Give a variable a value unless the user set one (for libraries read later, e.g. gRPC's)."""
     os.environ.setdefault(name, value)
     reload()
+
+
+@contextmanager
+def library_setting(name: str, value: str) -> Iterator[None]:
+    """``name=value`` only inside the block, for a library that reads it in one constructor
+    (torch's ``TORCH_GLOO_LAZY_INIT``, read when a Gloo group is made); the user's value is put back.
+    Not re-read here: no ckptless setting is changed. The caller serialises such blocks."""
+    before = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = before
 
 
 def install(env: Mapping[str, str]) -> ProcessEnv:

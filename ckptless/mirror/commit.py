@@ -7,7 +7,8 @@ How ranks learn it without an etcd write per step: mirror rounds are
 collective and in lock-step (every rank submits the same versions in the same
 order). At the end of round v each rank contributes ``ack = v`` if its own
 image of v is kept locally and every image of v it receives as a holder
-verified, else ``-1``; one ``all_reduce(MIN)`` on the mirror group over
+verified, else ``-1``; one MIN reduction over the mirror group's agreement
+tree (:func:`ckptless.mirror.agreement.tree_allreduce`, ``2 log_4 W`` hops) of
 ``[ack, v, -v]`` yields ``[min ack, min v, -max v]``. If ``min ack == v`` every
 (owner, holder) pair acknowledged v, which is exactly the definition above; if
 ``min v != max v`` the ranks are out of step (a bug or a stale peer) and the

@@ -60,14 +60,14 @@ import torch
 import torch.distributed as dist
 
 from ckptless.errors import MirrorError, TransportError
-from ckptless.mirror import buffers
+from ckptless.mirror import agreement, buffers
 from ckptless.mirror.commit import RoundOutcome, decide, encode, round_ack
 from ckptless.mirror.config import MirrorConfig
-from ckptless.mirror.partial import MISSING, Pair, PairSpec, check_pairs, holdings_row, missing_from_rows, split
+from ckptless.mirror.partial import MISSING, Pair, PairSpec, check_pairs, digest, my_missing_pairs, split
 from ckptless.mirror.ownimage import OwnImageFiles
 from ckptless.mirror.placement import Placement, compute_placement
 from ckptless.mirror.store import PeerStore, StoredImage
-from ckptless.mirror.transport import Deadline, MirrorTransport, RoundResult, wait_one
+from ckptless.mirror.transport import Deadline, MirrorTransport, RoundResult
 from ckptless.state.checksum import chunk_checksums
 from ckptless.state.fence import CopyFence
 from ckptless.state.manifest import Manifest
@@ -99,7 +99,7 @@ class RoundStats:
     bytes_sent: int
     bytes_received: int
     corrupt: dict[int, list[int]]
-    pairs: frozenset[Pair] | None = None  # the pairs that moved bytes; None: a full round
+    pairs: frozenset[Pair] | None = None  # pairs that moved bytes (MISSING: only this rank's); None: full
     kept: tuple[int, ...] = ()  # owners this rank acknowledged from the image it already held
     missing: tuple[int, ...] = ()  # owners whose kept image this rank lacked (round not committed)
 
@@ -258,7 +258,7 @@ class MirrorEngine:
         for every other pair of the placement the holder must already hold
         this very image of ``manifest.version`` (any generation), else the
         round does not commit. ``MISSING`` = the engine computes that set
-        itself at the start of the round (one all_reduce of image
+        itself at the start of the round (owner and holder swap image
         fingerprints, on the background thread). Every rank must pass the
         same value. A manifest with no ``chunk_checksums`` (captured with
         ``checksum_now=False``) is checksummed at the start of its round, on
@@ -389,32 +389,28 @@ class MirrorEngine:
             self.on_commit(outcome.committed)
 
     def _missing_pairs(self, manifest: Manifest, deadline: Deadline) -> frozenset[Pair]:
-        """The pairs whose holder lacks this round's image, agreed by one all_reduce(MAX).
+        """The pairs of this rank whose holder lacks this round's image (the :data:`MISSING` rule).
 
-        Row r of a [world, 1 + max load] matrix is rank r's fingerprint of its
-        own image and of each image it holds at this version (0: none); every
-        rank fills only its row, so MAX assembles the matrix everywhere.
+        Each end of a pair learns the other's fingerprint of the owner's image
+        from the pair itself (:func:`agreement.digest_exchange`: 2K messages of
+        8 bytes, one hop), so both decide alike, and no rank sees the W x K
+        facts of pairs it is not in. Only this rank's pairs are returned: all
+        that :func:`split` reads from them.
         """
-        width = 1 + max(self.placement.loads())
-        held = [self.store.verified_copy(o, manifest.version) for o in self.placement.owners_held_by(self.rank)]
-        mat = torch.zeros(self.world_size, width, dtype=torch.int64)
-        mat[self.rank] = torch.tensor(holdings_row(manifest, held, width), dtype=torch.int64)
-        mat = mat.to(self.transport.device)
-        opts = dist.AllreduceOptions()
-        opts.reduceOp = dist.ReduceOp.MAX  # type: ignore[assignment]
-        wait_one(self.group.allreduce([mat], opts), deadline, "holdings all_reduce")
-        return missing_from_rows(self.placement, manifest.version, mat.cpu().tolist())
+        owners = self.placement.owners_held_by(self.rank)
+        held = {o: digest(self.store.verified_copy(o, manifest.version)) for o in owners}
+        own = digest(manifest)
+        theirs, owner_digests = agreement.digest_exchange(self.group, own, self.placement.holders(self.rank),
+                                                          held, deadline)
+        return my_missing_pairs(self.rank, own, theirs, held, owner_digests)
 
     def _agree(self, res: RoundResult, deadline: Deadline) -> RoundOutcome:
-        """One all_reduce(MIN) on the mirror group: the piggy-backed acks of this round."""
+        """The round's acks, reduced with MIN over the agreement tree (``2 * depth(W)`` hops)."""
         ok = {o: o in res.received for o in self.transport.owners}
-        vec = torch.tensor(encode(round_ack(res.version, True, ok), res.version), dtype=torch.int64)
-        vec = vec.to(self.transport.device)
-        opts = dist.AllreduceOptions()
-        opts.reduceOp = dist.ReduceOp.MIN  # type: ignore[assignment]
-        work = self.group.allreduce([vec], opts)
-        wait_one(work, deadline, "commit all_reduce")
-        return decide([int(x) for x in vec.cpu().tolist()], self.committed_version)
+        vec = encode(round_ack(res.version, True, ok), res.version)
+        reduced = agreement.tree_allreduce(self.group, self.rank, self.world_size, vec, "min", deadline,
+                                           "commit agreement")
+        return decide(reduced, self.committed_version)
 
     # --- shutdown ---------------------------------------------------------------------------------
     def retire(self) -> None:

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Literal, Union
 
 from ckptless.errors import MirrorError
@@ -31,7 +31,7 @@ from ckptless.mirror.placement import Placement
 from ckptless.state.manifest import Manifest
 
 Pair = tuple[int, int]  # (owner, holder)
-#: ``submit(..., pairs=MISSING)``: the engine finds the pairs itself (one small all_reduce).
+#: ``submit(..., pairs=MISSING)``: the engine finds the pairs itself (each pair compares fingerprints).
 MISSING: Literal["missing"] = "missing"
 PairSpec = Union[frozenset[Pair], Literal["missing"], None]
 
@@ -81,21 +81,16 @@ def digest(m: Manifest | None) -> int:
     return (int.from_bytes(hashlib.blake2b(raw, digest_size=8).digest(), "little") >> 1) | 1
 
 
-def holdings_row(own: Manifest, held: Iterable[Manifest | None], width: int) -> list[int]:
-    """This rank's row of the :data:`MISSING` exchange: own image, then each owner it holds (placement order)."""
-    row = [digest(own)] + [digest(m) for m in held]
-    if len(row) > width:
-        raise MirrorError(f"holdings row of {len(row)} entries exceeds the width {width}")
-    return row + [0] * (width - len(row))
+def my_missing_pairs(rank: int, own: int, holder_digests: Mapping[int, int], held: Mapping[int, int],
+                     owner_digests: Mapping[int, int]) -> frozenset[Pair]:
+    """:data:`MISSING` for the pairs ``rank`` is in, from fingerprints (:func:`digest`) swapped
+    along those pairs only: ``own`` is its image's, ``holder_digests[h]`` its holder h's copy of it,
+    ``held[o]`` its copy of owner o's image, ``owner_digests[o]`` o's own. A pair moves bytes when the
+    holder has no copy (0) or another image; both ends read the same two numbers, so they agree, and
+    the union over all ranks is :func:`pairs_to_send` over the same holdings."""
+    mine = {(rank, h) for h, d in holder_digests.items() if d == 0 or d != own}
+    mine |= {(o, rank) for o, d in owner_digests.items() if held[o] == 0 or held[o] != d}
+    return frozenset(mine)
 
 
-def missing_from_rows(placement: Placement, version: int, rows: list[list[int]]) -> frozenset[Pair]:
-    """Pairs to send, from every rank's :func:`holdings_row` (identical input on every rank)."""
-    def has(holder: int, owner: int, _v: int) -> bool:
-        col = 1 + placement.owners_held_by(holder).index(owner)
-        return rows[holder][col] != 0 and rows[holder][col] == rows[owner][0]
-    return pairs_to_send(placement, version, has)
-
-
-__all__ = ["MISSING", "Pair", "PairSpec", "check_pairs", "digest", "holdings_row", "missing_from_rows",
-           "pairs_to_send", "placement_pairs", "same_image", "split"]
+__all__ = ["MISSING", "Pair", "PairSpec", "check_pairs", "digest", "my_missing_pairs", "pairs_to_send", "placement_pairs", "same_image", "split"]

@@ -4,8 +4,9 @@ Why stripes from all holders: a rebuild of an S-byte image cannot beat
 S / (p2p bandwidth); pulling disjoint chunk ranges from every holder at once
 uses all their links. Each stripe is verified against the manifest's chunk
 checksums on arrival; a corrupt stripe is fetched again from the next
-fallback holder (all ranks learn which stripes failed from one all_reduce, so
-the retry rounds stay collective and deterministic).
+fallback holder (all ranks learn which stripes failed from one MAX reduction, over
+the mirror group's agreement tree, so the retry rounds stay collective and
+deterministic).
 
 Runs on the new generation's default group, or on the group given (its
 mirror group, before the other groups form: see ``worker/actions.py``); every
@@ -21,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from ckptless.errors import IntegrityError, RecoveryError
+from ckptless.mirror.agreement import tree_allreduce
 from ckptless.mirror.store import PeerStore, StoredImage
 from ckptless.mirror.transport import Deadline, wait_all, wait_one
 from ckptless.recovery.decision import RecoveryPlan, Stripe, Transfer
@@ -55,12 +57,15 @@ def _irecv(t: torch.Tensor, src: int, tag: int, group: dist.ProcessGroup | None)
     return group.recv([t], src, tag)
 
 
-def _all_reduce_max(t: torch.Tensor, group: dist.ProcessGroup | None) -> dist.Work | None:
+def _verdicts_max(bad: torch.Tensor, group: dist.ProcessGroup | None, deadline: Deadline) -> torch.Tensor:
+    """Every rank's stripe verdicts, MAX-reduced: over the mirror group's agreement tree (O(log W)
+    hops, O(1) connections per rank), or with one all_reduce on the default group."""
     if group is None:
-        return dist.all_reduce(t, op=dist.ReduceOp.MAX, async_op=True)
-    opts = dist.AllreduceOptions()
-    opts.reduceOp = dist.ReduceOp.MAX  # type: ignore[assignment]
-    return group.allreduce([t], opts)
+        wait_one(dist.all_reduce(bad, op=dist.ReduceOp.MAX, async_op=True), deadline, "stripe verdicts")
+        return bad
+    rank, world = group.rank(), group.size()
+    return torch.tensor(tree_allreduce(group, rank, world, bad.tolist(), "max", deadline, "stripe verdicts"),
+                        dtype=torch.int64)
 
 
 def _byte_range(m: Manifest | None, s: Stripe, chunk_bytes: int, total: int) -> tuple[int, int]:
@@ -162,7 +167,7 @@ def execute_transfers(
                 if (t_idx, s_idx) in pending and not _stripe_ok(received.manifest, received.buffer, s):
                     bad[base + s_idx] = 1
                     log.warning("stripe %d-%d of rank %d from attempt %d failed its checksum", s.start, s.stop, t.owner, attempt)
-        wait_one(_all_reduce_max(bad, group), deadline, "stripe verdicts")
+        bad = _verdicts_max(bad, group, deadline)
         flat = [(ti, si) for ti, t in enumerate(transfers) for si in range(len(t.stripes))]
         pending = {flat[i] for i in range(n_stripes) if int(bad[i]) == 1}
         attempt += 1

@@ -26,6 +26,7 @@ from ckptless.recovery.wire import Membership
 from ckptless.worker import adoption, ahead, groups, restoring, training
 from ckptless.worker.control import JobEndedError
 from ckptless.worker.generation import Generation
+from ckptless.worker.mirror_peers import mirror_peers
 from ckptless.worker.machine import (
     Action,
     AwaitMembership,
@@ -126,7 +127,8 @@ def _form(rt: WorkerRuntime, a: FormGroups) -> Event:
         ahead.run_or_collect(rt, gen, a.deadline)
         gen.mirror_group = groups.bind_all(gen.store, m.generation, gen.rank, gen.world_size,  # type: ignore[arg-type]
                                            rt.ctx.collective_timeout_s, a.deadline,
-                                           lambda: ahead.abort_reason(rt, m.generation))
+                                           lambda: ahead.abort_reason(rt, m.generation),
+                                           mirror_peers(m, gen.rank, rt.replicas, rt.mirror_config.placement))
     except TransportError as exc:
         reason = str(exc)
     except (IntegrityError, RecoveryError) as exc:  # from the transfers run ahead

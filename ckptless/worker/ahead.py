@@ -19,6 +19,7 @@ from ckptless.recovery.transfer import Received, execute_transfers
 from ckptless.recovery.wire import Membership
 from ckptless.worker import exit_guard, groups
 from ckptless.worker.generation import Generation
+from ckptless.worker.mirror_peers import mirror_peers
 from ckptless.worker.runtime import TransferAhead, WorkerRuntime
 
 
@@ -72,7 +73,8 @@ def _transfer_now(rt: WorkerRuntime, m: Membership, deadline: float) -> Received
     rank = m.rank_of(rt.worker_id)
     assert rank is not None and isinstance(m.decision, RecoveryPlan)
     pg = groups.form_mirror_group(rt.store_for(m), m.generation, rank, m.world_size, rt.ctx.collective_timeout_s,
-                                  deadline, lambda: abort_reason(rt, m.generation))
+                                  deadline, lambda: abort_reason(rt, m.generation),
+                                  peers=mirror_peers(m, rank, rt.replicas, rt.mirror_config.placement))
     try:
         return execute_transfers(m.decision, m, rt.worker_id, rt.peer_store, rt.ctx.collective_timeout_s,
                                  into=rt.standby_buffers[0] if rt.standby_buffers else None, group=pg)

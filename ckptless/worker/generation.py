@@ -26,6 +26,7 @@ from ckptless.recovery.transfer import Received
 from ckptless.recovery.wire import Membership
 from ckptless.state.capture import StateImage
 from ckptless.worker import exit_guard, groups
+from ckptless.worker.mirror_peers import node_of
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +106,7 @@ class Generation:
 
     @property
     def node_of(self) -> list[str]:
-        return [self.membership.worker_of(r).node_id for r in range(self.world_size)]
+        return node_of(self.membership)  # O(W): a lookup per rank would be O(W^2)
 
     def leave(self) -> list[StoredImage]:
         """Drop this generation's communicators at once; return the own images its engine still held.

@@ -25,7 +25,7 @@ import gc
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, cast
@@ -33,6 +33,8 @@ from typing import Any, cast
 import torch.distributed as dist
 
 from ckptless.errors import ConfigError, TransportError
+from ckptless.mirror import agreement
+from ckptless.mirror.transport import Deadline
 from ckptless.worker import exit_guard, rebindable, sockets
 from ckptless.worker.rebindable import PLUGIN, RebindableGroup, new_gloo
 
@@ -229,7 +231,7 @@ def wait_thread(worker: threading.Thread, generation: int, deadline: float, abor
 
 
 def form_mirror_group(store: dist.Store, generation: int, rank: int, world_size: int, timeout_s: float,
-                      deadline: float, abort: Abort | None = None) -> dist.ProcessGroup:
+                      deadline: float, abort: Abort | None = None, peers: Sequence[int] = ()) -> dist.ProcessGroup:
     """Form the generation's mirror group ahead of the others (collective); :func:`bind_all` reuses it.
 
     Why: a recovery's transfers need no user group, so they can run on it
@@ -237,7 +239,7 @@ def form_mirror_group(store: dist.Store, generation: int, rank: int, world_size:
     user's groups can form: it may create groups of its own).
     """
     arrive(store, generation, world_size, deadline, abort, barrier="arrived-mirror")
-    pg = _abortable(lambda: mirror_group(store, generation, rank, world_size, timeout_s),
+    pg = _abortable(lambda: mirror_group(store, generation, rank, world_size, timeout_s, peers, deadline),
                     generation, deadline, abort, "mirror")
     with _lock:
         # Only the newest generation's is used; an older one is kept referenced, never freed: its
@@ -249,7 +251,7 @@ def form_mirror_group(store: dist.Store, generation: int, rank: int, world_size:
 
 
 def bind_all(store: dist.Store, generation: int, rank: int, world_size: int, timeout_s: float, deadline: float,
-             abort: Abort | None = None) -> dist.ProcessGroup:
+             abort: Abort | None = None, mirror_peers: Sequence[int] = ()) -> dist.ProcessGroup:
     """Bind every group of this process to ``generation`` and build its mirror group (collective).
 
     Returns the generation's mirror group (see :func:`mirror_group`); one formed
@@ -265,7 +267,8 @@ def bind_all(store: dist.Store, generation: int, rank: int, world_size: int, tim
         for g in todo:  # creation order: the same on every rank
             inner, backends = g.build(store, generation)
             built.append((g, inner, backends))
-        mirror = early if early is not None else mirror_group(store, generation, rank, world_size, timeout_s)
+        mirror = early if early is not None else mirror_group(store, generation, rank, world_size, timeout_s,
+                                                              mirror_peers, deadline)
         return built, mirror
 
     built, mirror = _abortable(build, generation, deadline, abort, "bind")
@@ -314,16 +317,28 @@ def collective_failed(generation: int, settle_s: float = 0.5) -> bool:
         time.sleep(0.005)
 
 
-def mirror_group(store: dist.Store, generation: int, rank: int, world_size: int, timeout_s: float) -> dist.ProcessGroup:
-    """The generation's mirroring communicator: Gloo, separate, and NOT registered with c10d.
+def mirror_group(store: dist.Store, generation: int, rank: int, world_size: int, timeout_s: float,
+                 peers: Sequence[int] = (), deadline: float | None = None) -> dist.ProcessGroup:
+    """The generation's mirroring communicator: Gloo, separate, lazily connected, NOT registered with c10d.
 
     Unregistered so that nothing frees it under the background mirror thread
     still inside a Gloo call on it (that aborted a survivor here); it dies with
     its engine instead.
+
+    Lazy, then connected to ``peers`` only (this rank's placement peers, its
+    agreement-tree neighbours and its transfer partners: ``worker/mirror_peers.py``):
+    2K + FANOUT + 1 connections at most instead of Gloo's full mesh of W - 1,
+    and O(peers) store lookups per rank instead of W (W^2 in all). Connected
+    here, inside the formation, so that a dead peer aborts the formation and
+    the connections are recorded with the generation (shut down when it ends).
+    A pair outside ``peers`` still works: it connects on its first message.
     """
     try:
         pg = new_gloo(dist.PrefixStore(f"ckptless/gen{generation}/mirror/", store), rank, world_size,
-                      timedelta(seconds=timeout_s))
+                      timedelta(seconds=timeout_s), lazy=True)
+        if peers:
+            left = timeout_s if deadline is None else max(0.001, deadline - time.monotonic())
+            agreement.connect(cast(dist.ProcessGroup, pg), sorted(set(peers) - {rank}), Deadline(left))
     except (RuntimeError, ValueError) as exc:
         raise TransportError(f"forming generation {generation}'s mirror group failed on rank {rank}: {exc}") from exc
     return cast(dist.ProcessGroup, pg)

@@ -129,21 +129,39 @@ def on_broken(listener: Callable[[int], None]) -> None:
         _broken_listeners.append(listener)
 
 
-def new_gloo(store: dist.Store, rank: int, size: int, timeout: timedelta) -> dist.ProcessGroupGloo:
+_LAZY_ENV = "TORCH_GLOO_LAZY_INIT"
+_lazy_lock = threading.Lock()
+
+
+def new_gloo(store: dist.Store, rank: int, size: int, timeout: timedelta, lazy: bool = False) -> dist.ProcessGroupGloo:
     """A Gloo communicator that binds to this node's ``--local-addr`` when one was given.
 
     Why: Gloo otherwise binds the address the hostname resolves to (127.0.0.1 on
     many hosts), which peers on other nodes cannot reach ("connectFullMesh ...
     Connection refused"); ``GLOO_SOCKET_IFNAME`` still wins when set.
+
+    ``lazy``: connect no pair now; each pair connects on its first message
+    (torch reads ``TORCH_GLOO_LAZY_INIT`` in the constructor, so it is set just
+    around it). Only the mirror group is lazy: it knows which pairs it will use
+    and opens them at once (``mirror.agreement.connect``), so they are still
+    recorded and shut down with their generation (``worker/sockets.py``). A lazy
+    construction only publishes its listener's address (no connect), so the
+    lock is held for milliseconds; eager constructions never run beside one
+    (a generation's formation builds its groups one after the other).
     """
     env = environment.current()
     addr = env.local_addr
     if not addr or env.gloo_socket_ifname:
-        return dist.ProcessGroupGloo(store, rank, size, timeout)
-    opts = dist.ProcessGroupGloo._Options()
-    opts._timeout = timeout
-    opts._devices = [dist.ProcessGroupGloo.create_device(hostname=addr)]
-    return dist.ProcessGroupGloo(store, rank, size, opts)
+        build: Callable[[], dist.ProcessGroupGloo] = lambda: dist.ProcessGroupGloo(store, rank, size, timeout)
+    else:
+        opts = dist.ProcessGroupGloo._Options()
+        opts._timeout = timeout
+        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=addr)]
+        build = lambda: dist.ProcessGroupGloo(store, rank, size, opts)  # noqa: E731
+    if not lazy:
+        return build()
+    with _lazy_lock, environment.library_setting(_LAZY_ENV, "1"):
+        return build()
 
 
 def _done_work(result: Any) -> dist.Work:

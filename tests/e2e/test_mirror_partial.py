@@ -25,8 +25,7 @@ from hypothesis import strategies as st
 
 from ckptless.errors import MirrorError
 from ckptless.mirror import MISSING, MirrorConfig, MirrorEngine, PeerStore, compute_placement, pairs_to_send
-from ckptless.mirror.partial import (check_pairs, digest, holdings_row, missing_from_rows, placement_pairs,
-                                     same_image)
+from ckptless.mirror.partial import check_pairs, digest, my_missing_pairs, placement_pairs, same_image
 from ckptless.state.checksum import chunk_checksums
 from ckptless.state.manifest import Manifest
 
@@ -262,7 +261,8 @@ def test_missing_mode_moves_only_what_the_replacement_lacks(four: list[dict[str,
     want = [[pl.owners_held_by(0)[0], 0]]
     for r, res in enumerate(four):
         a = res["partial"]["auto"]
-        assert a["pairs"] == want and a["committed"] == 3 and all(a["holds"].values())
+        mine = [pair for pair in want if r in pair]  # MISSING: a rank learns only the pairs it is in
+        assert a["pairs"] == mine and a["committed"] == 3 and all(a["holds"].values())
         assert a["sent"] == (N if r == want[0][0] else 0) and a["received"] == (N if r == 0 else 0)
 
 
@@ -274,7 +274,8 @@ def test_restored_image_mirrored_as_is_and_old_buffers_reused(four: list[dict[st
     for r, res in enumerate(four):
         a = res["adopt"]
         p = a["partial"]
-        assert p["pairs"] == want and p["committed"] == 2 and all(p["holds"].values()), (r, p)
+        mine = [pair for pair in want if r in pair]  # MISSING: a rank learns only the pairs it is in
+        assert p["pairs"] == mine and p["committed"] == 2 and all(p["holds"].values()), (r, p)
         assert p["sent"] == (N if r == want[0][0] else 0) and p["received"] == (N if r == 2 else 0)
         assert a["adopted"]
         if r != 2:  # survivors had a second, free buffer in the old pool
@@ -334,17 +335,25 @@ def test_pairs_to_send_is_exactly_the_lacking_pairs(case: tuple[int, int, str, s
 
 @settings(max_examples=100, deadline=None)
 @given(worlds, st.integers(0, 2**31))
-def test_gathered_rows_give_the_same_pairs(case: tuple[int, int, str, set[tuple[int, int]]], seed: int) -> None:
-    """MISSING mode: rows of image fingerprints decode to pairs_to_send over the same holdings."""
+def test_pairwise_fingerprints_give_the_same_pairs(case: tuple[int, int, str, set[tuple[int, int]]], seed: int) -> None:
+    """MISSING mode: each rank decides its own pairs from the fingerprints swapped along them; both ends
+    of every pair decide alike, and the union is pairs_to_send over the same holdings."""
     w, k, strategy, held = case
     pl = compute_placement(w, k, strategy)
-    width = 1 + max(pl.loads())
-    own = [Manifest(JOB, o, 7, 3, 10, 4, (o, seed, 1)) for o in range(w)]
+    own = [digest(Manifest(JOB, o, 7, 3, 10, 4, (o, seed, 1))) for o in range(w)]
     stale = [Manifest(JOB, o, 7, 1, 10, 4, (o, seed, 2)) for o in range(w)]  # other bytes: not held
-    rows = [holdings_row(own[h], [Manifest(JOB, o, 7, 1, 10, 4, (o, seed, 1)) if (h, o) in held else
-                                  (stale[o] if (h + o) % 2 else None) for o in pl.owners_held_by(h)], width)
-            for h in range(w)]
-    assert missing_from_rows(pl, 7, rows) == pairs_to_send(pl, 7, lambda h, o, v: (h, o) in held)
+
+    def copy(h: int, o: int) -> int:  # holder h's fingerprint of owner o's image
+        return digest(Manifest(JOB, o, 7, 1, 10, 4, (o, seed, 1)) if (h, o) in held else
+                      (stale[o] if (h + o) % 2 else None))
+
+    per_rank = [my_missing_pairs(r, own[r], {h: copy(h, r) for h in pl.holders(r)},
+                                 {o: copy(r, o) for o in pl.owners_held_by(r)},
+                                 {o: own[o] for o in pl.owners_held_by(r)}) for r in range(w)]
+    want = pairs_to_send(pl, 7, lambda h, o, v: (h, o) in held)
+    assert frozenset().union(*per_rank) == want
+    for r, mine in enumerate(per_rank):  # a rank decides exactly its own pairs, and its peers agree
+        assert mine == {(o, h) for (o, h) in want if r in (o, h)}
 
 
 def test_same_image_ignores_only_the_generation() -> None:
