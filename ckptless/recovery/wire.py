@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 from ckptless.errors import RecoveryError
+from ckptless.recovery import roster
 from ckptless.recovery.facts import ReplicaFact, Worker, WorkerReport
-from ckptless.recovery.decision import Assignment, Decision, DiskFallback, LocalRestore, RecoveryPlan, Rollback, Stripe, Transfer, Unrecoverable, WaitForReplacement
+from ckptless.recovery.decision import Assignment, Decision, DiskFallback, LocalRestore, RecoveryPlan, Stripe, Transfer, Unrecoverable, WaitForReplacement
 
 
 @dataclass(frozen=True)
@@ -31,17 +33,23 @@ class Membership:
     ranks: tuple[Assignment, ...]
     decision: Decision | None = None
 
+    @cached_property
+    def _by_rank(self) -> dict[int, Assignment]:
+        return {a.rank: a for a in self.ranks}
+
+    @cached_property
+    def _by_worker(self) -> dict[str, int]:
+        return {a.worker_id: a.rank for a in self.ranks}
+
     def worker_of(self, rank: int) -> Assignment:
-        for a in self.ranks:
-            if a.rank == rank:
-                return a
-        raise RecoveryError(f"generation {self.generation} has no worker for rank {rank}")
+        """O(1) after the first call (a lookup per rank over W ranks was O(W^2) per generation)."""
+        a = self._by_rank.get(rank)
+        if a is None:
+            raise RecoveryError(f"generation {self.generation} has no worker for rank {rank}")
+        return a
 
     def rank_of(self, worker_id: str) -> int | None:
-        for a in self.ranks:
-            if a.worker_id == worker_id:
-                return a.rank
-        return None
+        return self._by_worker.get(worker_id)
 
 
 def _get(doc: dict[str, Any], name: str, kind: type | tuple[type, ...], what: str) -> Any:
@@ -87,22 +95,25 @@ def report_from_json(raw: bytes) -> WorkerReport:
 
 
 # --- decisions ------------------------------------------------------------------
-def _assignment(a: Assignment) -> list[Any]:
-    return [a.rank, a.worker_id, a.node_id, a.source]
-
-
 def _assignment_from(raw: Any) -> Assignment:
     rank, worker_id, node_id, source = raw
     return Assignment(int(rank), str(worker_id), str(node_id), source)
+
+
+def _assignments(raw: Any, what: str) -> tuple[Assignment, ...]:
+    """A roster (:mod:`ckptless.recovery.roster`), or the one-entry-per-rank list of older records."""
+    if isinstance(raw, list):
+        return tuple(_assignment_from(a) for a in raw)
+    return roster.decode(raw, what)
 
 
 def decision_to_doc(d: Decision) -> dict[str, Any]:
     if isinstance(d, RecoveryPlan):
         return {
             "type": "memory", "job_id": d.job_id, "generation": d.generation,
-            "assignments": [_assignment(a) for a in d.assignments], "lost_ranks": list(d.lost_ranks),
+            "assignments": roster.encode(d.assignments), "lost_ranks": list(d.lost_ranks),
             "resume_version": d.resume_version,
-            "rollbacks": [[r.rank, r.worker_id, r.from_version, r.to_version] for r in d.rollbacks],
+            "rollbacks": roster.encode_rollbacks(d.rollbacks, d.assignments),
             "transfers": [
                 {"owner": t.owner, "receiver": t.receiver, "version": t.version, "n_chunks": t.n_chunks,
                  "holders": list(t.holders),
@@ -117,7 +128,7 @@ def decision_to_doc(d: Decision) -> dict[str, Any]:
     if isinstance(d, DiskFallback):
         return {
             "type": "disk", "job_id": d.job_id, "generation": d.generation,
-            "assignments": [_assignment(a) for a in d.assignments], "lost_ranks": list(d.lost_ranks),
+            "assignments": roster.encode(d.assignments), "lost_ranks": list(d.lost_ranks),
             "snapshot_step": d.snapshot_step, "reason": d.reason,
             "lost_ranks_without_replica": list(d.lost_ranks_without_replica), "steps_lost": d.steps_lost,
         }
@@ -132,12 +143,13 @@ def decision_from_doc(doc: dict[str, Any]) -> Decision:
     kind = doc.get("type")
     try:
         if kind == "memory":
+            assignments = _assignments(doc["assignments"], "recovery plan")
             return RecoveryPlan(
                 job_id=str(doc["job_id"]), generation=int(doc["generation"]),
-                assignments=tuple(_assignment_from(a) for a in doc["assignments"]),
+                assignments=assignments,
                 lost_ranks=tuple(int(r) for r in doc["lost_ranks"]),
                 resume_version=int(doc["resume_version"]),
-                rollbacks=tuple(Rollback(int(a), str(b), int(c), int(d)) for a, b, c, d in doc["rollbacks"]),
+                rollbacks=roster.decode_rollbacks(doc["rollbacks"], assignments, "recovery plan"),
                 transfers=tuple(
                     Transfer(int(t["owner"]), str(t["receiver"]), int(t["version"]), int(t["n_chunks"]),
                              tuple(str(h) for h in t["holders"]),
@@ -156,7 +168,7 @@ def decision_from_doc(doc: dict[str, Any]) -> Decision:
         if kind == "disk":
             return DiskFallback(
                 job_id=str(doc["job_id"]), generation=int(doc["generation"]),
-                assignments=tuple(_assignment_from(a) for a in doc["assignments"]),
+                assignments=_assignments(doc["assignments"], "disk fallback"),
                 lost_ranks=tuple(int(r) for r in doc["lost_ranks"]), snapshot_step=int(doc["snapshot_step"]),
                 reason=str(doc["reason"]),
                 lost_ranks_without_replica=tuple(int(r) for r in doc["lost_ranks_without_replica"]),
@@ -174,12 +186,19 @@ def decision_from_doc(doc: dict[str, Any]) -> Decision:
 
 
 # --- membership -------------------------------------------------------------------
+_SAME_AS_RANKS = "=ranks"  # a plan's assignments are the membership's ranks: written once
+
+
 def membership_to_json(m: Membership) -> bytes:
+    ranks = roster.encode(m.ranks)
+    decision = None if m.decision is None else decision_to_doc(m.decision)
+    if decision is not None and decision.get("assignments") == ranks:
+        decision["assignments"] = _SAME_AS_RANKS
     return json.dumps({
         "generation": m.generation, "world_size": m.world_size,
         "store": [m.store_host, m.store_port],
-        "ranks": [_assignment(a) for a in m.ranks],
-        "decision": None if m.decision is None else decision_to_doc(m.decision),
+        "ranks": ranks,
+        "decision": decision,
     }).encode()
 
 
@@ -188,12 +207,15 @@ def membership_from_json(raw: bytes) -> Membership:
     try:
         doc = json.loads(raw)
         host, port = _get(doc, "store", list, what)
+        ranks_doc = _get(doc, "ranks", (list, dict), what)
         dec = doc.get("decision")
+        if isinstance(dec, dict) and dec.get("assignments") == _SAME_AS_RANKS:
+            dec = {**dec, "assignments": ranks_doc}
         return Membership(
             generation=int(_get(doc, "generation", int, what)),
             world_size=int(_get(doc, "world_size", int, what)),
             store_host=str(host), store_port=int(port),
-            ranks=tuple(_assignment_from(a) for a in _get(doc, "ranks", list, what)),
+            ranks=_assignments(ranks_doc, what),
             decision=None if dec is None else decision_from_doc(dec),
         )
     except (ValueError, TypeError) as exc:

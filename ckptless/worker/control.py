@@ -35,6 +35,7 @@ from ckptless.recovery.wire import Membership, membership_from_json
 from ckptless.worker import abort
 
 T = TypeVar("T")
+REREAD_S = 5.0  # wait_membership reads etcd itself this often while its watch has nothing newer
 
 
 class JobEndedError(RecoveryError):
@@ -54,6 +55,9 @@ class WorkerControl:
         self._incidents: set[int] = set()
         self._newest_generation = -1
         self._status: JobStatus | None = None
+        self._membership_raw: bytes | None = None  # the newest membership the watch delivered
+        self._decoded: tuple[bytes | None, Membership | None] = (None, None)
+        self._raw_lock = threading.Lock()
         self._changed = threading.Event()
         self._watch = self.client.watch_prefix(self.keyspace.job_prefix, self._on_events)
         self.events_seen = 0  # events this worker's watch delivered (docs/scale.md, bench/scale.py)
@@ -65,6 +69,11 @@ class WorkerControl:
         kv = self.client.get(self.keyspace.generation)
         if kv is not None:
             self._newest_generation = int(json.loads(kv.value)["generation"])
+        kv = self.client.get(self.keyspace.membership)
+        if kv is not None:
+            with self._raw_lock:
+                if self._membership_raw is None:  # the watch may already have delivered a newer one
+                    self._membership_raw = kv.value
 
     def _read_status(self) -> JobStatus | None:
         kv = self.client.get(self.keyspace.status)
@@ -89,6 +98,9 @@ class WorkerControl:
                 # raises at once (not hop by hop, not at the collective timeout where a peer's loader
                 # workers hold its sockets, and never, for NCCL, until torch's watchdog kills us).
                 abort.request(failed, "the coordinator declared it failed")
+            elif e.key == ks.membership:
+                with self._raw_lock:  # events arrive in revision order: the newest wins
+                    self._membership_raw = e.value
             elif e.key == ks.generation:
                 try:
                     self._newest_generation = max(self._newest_generation, int(json.loads(e.value)["generation"]))
@@ -150,20 +162,42 @@ class WorkerControl:
         kv = self._persist("membership read", lambda: self.client.get(self.keyspace.membership))
         return None if kv is None else membership_from_json(kv.value)
 
+    def _delivered(self) -> Membership | None:
+        """The newest membership the watch (or the first read) delivered, decoded once."""
+        raw = self._membership_raw
+        if raw is None:
+            return None
+        if self._decoded[0] is not raw:
+            try:
+                self._decoded = (raw, membership_from_json(raw))
+            except RecoveryError:
+                self._decoded = (raw, None)
+        return self._decoded[1]
+
     def wait_membership(self, after: int, deadline: float) -> Membership | None:
         """The newest membership newer than ``after`` that includes us, or the one that excludes us.
 
         Returns None at the deadline; raises :class:`JobEndedError` if the job
         ended. While joining (``after == -1``) a membership without us is
         skipped: a spare waits until the coordinator assigns it a rank.
+
+        The record comes from the watch, which already delivered it: reading
+        it again would double the bytes every worker pulls from etcd per
+        incident (O(nodes) each, docs/scale.md). etcd is read again only every
+        ``REREAD_S`` while nothing newer arrived, in case the watch is behind
+        (it re-creates itself after an etcd restart).
         """
+        next_read = time.monotonic() + REREAD_S
         while True:
             self._changed.clear()
             self.check_ended()
-            try:
-                m = self.membership()
-            except CoordinatorError:
-                m = None
+            m = self._delivered()
+            if (m is None or m.generation <= after) and time.monotonic() >= next_read:
+                next_read = time.monotonic() + REREAD_S
+                try:
+                    m = self.membership()
+                except CoordinatorError:
+                    m = None
             if m is not None and m.generation > after:
                 if m.rank_of(self.worker_id) is not None or after >= 0:
                     return m

@@ -3,6 +3,7 @@
 * A worker's watch never sees another rank's report, ready mark, exit record, spare record or node
   key: it covers ``job/`` only (generation, membership, incidents, status), so a worker receives
   O(1) events per incident whatever W is.
+* A worker takes each new membership from its watch: it pulls the record's bytes once per incident.
 * A contender that waits for leadership costs nothing while it waits: no re-campaign (a delete and a
   put every second, which every watcher of the job received, with nothing failing).
 """
@@ -76,3 +77,33 @@ def test_a_waiting_contender_makes_no_events(etcd: EmbeddedEtcd, client: EtcdCli
         stop.set()
         for s in (leader_s, waiter_s):
             s.close()
+
+
+def test_a_new_membership_is_read_once_from_the_watch(etcd: EmbeddedEtcd, client: EtcdClient) -> None:
+    """wait_membership takes the record the watch delivered: a worker pulls each membership's bytes
+    once per incident, not twice (a get after the event); the record itself is O(nodes)
+    (tests/unit/test_roster.py)."""
+    from ckptless.recovery.decision import Assignment
+    from ckptless.recovery.wire import Membership, membership_to_json
+
+    ks = Keyspace("once")
+    ranks = tuple(Assignment(r, f"n{r // 4}/w{r % 4}", f"n{r // 4}", "survivor") for r in range(8))
+    client.put(ks.membership, membership_to_json(Membership(0, 8, "h", 1, ranks)))
+    control = WorkerControl(etcd.endpoint, "once", "n0/w1")
+    reads: list[str] = []
+    real_get = control.client.get
+
+    def counting_get(key: str) -> object:
+        reads.append(key)
+        return real_get(key)
+
+    control.client.get = counting_get  # type: ignore[method-assign]
+    try:
+        assert control.wait_membership(-1, time.monotonic() + 5) is not None  # the first read, at start
+        new = Membership(1, 8, "h", 1, ranks)
+        client.put(ks.membership, membership_to_json(new))
+        got = control.wait_membership(0, time.monotonic() + 10)
+        assert got == new
+        assert ks.membership not in reads, f"the membership was read again from etcd: {reads}"
+    finally:
+        control.close()
