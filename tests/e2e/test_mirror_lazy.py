@@ -23,7 +23,7 @@ from ckptless.mirror import tree
 
 from ..harness import lazy_mirror_workers as workers
 
-WORLD = 9  # depth 2 with FANOUT 4: rank 0 -> 1..4 -> 5..8
+WORLD = 6  # depth 2 with FANOUT 4: rank 0 -> 1..4, 1 -> 5
 
 
 def _spawn(target: Callable[..., None], world: int, tmp: Path, timeout: float) -> list[dict[str, Any]]:
@@ -48,15 +48,15 @@ def _spawn(target: Callable[..., None], world: int, tmp: Path, timeout: float) -
 
 
 @pytest.fixture(scope="module")
-def nine(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    res = _spawn(workers.rounds_entry, WORLD, tmp_path_factory.mktemp("lazy9"), 120)
+def six(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    res = _spawn(workers.rounds_entry, WORLD, tmp_path_factory.mktemp("lazy6"), 120)
     for r, x in enumerate(res):
         assert "error" not in x, f"rank {r}:\n{x['error']}"
     return res
 
 
-def test_connections_follow_placement_and_tree(nine: list[dict[str, Any]]) -> None:
-    for r, x in enumerate(nine):
+def test_connections_follow_placement_and_tree(six: list[dict[str, Any]]) -> None:
+    for r, x in enumerate(six):
         assert set(x["placement_peers"]) <= set(x["peers"]), "the engine's placement differs from formation's"
         assert set(tree.neighbours(r, WORLD)) <= set(x["peers"])
         assert len(x["peers"]) <= 2 * workers.K + tree.FANOUT + 1
@@ -65,14 +65,14 @@ def test_connections_follow_placement_and_tree(nine: list[dict[str, Any]]) -> No
         assert x["new_after_rounds"] == [], "a connection opened after formation (unrecorded, never shut down)"
 
 
-def test_rounds_commit_and_missing_moves_nothing_held(nine: list[dict[str, Any]]) -> None:
-    for x in nine:
+def test_rounds_commit_and_missing_moves_nothing_held(six: list[dict[str, Any]]) -> None:
+    for x in six:
         assert x["committed"] == 3
         assert x["missing_pairs"] == [] and x["missing_sent"] == 0
 
 
-def test_tree_reduction_is_the_world_min_and_max(nine: list[dict[str, Any]]) -> None:
-    for x in nine:
+def test_tree_reduction_is_the_world_min_and_max(six: list[dict[str, Any]]) -> None:
+    for x in six:
         assert x["min"] == [0, 100 - (WORLD - 1)]
         assert x["max"] == [WORLD - 1, 100]
 

@@ -83,6 +83,7 @@ def _tree(root: Path) -> dict[str, str]:
             for p in sorted(root.rglob("*")) if p.is_file()}
 
 
+@pytest.mark.slow  # CI budget: its rules and the I/O around them run in tests/unit/test_snapshot_restart.py
 @pytest.mark.timeout(600)
 def test_restart_with_another_world_size_is_refused_and_loses_nothing(etcd: EmbeddedEtcd, tmp_path: Path) -> None:
     job, snaps = f"world-{uuid.uuid4().hex[:6]}", tmp_path / "snaps"

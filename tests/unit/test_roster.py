@@ -40,7 +40,7 @@ def rosters(draw: st.DrawFn) -> tuple[Assignment, ...]:
     return tuple(out)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(rosters())
 def test_roster_round_trips_exactly(ranks: tuple[Assignment, ...]) -> None:
     doc = json.loads(json.dumps(roster.encode(ranks)))
