@@ -1,8 +1,8 @@
 """The formation's arrival barrier on a real TCPStore (``worker/groups.py arrive``, issue 20).
 
-Each rank adds itself once and the last one sets ``<key>/all``; the others wait for that key on a
-cloned connection, off the calling thread, so ``abort()`` and the deadline still end the wait at once
-(O(1) store operations per rank instead of a 5 ms poll of the counter).
+Each rank adds itself once and polls the counter at an interval that grows with W, so the whole
+job makes at most ~100,000 store operations per second of formation whatever W is; ``abort()`` and
+the deadline end the wait within one interval.
 """
 
 from __future__ import annotations
@@ -18,6 +18,14 @@ from ckptless.worker import groups
 from ckptless.worker.groups import FormationAborted
 
 
+def test_the_poll_rate_of_the_whole_job_is_bounded() -> None:
+    for world in (2, 100, 500, 1000, 10_000, 100_000):
+        interval = groups.poll_interval(world)
+        assert 0.005 <= interval <= 0.1
+        assert world / interval <= max(groups.POLLS_PER_S, 2 / 0.005) * 1.0001 or interval == 0.1
+    assert groups.poll_interval(500) == 0.005 and groups.poll_interval(10_000) == 0.1
+
+
 @pytest.fixture()
 def server() -> dist.TCPStore:
     return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, use_libuv=True,
@@ -30,14 +38,14 @@ def _client(server: dist.TCPStore, prefix: str) -> dist.Store:
 
 
 def test_every_rank_leaves_when_the_last_arrives(server: dist.TCPStore) -> None:
-    world = 4
+    world = 32  # arriving at once: what a generation's formation does
     clients = [_client(server, "job/") for _ in range(world)]
     left: dict[int, float] = {}
-    last_arrival = threading.Event()
+    straggler = threading.Event()
 
     def rank(i: int) -> None:
         if i == world - 1:
-            last_arrival.wait(10)  # the straggler arrives only once the others are waiting
+            straggler.wait(10)  # the straggler arrives only once the others are waiting
         groups.arrive(clients[i], 3, world, time.monotonic() + 20)
         left[i] = time.monotonic()
 
@@ -49,27 +57,21 @@ def test_every_rank_leaves_when_the_last_arrives(server: dist.TCPStore) -> None:
         time.sleep(0.01)
     assert not left, "a rank left the barrier before the last one arrived"
     arrived = time.monotonic()
-    last_arrival.set()
+    straggler.set()
     for t in threads:
         t.join(20)
     assert sorted(left) == list(range(world)) and all(v >= arrived for v in left.values())
-    assert clients[0].get("ckptless/gen3/arrived/all") == b"1"
+    assert max(left.values()) - arrived < 2  # within a poll interval or so, not a connect back-off
 
 
-def test_abort_and_deadline_end_the_wait_and_the_store_stays_usable(server: dist.TCPStore) -> None:
+def test_abort_and_deadline_end_the_wait(server: dist.TCPStore) -> None:
     c = _client(server, "job/")
     t0 = time.monotonic()
     with pytest.raises(FormationAborted, match="abandoned: gone"):
-        groups.arrive(c, 5, 2, time.monotonic() + 2, abort=lambda: "gone" if time.monotonic() - t0 > 0.2 else None)
-    assert time.monotonic() - t0 < 1.5  # at the abort, not at the 2 s deadline
+        groups.arrive(c, 5, 2, time.monotonic() + 20, abort=lambda: "gone" if time.monotonic() - t0 > 0.2 else None)
+    assert time.monotonic() - t0 < 1.5
     t0 = time.monotonic()
     with pytest.raises(FormationAborted, match="arrived in time"):
         groups.arrive(c, 6, 2, time.monotonic() + 0.3)
-    assert time.monotonic() - t0 < 5
-    assert c.add("still-fine", 1) == 1  # the caller's own connection was never used for the wait
-    # The abandoned waits end at their deadline (a process leaving with one inside the store's native wait
-    # would abort; a worker's exit guard covers that): let them end before this test does.
-    for t in threading.enumerate():
-        if t.name.startswith("ckptless-arrive-"):
-            t.join(10)
-            assert not t.is_alive()
+    assert time.monotonic() - t0 < 1.5
+    assert c.add("still-fine", 1) == 1

@@ -103,9 +103,7 @@ def dead_peer(rank: int, world: int, store_path: str, out_dir: str) -> None:
     try:
         store = dist.FileStore(store_path, world)
         if rank == world - 1:  # checks in as groups.arrive does (its peers pass the barrier), then dies
-            g0 = dist.PrefixStore("g0/", store)
-            if g0.add("ckptless/gen0/arrived-mirror", 1) >= world:
-                g0.set("ckptless/gen0/arrived-mirror/all", "1")
+            dist.PrefixStore("g0/", store).add("ckptless/gen0/arrived-mirror", 1)
             os._exit(0)
         peers = mirror_peers(_membership(0, world), rank, 1, "ring")
         out["peers"] = peers
