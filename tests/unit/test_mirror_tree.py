@@ -26,8 +26,12 @@ def test_tree_is_one_tree_with_bounded_degree_and_log_depth(world: int, fanout: 
         for c in tree.children(r, world, fanout):
             assert tree.parent(c, fanout) == r
         assert len(tree.neighbours(r, world, fanout)) <= fanout + 1
-    want = 0 if world == 1 else math.ceil(math.log(world * (fanout - 1) + 1, fanout)) - 1
+    want, full = 0, 1  # the smallest depth whose complete tree (1 + f + ... + f^d ranks) holds the world
+    while full < world:
+        want += 1
+        full += fanout ** want
     assert tree.depth(world, fanout) == want
+    assert want <= math.log(max(world, 1), fanout) + 1
 
 
 def _membership(world: int, nodes: int, plan: RecoveryPlan | None) -> Membership:
