@@ -181,3 +181,34 @@ class Probe:
     def close(self) -> None:
         self.stop.set()
         self.thread.join(timeout=35.0)
+
+
+def pin(pid: int, cpus: set[int]) -> None:
+    """Every thread of ``pid`` (threads it starts later inherit it) on ``cpus``."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            os.sched_setaffinity(int(tid), cpus)
+        except OSError:
+            pass  # a thread that just ended
+
+
+class Lateness:
+    """How late a thread of this process wakes from a 50 ms sleep (a measurement): how long this
+    process waited for a CPU (or its GIL) at worst, and when."""
+
+    def __init__(self) -> None:
+        self.samples: list[tuple[float, float]] = []  # (time, seconds late)
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="bench-lateness", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self.stop.is_set():
+            t = time.monotonic()
+            time.sleep(0.05)  # the measurement itself: how late this returns
+            late = time.monotonic() - t - 0.05
+            if late > 0.1:
+                self.samples.append((t, late))
+
+    def worst(self, t0: float = 0.0, t1: float = float("inf")) -> float:
+        return max((d for t, d in self.samples if t0 <= t <= t1), default=0.0)

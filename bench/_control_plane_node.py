@@ -42,7 +42,15 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _control_plane_layout import HOST, REASON, Layout, read_held, sigkill_record, survivor_report  # noqa: E402
+from _control_plane_layout import (  # noqa: E402
+    HOST,
+    REASON,
+    Lateness,
+    Layout,
+    read_held,
+    sigkill_record,
+    survivor_report,
+)
 
 from ckptless.coordinator.client import EtcdClient, WatchEvent  # noqa: E402
 from ckptless.coordinator.config import EtcdConfig  # noqa: E402
@@ -154,6 +162,7 @@ class Node:
         self.marked = 0
         self.expected = 0  # workers here whose wait_membership must return (survivors or replacements)
         self.base = self.usage()  # before any client: the interpreter, torch (imported by worker.control)
+        self.lateness = Lateness()
 
     # --- set-up ----------------------------------------------------------------------------------
     def start_agents(self) -> None:
@@ -245,7 +254,7 @@ class Node:
         everyone = [w for r, w in self.workers.items() if r != self.victim] + self.replacements
         times = [{"rank": w.rank, "id": w.worker_id, "events": w.events_seen, **w.times} for w in everyone]
         emit({"msg": msg, "ok": ok, "count": getattr(self, what), "expected": self.expected,
-              "workers": times if msg == "notified" else [], **self.usage()})
+              "workers": times if msg == "notified" else [], "late": self.lateness.samples[-50:], **self.usage()})
 
     def close(self) -> None:
         for a in self.agents.values():

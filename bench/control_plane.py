@@ -79,8 +79,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
 from _control_plane_layout import (  # noqa: E402
+    Lateness,
     Layout,
     Probe,
+    pin,
     cpu_seconds,
     etcd_counters,
     thread_limit,
@@ -116,14 +118,14 @@ def _ranks(workers: list[dict[str, Any]], key: str) -> list[float]:
 
 
 def run_world(world: int, per_node: int, procs: int, agent_procs: int, worker_nice: int | None, lease_ttl: float,
-              victim: int, budget_s: float, etcd_parent: str | None, wait_slice: float | None, work: Path,
-              say: Any) -> dict[str, Any]:
+              victim: int, budget_s: float, etcd_parent: str | None, wait_slice: float | None,
+              etcd_cpu: int | None, work: Path, say: Any) -> dict[str, Any]:
     layout = Layout(world, per_node, f"cp{world}-{uuid.uuid4().hex[:6]}")
     n = layout.n_nodes
     row: dict[str, Any] = {"world": world, "agents": n, "per_node": per_node, "procs": min(procs, n),
                            "agent_procs": min(agent_procs, n), "worker_sched": "idle" if worker_nice is None else f"nice {worker_nice}",
                            "etcd_dir": etcd_parent or "work dir",
-                           "grpc_wait_slice": wait_slice or 0.1}
+                           "grpc_wait_slice": wait_slice or 0.1, "etcd_cpu": etcd_cpu}
     need = world * THREADS_PER_WORKER + n * THREADS_PER_AGENT + 200
     room = thread_limit() - threads_in_use()
     if need > room:
@@ -140,11 +142,14 @@ def run_world(world: int, per_node: int, procs: int, agent_procs: int, worker_ni
     etcd = EmbeddedEtcd(data_dir=etcd_dir, log_path=out / "etcd.log")
     emus: Emulators | None = None
     probe: Probe | None = None
+    lateness = Lateness()
     leader: LeaderHarness | None = None
     client: EtcdClient | None = None
     try:
         etcd.start()
         assert etcd.pid is not None
+        if etcd_cpu is not None:  # etcd alone on its CPU, as on a machine of its own
+            pin(etcd.pid, {etcd_cpu})
         client = EtcdClient(EtcdConfig((etcd.endpoint,)))
         t = time.perf_counter()
         held = layout.held()
@@ -209,6 +214,12 @@ def run_world(world: int, per_node: int, procs: int, agent_procs: int, worker_ni
                                     for f in out.glob("emulator*.log") for ln in f.read_text(errors="replace").splitlines())
         c2 = etcd_counters(etcd.endpoint)
         row["etcd_probe_max_s"] = probe.worst(t_kill, time.monotonic())  # etcd's slowest answer meanwhile
+        # How long a thread of the leader's process, of an agents process, of a workers process waited
+        # for a CPU at worst meanwhile (a 50 ms sleep's lateness).
+        row["late_leader_s"] = lateness.worst(t_kill)
+        late = [max((d for t, d in n["late"] if t >= t_kill), default=0.0) for n in notes]
+        row["late_agents_s"] = max(late[i] for i in agent_idx)
+        row["late_workers_s"] = max(late[i] for i in worker_idx)
         cpu1 = ([cpu_seconds(p) for p in pids], cpu_seconds(os.getpid()), cpu_seconds(etcd.pid))
         workers = [w for d in notes for w in d["workers"]]
         survivors = [w for w in workers if "reported" in w]
@@ -249,6 +260,7 @@ def run_world(world: int, per_node: int, procs: int, agent_procs: int, worker_ni
         row["emulator_logs"] = [f.read_text(errors="replace")[-600:] for f in sorted(out.glob("emulator*.log"))
                                 if f.stat().st_size][:3]
     finally:
+        lateness.stop.set()
         if probe is not None:
             probe.close()
             row["etcd_probe_slow"] = probe.slow(row.get("t_kill", 0.0))[:40]
@@ -308,7 +320,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--worlds", type=int, nargs="+", default=[1000, 2000])
     ap.add_argument("--ranks-per-node", type=int, default=8)
-    ap.add_argument("--procs", type=int, default=8, help="processes holding the workers (4-16)")
+    ap.add_argument("--procs", type=int, default=4, help="processes holding the workers (4-16)")
     ap.add_argument("--agent-procs", type=int, default=2, help="processes holding the agents")
     ap.add_argument("--worker-nice", type=int, default=None,
                     help="run the worker processes at this niceness instead of SCHED_IDLE (the default)")
@@ -319,6 +331,9 @@ def main() -> int:
                     help="where etcd keeps its data (default /dev/shm: tmpfs; '' for the work directory's disk)")
     ap.add_argument("--grpc-wait-slice", type=float, default=1.0,
                     help="gRPC Python's wake-up slice in the emulation processes (its default: 0.1 s; 0 keeps it)")
+    ap.add_argument("--etcd-cpu", type=int, default=-1,
+                    help="give etcd this CPU alone and run everything else on the others (default -1: no pinning; "
+                         "with 2 CPUs pinning starved the agents on the one left)")
     ap.add_argument("--plan-only", action="store_true",
                     help="no etcd, no emulation: time the leader's planning on the same records at each W")
     ap.add_argument("--json", type=Path, default=None)
@@ -332,6 +347,10 @@ def main() -> int:
         raise SystemExit(128 + signum)  # `timeout` sends SIGTERM: the finally blocks clean up
 
     signal.signal(signal.SIGTERM, on_term)
+    cpus = os.sched_getaffinity(0)
+    etcd_cpu = a.etcd_cpu if a.etcd_cpu is not None and a.etcd_cpu >= 0 and len(cpus) > 1 else None
+    if etcd_cpu is not None:  # before any thread or child starts: they all inherit the rest
+        os.sched_setaffinity(0, cpus - {etcd_cpu})
     if a.plan_only:
         plans = [offline_planning(Layout(w, a.ranks_per_node, f"plan{w}"), a.victim) for w in a.worlds]
         print("| W | agents | decode view s | plan_from_view s | one leader step s | ring placement s | facts KiB "
@@ -350,7 +369,8 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="ckptless-cp-") as tmp:
         for w in a.worlds:
             rows.append(run_world(w, a.ranks_per_node, a.procs, a.agent_procs, a.worker_nice, a.lease_ttl, a.victim,
-                                  a.budget_s, a.etcd_dir or None, a.grpc_wait_slice or None, a.work or Path(tmp),
+                                  a.budget_s, a.etcd_dir or None, a.grpc_wait_slice or None, etcd_cpu,
+                                  a.work or Path(tmp),
                                   lambda s: print(s, flush=True)))
             if a.json is not None:  # after every W: a later one may not finish
                 mine = {r["world"] for r in rows}
