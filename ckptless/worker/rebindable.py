@@ -54,7 +54,7 @@ from torch._C._distributed_c10d import _create_work_from_future
 
 from ckptless import environment
 from ckptless.errors import CollectiveError, ConfigError
-from ckptless.worker import device, gloo_peers, nccl
+from ckptless.worker import device, nccl
 
 GLOO = dist.ProcessGroup.BackendType.GLOO
 PLUGIN = "ckptless"
@@ -142,12 +142,12 @@ def new_gloo(store: dist.Store, rank: int, size: int, timeout: timedelta, lazy: 
 
     ``lazy``: connect no pair now; each pair connects on its first message
     (torch reads ``TORCH_GLOO_LAZY_INIT`` in the constructor, so it is set just
-    around it). Every group ckptless builds is lazy (the user's:
-    :func:`new_user_gloo`; the mirror group: ``groups.mirror_group``), over a
-    :class:`~ckptless.worker.gloo_peers.PeerRecordingStore`, so a connection
-    that opens after the formation is still ended with its generation. A lazy
+    around it). Only the mirror group is lazy: it knows which pairs it will use
+    and opens them at once (``mirror.agreement.connect``), so they are still
+    recorded and shut down with their generation (``worker/sockets.py``). A lazy
     construction only publishes its listener's address (no connect), so the
-    lock is held for milliseconds.
+    lock is held for milliseconds; eager constructions never run beside one
+    (a generation's formation builds its groups one after the other).
     """
     env = environment.current()
     addr = env.local_addr
@@ -162,40 +162,6 @@ def new_gloo(store: dist.Store, rank: int, size: int, timeout: timedelta, lazy: 
         return build()
     with _lazy_lock, environment.library_setting(_LAZY_ENV, "1"):
         return build()
-
-
-def new_user_gloo(store: dist.Store, generation: int, rank: int, size: int,
-                  timeout: timedelta) -> dist.ProcessGroupGloo:
-    """A user group's Gloo communicator for ``generation``: lazy, its peers recorded, and the pairs of
-    the usual collectives connected now (collective: every member calls it).
-
-    Why lazy: Gloo's eager construction connects the full mesh, W - 1 sockets per
-    rank and W lookups per rank in the one store (W^2 per generation, on every
-    recovery), where a data-parallel step uses a ring (2 peers) and a binomial
-    broadcast (about log2 W). Why connect some pairs now: inside the formation a
-    dead peer aborts the formation at its deadline; a first connect inside the
-    user's step to a peer that died since would wait out Gloo's connect timeout
-    (pytorch/gloo#520: up to 5 x the timeout). So the formation runs the
-    collectives a data-parallel step uses, on one element, which connects exactly
-    the pairs Gloo's algorithms pick for them: a dissemination barrier (about
-    2 log2 W peers), a broadcast from rank 0 (DDP's parameter broadcast: a
-    binomial tree), and a ring allreduce (DDP's gradients; allgather uses the same
-    ring). Its cost: 2 (W - 1) hops for the ring, one step's allreduce latency.
-    A pair outside those (all_to_all, a broadcast from another root, send/recv)
-    connects on its first message, is found by address and ended with its
-    generation (:mod:`ckptless.worker.gloo_peers`), but a peer that dies before
-    that first message costs the collective Gloo's connect timeout
-    (docs/failure-model.md)."""
-    pg = new_gloo(gloo_peers.PeerRecordingStore(store, generation), rank, size, timeout, lazy=True)
-    pg._set_sequence_number_for_group()
-    if size > 1:
-        one = torch.zeros(1)
-        pg.barrier().wait()
-        opts = dist.BroadcastOptions()
-        opts.rootRank = 0
-        pg.broadcast([one], opts).wait()
-        pg.allreduce([one]).wait()
-    return pg
 
 
 def _done_work(result: Any) -> dist.Work:
@@ -327,7 +293,8 @@ class RebindableGroup(dist.ProcessGroup):
             nccl.check_members(group, torch.device("cpu"), self.size(), what, self.timeout.total_seconds())
             return group, [group]
         inner = dist.ProcessGroup(prefix, self.rank(), self.size())
-        gloo = new_user_gloo(prefix, generation, self.rank(), self.size(), self.timeout)
+        gloo = new_gloo(prefix, self.rank(), self.size(), self.timeout)
+        gloo._set_sequence_number_for_group()
         gloo.options.group_name = self._name
         gloo.options.global_ranks_in_group = self.global_ranks
         inner._set_default_backend(GLOO)
