@@ -166,13 +166,16 @@ def main() -> int:
     ap.add_argument("--state-kib", type=int, default=64)
     ap.add_argument("--step-sleep", type=float, default=0.2)
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--work", type=Path, default=None,
+                    help="keep each run's logs, ledgers and etcd here (default: a temporary directory, removed)")
     a = ap.parse_args()
     if any(w < 4 or w % 2 for w in a.worlds):
         ap.error("--worlds: even sizes of at least 4 (two agents of W/2 ranks)")
     rows = []
     with tempfile.TemporaryDirectory(prefix="ckptless-scale-") as tmp:
         for w in a.worlds:
-            rows.append(run_one(w, a.state_kib * 1024, a.step_sleep, Path(tmp), lambda s: print(s, flush=True)))
+            rows.append(run_one(w, a.state_kib * 1024, a.step_sleep, a.work or Path(tmp),
+                                lambda s: print(s, flush=True)))
     print("\n| W | kill -> resumed s | last survivor learns s | plan published s | sockets/worker before -> after "
           "| etcd events/rank | etcd KiB/rank | idle etcd events/s | peak RSS MiB | load |")
     print("|---|---|---|---|---|---|---|---|---|---|")
