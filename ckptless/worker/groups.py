@@ -35,7 +35,7 @@ import torch.distributed as dist
 from ckptless.errors import ConfigError, TransportError
 from ckptless.mirror import agreement
 from ckptless.mirror.transport import Deadline
-from ckptless.worker import exit_guard, rebindable, sockets
+from ckptless.worker import exit_guard, gloo_peers, rebindable, sockets
 from ckptless.worker.rebindable import PLUGIN, RebindableGroup, new_gloo
 
 log = logging.getLogger(__name__)
@@ -319,6 +319,7 @@ def release_all(generation: int | None = None) -> None:
         g.release()
     if ending is not None:
         rebindable.forget_forming(ending)
+        gloo_peers.forget(ending)
     gc.collect()  # Work objects in reference cycles keep a Gloo context (its sockets) alive
 
 
@@ -352,10 +353,12 @@ def mirror_group(store: dist.Store, generation: int, rank: int, world_size: int,
     and O(peers) store lookups per rank instead of W (W^2 in all). Connected
     here, inside the formation, so that a dead peer aborts the formation and
     the connections are recorded with the generation (shut down when it ends).
-    A pair outside ``peers`` still works: it connects on its first message.
+    A pair outside ``peers`` still works: it connects on its first message, and
+    is ended with its generation too (found by address: ``worker/gloo_peers.py``).
     """
     try:
-        pg = new_gloo(dist.PrefixStore(f"ckptless/gen{generation}/mirror/", store), rank, world_size,
+        mirror_store = dist.PrefixStore(f"ckptless/gen{generation}/mirror/", store)
+        pg = new_gloo(gloo_peers.PeerRecordingStore(mirror_store, generation), rank, world_size,
                       timedelta(seconds=timeout_s), lazy=True)
         if peers:
             left = timeout_s if deadline is None else max(0.001, deadline - time.monotonic())

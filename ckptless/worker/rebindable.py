@@ -54,7 +54,7 @@ from torch._C._distributed_c10d import _create_work_from_future
 
 from ckptless import environment
 from ckptless.errors import CollectiveError, ConfigError
-from ckptless.worker import device, nccl
+from ckptless.worker import device, gloo_peers, nccl
 
 GLOO = dist.ProcessGroup.BackendType.GLOO
 PLUGIN = "ckptless"
@@ -142,12 +142,12 @@ def new_gloo(store: dist.Store, rank: int, size: int, timeout: timedelta, lazy: 
 
     ``lazy``: connect no pair now; each pair connects on its first message
     (torch reads ``TORCH_GLOO_LAZY_INIT`` in the constructor, so it is set just
-    around it). Only the mirror group is lazy: it knows which pairs it will use
-    and opens them at once (``mirror.agreement.connect``), so they are still
-    recorded and shut down with their generation (``worker/sockets.py``). A lazy
+    around it). Every group ckptless builds is lazy (the user's:
+    :func:`new_user_gloo`; the mirror group: ``groups.mirror_group``), over a
+    :class:`~ckptless.worker.gloo_peers.PeerRecordingStore`, so a connection
+    that opens after the formation is still ended with its generation. A lazy
     construction only publishes its listener's address (no connect), so the
-    lock is held for milliseconds; eager constructions never run beside one
-    (a generation's formation builds its groups one after the other).
+    lock is held for milliseconds.
     """
     env = environment.current()
     addr = env.local_addr
@@ -162,6 +162,35 @@ def new_gloo(store: dist.Store, rank: int, size: int, timeout: timedelta, lazy: 
         return build()
     with _lazy_lock, environment.library_setting(_LAZY_ENV, "1"):
         return build()
+
+
+def new_user_gloo(store: dist.Store, generation: int, rank: int, size: int,
+                  timeout: timedelta) -> dist.ProcessGroupGloo:
+    """A user group's Gloo communicator for ``generation``: lazy, its peers recorded, and the pairs of
+    the usual collectives connected now (collective: every member calls it).
+
+    Why lazy: the eager full mesh is W - 1 sockets and store lookups per rank (W^2
+    per generation, every recovery) where a data-parallel step uses a ring and a
+    binomial broadcast. Why connect some pairs now: in the formation a dead peer
+    aborts it at its deadline; in the user's step it would cost Gloo's connect
+    timeout (pytorch/gloo#520: up to 5 x). So the formation runs, on one element,
+    what a data-parallel step runs, which connects exactly the pairs Gloo's
+    algorithms pick: a dissemination barrier (~2 log2 W peers), a broadcast from
+    rank 0 (binomial tree) and a ring allreduce (2 (W - 1) hops: one step's
+    allreduce). A pair outside those (all_to_all, another root, send/recv)
+    connects on first use, found by address and ended with its generation
+    (:mod:`ckptless.worker.gloo_peers`); a peer that died before that first
+    message costs that collective Gloo's connect timeout (docs/failure-model.md)."""
+    pg = new_gloo(gloo_peers.PeerRecordingStore(store, generation), rank, size, timeout, lazy=True)
+    pg._set_sequence_number_for_group()
+    if size > 1:
+        one = torch.zeros(1)
+        pg.barrier().wait()
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        pg.broadcast([one], opts).wait()
+        pg.allreduce([one]).wait()
+    return pg
 
 
 def _done_work(result: Any) -> dist.Work:
@@ -293,8 +322,7 @@ class RebindableGroup(dist.ProcessGroup):
             nccl.check_members(group, torch.device("cpu"), self.size(), what, self.timeout.total_seconds())
             return group, [group]
         inner = dist.ProcessGroup(prefix, self.rank(), self.size())
-        gloo = new_gloo(prefix, self.rank(), self.size(), self.timeout)
-        gloo._set_sequence_number_for_group()
+        gloo = new_user_gloo(prefix, generation, self.rank(), self.size(), self.timeout)
         gloo.options.group_name = self._name
         gloo.options.global_ranks_in_group = self.global_ranks
         inner._set_default_backend(GLOO)

@@ -30,9 +30,20 @@ mirror group, formed while its script's setup runs (``transfer ahead``): a
 connection the setup opens in those milliseconds (a metrics client) would be
 ended at the next failure. Listening sockets are never shut down.
 
-Cost: one ``/proc/self/fd`` scan before and after each formation (O(open fds),
-about 2W + 10 per rank today), one ``shutdown`` per recorded socket per
-recovery, nothing per step.
+Lazily connected groups (the user's Gloo groups and the mirror group) also
+open connections *after* their formation, on a pair's first message. Those
+are found by address instead (:mod:`ckptless.worker.gloo_peers`): the
+generation's own listeners (recorded while it formed: a connection accepted on
+one is the generation's) and the peer listeners Gloo looked up through the
+generation's store (a connection to one is the generation's). :func:`shutdown`
+and the fork handler end every connection that matches either, whenever it
+opened. A user's connection never matches: its ends are neither this rank's
+Gloo listener nor a peer's.
+
+Cost: one ``/proc/self/fd`` scan before and after each formation (O(open fds):
+O(log W) Gloo connections plus the fixed ones), one scan with a
+``getsockname``/``getpeername`` per open socket when a generation ends (and in
+a forked child), one ``shutdown`` per matching connection; nothing per step.
 """
 
 from __future__ import annotations
@@ -48,7 +59,10 @@ from contextlib import contextmanager
 log = logging.getLogger(__name__)
 
 _lock = threading.Lock()
+_shutdown_lock = threading.Lock()  # one shutdown at a time (see shutdown)
 _by_generation: dict[int, dict[int, int]] = {}  # generation -> {fd: inode}
+_listener_ports: dict[int, set[int]] = {}  # generation -> this rank's listening ports (its accepted ends)
+_peer_listeners: dict[int, set[tuple[str, int]]] = {}  # generation -> peers' listeners (ip, port) dialled
 _fork_hook = [False]
 
 
@@ -80,9 +94,66 @@ def recording(generation: int) -> Iterator[None]:
     finally:
         new = {fd: ino for fd, ino in socket_fds().items() if before.get(fd) != ino}
         if new:
+            ports = {port for port in map(_listening_port, new) if port is not None}
             with _lock:
                 _by_generation.setdefault(generation, {}).update(new)
+                if ports:
+                    _listener_ports.setdefault(generation, set()).update(ports)
             _install_fork_hook()
+
+
+def note_peer(generation: int, endpoint: tuple[str, int]) -> None:
+    """A peer's listener (ip, port) that a lazily connected group of ``generation`` dials (or may):
+    a connection to it is the generation's (see the module doc)."""
+    with _lock:
+        _peer_listeners.setdefault(generation, set()).add(endpoint)
+    _install_fork_hook()
+
+
+def _listening_port(fd: int) -> int | None:
+    """The TCP port ``fd`` listens on, or None (not a TCP listener)."""
+    try:
+        dup = os.dup(fd)
+    except OSError:
+        return None
+    try:
+        with socket.socket(fileno=dup) as s:
+            if s.family in (socket.AF_INET, socket.AF_INET6) and s.type == socket.SOCK_STREAM \
+                    and s.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+                return int(s.getsockname()[1])
+    except OSError:
+        pass
+    return None
+
+
+def _normalise(ip: str) -> str:
+    """An IPv4-mapped IPv6 address as its IPv4 form, so both spellings of one peer compare equal."""
+    return ip[7:] if ip.startswith("::ffff:") and "." in ip else ip
+
+
+def _late_connections(ports: set[int], peers: set[tuple[str, int]], skip: set[int]) -> dict[int, int]:
+    """This process's TCP connections, other than ``skip``, accepted on one of ``ports`` or dialled
+    to one of ``peers``: {fd: inode}. O(open sockets) system calls."""
+    out: dict[int, int] = {}
+    if not ports and not peers:
+        return out
+    for fd, ino in socket_fds().items():
+        if fd in skip:
+            continue
+        try:
+            dup = os.dup(fd)
+        except OSError:
+            continue
+        try:
+            with socket.socket(fileno=dup) as s:
+                if not _is_connection(s):
+                    continue
+                near, far = s.getsockname(), s.getpeername()
+                if int(near[1]) in ports or (_normalise(str(far[0])), int(far[1])) in peers:
+                    out[fd] = ino
+        except OSError:
+            continue  # not connected (yet, or any more)
+    return out
 
 
 def _matching(fd: int, inode: int) -> bool:
@@ -98,10 +169,25 @@ def shutdown(up_to_generation: int) -> int:
     """End the connections of every recorded generation <= ``up_to_generation`` (peers blocked on them
     see the end at once, whatever child holds a copy); forget them. Returns how many were shut down.
 
-    Never raises: a descriptor that is already closed, or not connected, is skipped."""
+    Never raises: a descriptor that is already closed, or not connected, is skipped.
+
+    One shutdown at a time, the system calls included: ``groups.release_all`` calls this before it
+    drops the generation's communicators, so it waits here for an abort thread's shutdown of the
+    same generation to finish. Dropping a lazily connected Gloo context while another thread was
+    still shutting down its sockets aborted the process (measured at W = 32: the device loop
+    dispatched an event to a pair the destructor had closed, ``pair.cc:676 state_ <= CONNECTED``)."""
+    with _shutdown_lock:
+        return _shutdown(up_to_generation)
+
+
+def _shutdown(up_to_generation: int) -> int:
     with _lock:
         gens = [g for g in _by_generation if g <= up_to_generation]
-        todo = [(fd, ino) for g in gens for fd, ino in _by_generation.pop(g).items()]
+        recorded_fds = {fd: ino for g in gens for fd, ino in _by_generation.pop(g).items()}
+        ports = {p for g in [g for g in _listener_ports if g <= up_to_generation] for p in _listener_ports.pop(g)}
+        peers = {e for g in [g for g in _peer_listeners if g <= up_to_generation] for e in _peer_listeners.pop(g)}
+    late = _late_connections(ports, {(_normalise(ip), port) for ip, port in peers}, set(recorded_fds))
+    todo = list(recorded_fds.items()) + list(late.items())
     done = 0
     for fd, ino in todo:
         if not _matching(fd, ino):
@@ -137,16 +223,45 @@ def recorded(generation: int) -> dict[int, int]:
         return dict(_by_generation.get(generation, {}))
 
 
+def connections(generation: int) -> dict[int, int]:
+    """Every open connection of ``generation``: recorded at formation or matched by address since
+    (for tests and the scale docs): {fd: inode}."""
+    with _lock:
+        recorded_fds = dict(_by_generation.get(generation, {}))
+        ports = set(_listener_ports.get(generation, ()))
+        peers = {(_normalise(ip), port) for ip, port in _peer_listeners.get(generation, ())}
+    out = _late_connections(ports, peers, set())
+    for fd, ino in recorded_fds.items():
+        if _matching(fd, ino):
+            out.setdefault(fd, ino)
+    return {fd: ino for fd, ino in out.items() if _is_connection_fd(fd)}
+
+
+def _is_connection_fd(fd: int) -> bool:
+    try:
+        with socket.socket(fileno=os.dup(fd)) as s:
+            return _is_connection(s)
+    except OSError:
+        return False
+
+
 def _close_in_child() -> None:
-    """After fork, in the child: drop the copies of every recorded socket (the child never uses them;
-    its copy alone would keep the connection open after the parent closes it).
+    """After fork, in the child: drop the copies of every generation's socket, recorded or matched by
+    address (the child never uses them; its copy alone would keep the connection open after the
+    parent closes it).
 
     No lock here: the child has one thread, and a lock another parent thread held at the fork
     would stay held in the child forever."""
-    global _lock
+    global _lock, _shutdown_lock
     _lock = threading.Lock()
-    todo = [(fd, ino) for fds in list(_by_generation.values()) for fd, ino in list(fds.items())]
+    _shutdown_lock = threading.Lock()
+    recorded_fds = {fd: ino for fds in list(_by_generation.values()) for fd, ino in list(fds.items())}
+    ports = {p for ps in list(_listener_ports.values()) for p in ps}
+    peers = {(_normalise(ip), port) for es in list(_peer_listeners.values()) for ip, port in es}
     _by_generation.clear()
+    _listener_ports.clear()
+    _peer_listeners.clear()
+    todo = list(recorded_fds.items()) + list(_late_connections(ports, peers, set(recorded_fds)).items())
     for fd, ino in todo:
         if _matching(fd, ino):
             try:

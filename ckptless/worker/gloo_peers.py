@@ -1,0 +1,157 @@
+"""Which peers a lazily connected Gloo group talks to: learnt from the store lookups Gloo makes.
+
+Why: the user's Gloo groups and the mirror group are built lazily
+(``TORCH_GLOO_LAZY_INIT``): a pair connects on its first message, so a rank
+holds O(log W) connections (ring allreduce and allgather: 2; binomial
+broadcast and dissemination barrier: about log2 W; measured at W = 12: 2, 2,
+at most 4, 6) instead of Gloo's full mesh of W - 1, and makes O(peers) store
+lookups instead of W (W^2 per generation in all). But a connection opened on
+the first message opens in the user's step, after the generation's formation,
+so the socket recording of :mod:`ckptless.worker.sockets` (the descriptors
+that appear *during* the formation) cannot see it, and a failure could not
+end it.
+
+Gloo looks each peer up in the store exactly once, just before it connects to
+that peer's listener (``tcp::Context::getPair``: ``wait_get("<rank>")``, whose
+value is the peer's ``tcp::Rank`` record: hostname, then its device address,
+a ``sockaddr``). :class:`PeerRecordingStore` wraps the generation's store,
+passes every call through, and notes each peer listener address it hands to
+Gloo as the generation's (``sockets.note_peer``). A connection whose far end
+is one of those addresses, or whose near end is one of this rank's own
+listeners of the generation (recorded while it formed), is the generation's,
+whenever it opened; :func:`ckptless.worker.sockets.shutdown` ends them.
+
+A record that does not parse (a future Gloo with another layout) is passed
+through unchanged and logged once: the group works, its late connections are
+not ended by a failure (they still end when a peer dies or the group is
+released), which is what every connection was before recording existed.
+
+Cost: one Python call per store operation Gloo makes (the set of its own
+record, one lookup per peer it connects to), nothing per collective.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import re
+import socket
+import struct
+import threading
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+from ckptless.worker import sockets
+
+log = logging.getLogger(__name__)
+
+# Gloo prefixes its keys with a context id: "<id>/<rank>" is a rank's record.
+_RANK_KEY = re.compile(rb"^(?:\d+/)?\d+$")
+_warned = [False]
+_U64 = struct.Struct("<Q")
+# The wrappers handed to Gloo, by generation. Gloo holds only the C++ half of a Python store: once the
+# Python object is collected, its next lookup fails ("pure virtual ... Store::wait"), so each is kept
+# until its generation is released (:func:`forget`), and no longer: it holds the generation's store
+# client, a connection of its own.
+_alive: dict[int, list["PeerRecordingStore"]] = {}
+_alive_lock = threading.Lock()
+
+
+def parse_rank_record(value: bytes) -> tuple[str, int] | None:
+    """The listener address (ip, port) in Gloo's ``tcp::Rank`` record, or None if it does not parse.
+
+    Layout (``gloo/transport/tcp/context.cc``, ``Rank::bytes``): u64 hostname length, hostname,
+    u64 address length, address (``tcp::Address``: a ``sockaddr_storage`` then a sequence number),
+    then optional u64 pair identifiers. The ``sockaddr`` is the kernel's: family in host order,
+    port in network order."""
+    try:
+        (host_len,) = _U64.unpack_from(value, 0)
+        off = _U64.size + host_len
+        (addr_len,) = _U64.unpack_from(value, off)
+        addr = value[off + _U64.size: off + _U64.size + addr_len]
+        if len(addr) != addr_len or addr_len < 8:
+            return None
+        family = struct.unpack_from("=H", addr, 0)[0]
+        (port,) = struct.unpack_from("!H", addr, 2)
+        if family == socket.AF_INET:
+            return socket.inet_ntop(socket.AF_INET, addr[4:8]), port
+        if family == socket.AF_INET6 and addr_len >= 24:
+            return normalise(socket.inet_ntop(socket.AF_INET6, addr[8:24])), port
+    except (struct.error, ValueError, OSError):
+        return None
+    return None
+
+
+def normalise(ip: str) -> str:
+    """An IPv4-mapped IPv6 address as its IPv4 form (a v6 socket's peer may show either)."""
+    try:
+        addr = ipaddress.ip_address(ip.split("%", 1)[0])
+    except ValueError:
+        return ip
+    if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
+        return str(addr.ipv4_mapped)
+    return str(addr)
+
+
+def forget(upto: int) -> None:
+    """Let the wrappers of generations up to ``upto`` go (their groups were released)."""
+    with _alive_lock:
+        for g in [g for g in _alive if g <= upto]:
+            del _alive[g]
+
+
+def _key_bytes(key: Any) -> bytes:
+    return key.encode() if isinstance(key, str) else bytes(key)
+
+
+class PeerRecordingStore(dist.Store):
+    """``inner`` unchanged, except that every Gloo rank record read through it is noted as one of
+    ``generation``'s peer listeners (see the module doc)."""
+
+    def __init__(self, inner: dist.Store, generation: int) -> None:
+        super().__init__()
+        self.inner = inner
+        self.generation = generation
+        with _alive_lock:
+            _alive.setdefault(generation, []).append(self)
+
+    def get(self, key: str) -> bytes:
+        value = self.inner.get(key)
+        if _RANK_KEY.match(_key_bytes(key)):
+            endpoint = parse_rank_record(bytes(value))
+            if endpoint is not None:
+                sockets.note_peer(self.generation, endpoint)
+            elif not _warned[0]:
+                _warned[0] = True
+                log.warning("a Gloo rank record (key %r, %d bytes) did not parse: connections opened after "
+                            "formation will not be ended by a failure", key, len(value))
+        return value
+
+    def set(self, key: str, value: Any) -> None:
+        self.inner.set(key, value)
+
+    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
+        if timeout is None:
+            self.inner.wait(keys)
+        else:
+            self.inner.wait(keys, timeout)
+
+    def add(self, key: str, amount: int) -> int:
+        return int(self.inner.add(key, amount))
+
+    def check(self, keys: list[str]) -> bool:
+        return bool(self.inner.check(keys))
+
+    def compare_set(self, key: str, expected: Any, desired: Any) -> bytes:
+        return bytes(self.inner.compare_set(key, expected, desired))
+
+    def delete_key(self, key: str) -> bool:
+        return bool(self.inner.delete_key(key))
+
+    def num_keys(self) -> int:
+        return int(self.inner.num_keys())
+
+    def set_timeout(self, timeout: timedelta) -> None:
+        self.inner.set_timeout(timeout)
