@@ -60,6 +60,7 @@ from ckptless.coordinator.session import Session  # noqa: E402
 from ckptless.launcher.outbox import Outbox  # noqa: E402
 from ckptless.recovery.facts import WorkerReport  # noqa: E402
 from ckptless.recovery.wire import Membership, membership_from_json  # noqa: E402
+from ckptless.coordinator.relay_server import RelayServer  # noqa: E402
 from ckptless.worker.control import WorkerControl  # noqa: E402
 
 _out = threading.Lock()
@@ -98,12 +99,13 @@ def grpc_wait_slice(seconds: float) -> None:
 class Worker(WorkerControl):
     """The product's worker control handle, plus a flag for the worker's own thread (see the module doc)."""
 
-    def __init__(self, endpoint: str, job_id: str, worker_id: str, rank: int, generation: int) -> None:
+    def __init__(self, endpoint: str, job_id: str, worker_id: str, rank: int, generation: int,
+                 relay_path: str | None) -> None:
         self.rank = rank
         self.generation = generation
         self.incident_seen = threading.Event()
         self.times: dict[str, float] = {}
-        super().__init__(endpoint, job_id, worker_id)
+        super().__init__(endpoint, job_id, worker_id, relay_path=relay_path)
 
     def _on_events(self, events: list[WatchEvent]) -> None:
         super()._on_events(events)
@@ -123,9 +125,15 @@ class Agent:
         self.stopping = threading.Event()
         self.outbox = Outbox(lambda: self.client, self.stopping)
         self.generation = 0
+        # The node's control relay, fed as launcher/agent.py feeds it (its workers subscribe to it).
+        self.relay = RelayServer(node.relay_dir_of(node_id)) if node.relay_dir else None
         self.watch = self.client.watch_prefix(node.ks.job_prefix, self._on_events)
+        if self.relay is not None:
+            self.relay.seed(self.client.get_prefix(node.ks.job_prefix)[0])
 
     def _on_events(self, events: list[WatchEvent]) -> None:
+        if self.relay is not None:
+            self.relay.on_events(events)
         for ev in events:  # launcher/follower.py on_events: a membership is decoded and followed
             if ev.key == self.node.ks.membership and ev.kind == "put":
                 m = membership_from_json(ev.value)
@@ -139,6 +147,8 @@ class Agent:
     def close(self) -> None:
         self.stopping.set()
         self.watch.cancel()
+        if self.relay is not None:
+            self.relay.close()
         self.session.close()
         self.client.close()
 
@@ -148,6 +158,7 @@ class Node:
 
     def __init__(self, a: argparse.Namespace) -> None:
         self.endpoint, self.lease_ttl = a.endpoint, a.lease_ttl
+        self.relay_dir: str | None = a.relay_dir
         self.layout = Layout(a.world, a.per_node, a.job)
         self.ks = Keyspace(a.job)
         self.deadline = time.monotonic() + a.deadline_s
@@ -164,6 +175,14 @@ class Node:
         self.base = self.usage()  # before any client: the interpreter, torch (imported by worker.control)
         self.lateness = Lateness()
 
+    def relay_dir_of(self, node_id: str) -> str:
+        assert self.relay_dir is not None
+        return os.path.join(self.relay_dir, node_id.replace("/", "_"))
+
+    def relay_of(self, worker_id: str) -> str | None:
+        """The relay socket of the worker's node (None: the worker watches etcd itself)."""
+        return os.path.join(self.relay_dir_of(worker_id.split("/")[0]), "s") if self.relay_dir else None
+
     # --- set-up ----------------------------------------------------------------------------------
     def start_agents(self) -> None:
         for n in self.nodes:
@@ -176,7 +195,8 @@ class Node:
         reports: dict[int, WorkerReport] = {}
         for n in self.nodes:
             for r in self.layout.ranks_of(n):
-                w = self.workers[r] = Worker(self.endpoint, self.ks.job_id, self.layout.worker_id(r), r, 0)
+                wid = self.layout.worker_id(r)
+                w = self.workers[r] = Worker(self.endpoint, self.ks.job_id, wid, r, 0, self.relay_of(wid))
                 w.mark_ported()  # ckptless.init() does it in every worker
                 # then it joins: its first wait_membership takes (and decodes) generation 0
                 if w.wait_membership(-1, self.deadline) is None:
@@ -211,7 +231,7 @@ class Node:
     def respawn(self, rank: int, worker_id: str, generation: int) -> None:
         """The agent starts the rank again under the planned id; the new worker joins from its watch."""
         t0 = time.monotonic()
-        w = Worker(self.endpoint, self.ks.job_id, worker_id, rank, generation)
+        w = Worker(self.endpoint, self.ks.job_id, worker_id, rank, generation, self.relay_of(worker_id))
         w.times["started"] = t0
         with self.cond:
             self.replacements.append(w)
@@ -277,6 +297,8 @@ def main() -> int:
     ap.add_argument("--lease-ttl", type=float, default=2.0)
     ap.add_argument("--deadline-s", type=float, default=540.0)
     ap.add_argument("--shared-connections", action="store_true")
+    ap.add_argument("--relay-dir", default=None, help="the nodes' control relays live here (default: none, "
+                                                      "every worker watches etcd itself)")
     ap.add_argument("--nice", type=int, default=0)
     ap.add_argument("--grpc-wait-slice", type=float, default=None)
     ap.add_argument("--idle", action="store_true", help="SCHED_IDLE: run only when nothing else wants a CPU")

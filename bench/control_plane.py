@@ -119,13 +119,13 @@ def _ranks(workers: list[dict[str, Any]], key: str) -> list[float]:
 
 def run_world(world: int, per_node: int, procs: int, agent_procs: int, worker_nice: int | None, lease_ttl: float,
               victim: int, budget_s: float, etcd_parent: str | None, wait_slice: float | None,
-              etcd_cpu: int | None, work: Path, say: Any) -> dict[str, Any]:
+              etcd_cpu: int | None, relay: bool, work: Path, say: Any) -> dict[str, Any]:
     layout = Layout(world, per_node, f"cp{world}-{uuid.uuid4().hex[:6]}")
     n = layout.n_nodes
     row: dict[str, Any] = {"world": world, "agents": n, "per_node": per_node, "procs": min(procs, n),
                            "agent_procs": min(agent_procs, n), "worker_sched": "idle" if worker_nice is None else f"nice {worker_nice}",
                            "etcd_dir": etcd_parent or "work dir",
-                           "grpc_wait_slice": wait_slice or 0.1, "etcd_cpu": etcd_cpu}
+                           "grpc_wait_slice": wait_slice or 0.1, "etcd_cpu": etcd_cpu, "relay": relay}
     need = world * THREADS_PER_WORKER + n * THREADS_PER_AGENT + 200
     room = thread_limit() - threads_in_use()
     if need > room:
@@ -163,6 +163,7 @@ def run_world(world: int, per_node: int, procs: int, agent_procs: int, worker_ni
                     "--held", str(out / "held.json"), "--victim", str(victim), "--lease-ttl", str(lease_ttl),
                     "--deadline-s", str(max(30.0, deadline - time.monotonic())),
                     *(["--grpc-wait-slice", str(wait_slice)] if wait_slice else []),
+                    *(["--relay-dir", str(out / "relay")] if relay else []),
                     *(["--idle"] if role == "workers" and worker_nice is None else
                       ["--nice", str(worker_nice if role == "workers" and worker_nice is not None else 0)])]
 
@@ -334,6 +335,8 @@ def main() -> int:
     ap.add_argument("--etcd-cpu", type=int, default=-1,
                     help="give etcd this CPU alone and run everything else on the others (default -1: no pinning; "
                          "with 2 CPUs pinning starved the agents on the one left)")
+    ap.add_argument("--no-relay", action="store_true",
+                    help="every worker watches etcd itself (before the node relays; ckptless-run always relays)")
     ap.add_argument("--plan-only", action="store_true",
                     help="no etcd, no emulation: time the leader's planning on the same records at each W")
     ap.add_argument("--json", type=Path, default=None)
@@ -369,7 +372,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="ckptless-cp-") as tmp:
         for w in a.worlds:
             rows.append(run_world(w, a.ranks_per_node, a.procs, a.agent_procs, a.worker_nice, a.lease_ttl, a.victim,
-                                  a.budget_s, a.etcd_dir or None, a.grpc_wait_slice or None, etcd_cpu,
+                                  a.budget_s, a.etcd_dir or None, a.grpc_wait_slice or None, etcd_cpu, not a.no_relay,
                                   a.work or Path(tmp),
                                   lambda s: print(s, flush=True)))
             if a.json is not None:  # after every W: a later one may not finish

@@ -43,7 +43,8 @@ from contextlib import ExitStack
 from types import FrameType
 
 from ckptless import environment
-from ckptless.coordinator.client import EtcdClient
+from ckptless.coordinator.client import EtcdClient, WatchEvent
+from ckptless.coordinator.relay_server import RelayServer
 from ckptless.coordinator.config import EtcdConfig
 from ckptless.coordinator.embedded import EmbeddedEtcd
 from ckptless.coordinator.rendezvous import NodeInfo, Rendezvous, RendezvousResult
@@ -184,8 +185,17 @@ class NodeAgent:
             elif cfg.replicas >= result.world_size:
                 raise ConfigError("replicas", cfg.replicas,
                                   f"must be < the world size ({result.world_size}): a rank's K mirrors live on other ranks")
-            watch = client.watch_prefix(st.keyspace.job_prefix, lambda events: follower.on_events(st, events))
+            # One watch of job/ per node: the follower's, relayed to the node's workers (coordinator/relay_server.py).
+            relay = st.relay = RelayServer()
+            stack.callback(relay.close)
+
+            def on_job_events(events: list[WatchEvent]) -> None:
+                relay.on_events(events)
+                follower.on_events(st, events)
+
+            watch = client.watch_prefix(st.keyspace.job_prefix, on_job_events)
             stack.callback(watch.cancel)
+            relay.seed(client.get_prefix(st.keyspace.job_prefix)[0])  # what was there before the watch
             st.status = completion.read_status(st)
 
             group = self._spawn(etcd_config, result)
@@ -322,6 +332,8 @@ class NodeAgent:
         )
         common = ckptless_env_from_config(cfg, etcd_endpoint=",".join(etcd_config.endpoints), node_id=self.node_id,
                                           generation=0, recovery=st.recovery)
+        if st.relay is not None:
+            common["CKPTLESS_CONTROL_RELAY"] = st.relay.path
         if st.slots.gpus == 0 and environment.current().cuda_backend is None:
             # A node that offers no GPU (a CPU host, or CKPTLESS_NODE_GPUS=0 on a GPU host): its workers make
             # no CUDA context and no NCCL communicator (ckptless/worker/device.py), whatever torch can see.

@@ -23,6 +23,7 @@ from collections.abc import Mapping
 from ckptless import environment
 from ckptless.coordinator.client import EtcdClient
 from ckptless.coordinator.keyspace import Keyspace
+from ckptless.coordinator.relay_server import RelayServer
 from ckptless.coordinator.rendezvous import RendezvousResult
 from ckptless.coordinator.session import Session
 from ckptless.launcher.args import LaunchConfig
@@ -64,6 +65,7 @@ class NodeState:
         self.published_t: dict[int, float] = {}
         self.metrics: MetricsExporter | None = None
         self.outbox = Outbox(lambda: self.client, self.stopping)
+        self.relay: RelayServer | None = None  # the node's control relay to its workers (set once the job formed)
         self.spares = SparePool(self.keyspace, node_id, lambda: self.client,
                                 any_rank=cfg.spare_any_rank, refill=cfg.spare_refill)
 

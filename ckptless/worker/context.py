@@ -80,6 +80,7 @@ class WorkerContext:
     snapshot_every: int = 0
     standby_rank: int | None = None  # a spare that builds the script's objects as this rank while it waits
     mirror_buffers: int = 2  # owner capture buffers (MirrorConfig.pool_buffers); 1 = the (2 + 2K) x S memory budget
+    control_relay: str | None = None  # the node's control relay (coordinator/relay_server.py); None: watch etcd
 
     def describe(self) -> dict[str, object]:
         """Printable: every field (none is secret)."""
@@ -121,4 +122,5 @@ class WorkerContext:
             snapshot_every=_int(e, "CKPTLESS_SNAPSHOT_EVERY", 0),
             standby_rank=_standby(e, role, world),
             mirror_buffers=_int(e, "CKPTLESS_MIRROR_BUFFERS", 2, low=1),
+            control_relay=e.get("CKPTLESS_CONTROL_RELAY") or None,
         )

@@ -11,6 +11,15 @@ leader reads, so a worker receives O(1) events per incident whatever W is
 in all, before: docs/scale.md). Credentials come from the same ``CKPTLESS_ETCD_*`` variables the agent
 uses (workers inherit them), so a job on an authenticated etcd works.
 
+Under ``ckptless-run`` the watch is the agent's: the worker subscribes to its
+node's control relay (``coordinator/relay_server.py``: one etcd watcher per
+node instead of per rank, the membership sent by etcd once per node), given
+by ``CKPTLESS_CONTROL_RELAY``. Without one (a script started another way), or
+when the relay's stream ends (the agent stopped, died, or dropped a worker that
+did not read), the worker watches ``job/`` itself and reads every key of it
+once, so nothing published in between is missed. Its writes (reports, ready
+marks) always go to etcd directly: O(1) per worker per incident.
+
 etcd outages: a healthy worker never needs etcd to train. When it must write
 (a report, a ready mark), it retries until ``outage_timeout_s`` and only then
 raises :class:`CoordinatorUnavailable`: recovery needs the coordinator, and
@@ -20,14 +29,16 @@ waiting a bounded time for it to return beats giving up at once.
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from ckptless.coordinator.client import EtcdClient, WatchEvent
 from ckptless.coordinator.config import EtcdConfig
 from ckptless.coordinator.keyspace import Keyspace
+from ckptless.coordinator.relay_client import RelaySubscription
 from ckptless.errors import CkptlessError, CoordinatorError, CoordinatorUnavailable, RecoveryError
 from ckptless.recovery.facts import WorkerReport
 from ckptless.recovery.view import JobStatus, report_record_to_json
@@ -35,6 +46,7 @@ from ckptless.recovery.wire import Membership, membership_from_json
 from ckptless.worker import abort
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 REREAD_S = 5.0  # wait_membership reads etcd itself this often while its watch has nothing newer
 
 
@@ -47,7 +59,8 @@ class JobEndedError(RecoveryError):
 
 
 class WorkerControl:
-    def __init__(self, endpoint: str, job_id: str, worker_id: str, outage_timeout_s: float = 300.0) -> None:
+    def __init__(self, endpoint: str, job_id: str, worker_id: str, outage_timeout_s: float = 300.0,
+                 relay_path: str | None = None) -> None:
         self.keyspace = Keyspace(job_id)
         self.worker_id = worker_id
         self.outage_timeout_s = outage_timeout_s
@@ -56,12 +69,42 @@ class WorkerControl:
         self._newest_generation = -1
         self._status: JobStatus | None = None
         self._membership_raw: bytes | None = None  # the newest membership the watch delivered
+        self._membership_rev = -1  # its etcd revision (a resync never rolls it back)
         self._decoded: tuple[bytes | None, Membership | None] = (None, None)
         self._raw_lock = threading.Lock()
         self._changed = threading.Event()
-        self._watch = self.client.watch_prefix(self.keyspace.job_prefix, self._on_events)
-        self.events_seen = 0  # events this worker's watch delivered (docs/scale.md, bench/scale.py)
-        self._read_initial()
+        self.events_seen = 0  # events this worker's watch or relay delivered (docs/scale.md, bench/scale.py)
+        self._closing = False
+        self._switch_lock = threading.Lock()
+        self._watch: Any = None
+        self._relay: RelaySubscription | None = None
+        if relay_path:
+            try:
+                self._relay = RelaySubscription(relay_path, self._on_events, self._relay_lost)
+            except (OSError, CkptlessError) as exc:
+                log.warning("control relay %s unreachable (%s): watching etcd directly", relay_path, exc)
+        if self._relay is None:
+            self._watch = self.client.watch_prefix(self.keyspace.job_prefix, self._on_events)
+            self._read_initial()
+
+    @property
+    def relayed(self) -> bool:
+        """True while this worker learns from its node's relay (not from a watch of its own)."""
+        return self._relay is not None and self._watch is None
+
+    def _relay_lost(self, exc: BaseException) -> None:
+        """The relay's stream ended: watch etcd from now on, and read every ``job/`` key once (what was
+        published while no one was listening)."""
+        with self._switch_lock:
+            if self._closing or self._watch is not None:
+                return
+            log.warning("control relay lost (%s): watching etcd directly", exc)
+            self._watch = self.client.watch_prefix(self.keyspace.job_prefix, self._on_events)
+        try:
+            kvs, _ = self.client.get_prefix(self.keyspace.job_prefix)
+        except CoordinatorError:
+            return  # the watch delivers what changes next; wait_membership re-reads every REREAD_S
+        self._on_events([WatchEvent("put", kv.key, kv.value, kv.mod_revision, kv.create_revision) for kv in kvs])
 
     def _read_initial(self) -> None:
         """The watch only reports changes: what was already there is read once."""
@@ -72,8 +115,8 @@ class WorkerControl:
         kv = self.client.get(self.keyspace.membership)
         if kv is not None:
             with self._raw_lock:
-                if self._membership_raw is None:  # the watch may already have delivered a newer one
-                    self._membership_raw = kv.value
+                if kv.mod_revision > self._membership_rev:  # the watch may already have delivered a newer one
+                    self._membership_raw, self._membership_rev = kv.value, kv.mod_revision
 
     def _read_status(self) -> JobStatus | None:
         kv = self.client.get(self.keyspace.status)
@@ -99,8 +142,9 @@ class WorkerControl:
                 # workers hold its sockets, and never, for NCCL, until torch's watchdog kills us).
                 abort.request(failed, "the coordinator declared it failed")
             elif e.key == ks.membership:
-                with self._raw_lock:  # events arrive in revision order: the newest wins
-                    self._membership_raw = e.value
+                with self._raw_lock:  # the newest revision wins (a resync after a lost relay may repeat one)
+                    if e.mod_revision >= self._membership_rev:
+                        self._membership_raw, self._membership_rev = e.value, e.mod_revision
             elif e.key == ks.generation:
                 try:
                     self._newest_generation = max(self._newest_generation, int(json.loads(e.value)["generation"]))
@@ -207,5 +251,10 @@ class WorkerControl:
             self._changed.wait(min(left, 0.5))
 
     def close(self) -> None:
-        self._watch.cancel()
+        with self._switch_lock:
+            self._closing = True
+        if self._relay is not None:
+            self._relay.cancel()
+        if self._watch is not None:
+            self._watch.cancel()
         self.client.close()

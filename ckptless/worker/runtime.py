@@ -111,7 +111,7 @@ class WorkerRuntime:
         self.control: WorkerControl | None = None
         if self.recovery:
             assert ctx.etcd_endpoint is not None
-            self.control = WorkerControl(ctx.etcd_endpoint, ctx.job_id, ctx.worker_id)
+            self.control = WorkerControl(ctx.etcd_endpoint, ctx.job_id, ctx.worker_id, relay_path=ctx.control_relay)
             self.control.mark_ported()
         self.seen: Membership | None = None  # the newest membership that includes this worker
         self.gen: Generation | None = None  # the generation it is in (or formed last)
