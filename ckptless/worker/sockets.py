@@ -113,11 +113,7 @@ def note_peer(generation: int, endpoint: tuple[str, int]) -> None:
 def _listening_port(fd: int) -> int | None:
     """The TCP port ``fd`` listens on, or None (not a TCP listener)."""
     try:
-        dup = os.dup(fd)
-    except OSError:
-        return None
-    try:
-        with socket.socket(fileno=dup) as s:
+        with _borrowed(fd) as s:
             if s.family in (socket.AF_INET, socket.AF_INET6) and s.type == socket.SOCK_STREAM \
                     and s.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
                 return int(s.getsockname()[1])
@@ -141,11 +137,7 @@ def _late_connections(ports: set[int], peers: set[tuple[str, int]], skip: set[in
         if fd in skip:
             continue
         try:
-            dup = os.dup(fd)
-        except OSError:
-            continue
-        try:
-            with socket.socket(fileno=dup) as s:
+            with _borrowed(fd) as s:
                 if not _is_connection(s):
                     continue
                 near, far = s.getsockname(), s.getpeername()
@@ -193,11 +185,7 @@ def _shutdown(up_to_generation: int) -> int:
         if not _matching(fd, ino):
             continue
         try:
-            dup = os.dup(fd)
-        except OSError:
-            continue
-        try:
-            with socket.socket(fileno=dup) as s:  # closes only the duplicate
+            with _borrowed(fd) as s:
                 if _is_connection(s):
                     s.shutdown(socket.SHUT_RDWR)
                     done += 1
@@ -206,6 +194,14 @@ def _shutdown(up_to_generation: int) -> int:
     if todo:
         log.debug("shut down %d of %d sockets of generations <= %d", done, len(todo), up_to_generation)
     return done
+
+
+@contextmanager
+def _borrowed(fd: int) -> Iterator[socket.socket]:
+    """A socket object on a duplicate of ``fd``: closing it closes only the duplicate. Raises OSError
+    if ``fd`` is closed (callers skip it)."""
+    with socket.socket(fileno=os.dup(fd)) as s:
+        yield s
 
 
 def _is_connection(s: socket.socket) -> bool:
@@ -239,7 +235,7 @@ def connections(generation: int) -> dict[int, int]:
 
 def _is_connection_fd(fd: int) -> bool:
     try:
-        with socket.socket(fileno=os.dup(fd)) as s:
+        with _borrowed(fd) as s:
             return _is_connection(s)
     except OSError:
         return False

@@ -26,11 +26,12 @@ def _check(res: list[dict[str, Any]]) -> None:
     for r, x in enumerate(res):
         assert "error" not in x, f"rank {r}:\n{x.get('error')}"
         assert x["sum_ok"], x
-        assert x["formed"] < WORLD - 1 or x["formed"] == x["after_step"], x  # not a full mesh, or nothing more
+        assert x["formed"] < WORLD - 1, x  # not Gloo's full mesh
     zero, late = res[0], res[workers.LATE]
     assert late["late_message"] == 0
-    # The pair opened in the user's step, after formation, on both ends.
-    assert zero["late_connections"] == 1 and late["late_connections"] == 1, (zero, late)
+    # The pair opened after the formation, found on both ends (each by its own rule: the dialled peer
+    # listener, or its own listener's port).
+    assert zero["late_connections"] >= 1 and late["late_connections"] >= 1, (zero, late)
     # Rank 0 looked rank LATE up in the store, and the record parsed to LATE's real listener. Which end
     # dials is Gloo's business (both ends look the pair up on first use; it varied between runs here):
     # each end found the one connection by its own rule, above.

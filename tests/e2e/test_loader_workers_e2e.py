@@ -20,6 +20,7 @@ from ckptless.coordinator.embedded import EmbeddedEtcd
 from ckptless.worker import sockets
 
 from ..harness.cluster import Cluster, FaultFree, assert_bitwise_equal, new_cluster
+from ..harness.fds import fd_open
 
 COLLECTIVE_TIMEOUT_S = 60  # a hop that waits it out shows as a job that takes over a minute
 
@@ -69,7 +70,7 @@ def test_shutdown_ends_a_connection_a_forked_child_holds() -> None:
     to_child_r, to_child_w = os.pipe()
     child = os.fork()
     if child == 0:  # the child: the fork hook closed its copies of the recorded sockets
-        ok = all(not _open(fd) for fd in (ours.fileno(), peer.fileno()))
+        ok = all(not fd_open(fd) for fd in (ours.fileno(), peer.fileno()))
         os.write(to_parent_w, b"1" if ok else b"0")
         os.read(to_child_r, 1)  # stay alive (holding whatever it still holds) until the parent is done
         os._exit(0)
@@ -90,11 +91,3 @@ def test_shutdown_ends_a_connection_a_forked_child_holds() -> None:
         for fd in (to_parent_r, to_parent_w, to_child_r, to_child_w):
             os.close(fd)
     assert sockets.recorded(10_001) == {}
-
-
-def _open(fd: int) -> bool:
-    try:
-        os.fstat(fd)
-        return True
-    except OSError:
-        return False

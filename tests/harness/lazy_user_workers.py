@@ -2,8 +2,8 @@
 
 Each rank builds its group the product's way (``rebindable.new_user_gloo``:
 lazy, its store lookups recorded, the usual collectives' pairs connected
-inside the formation), runs a DDP-like step (allreduce, broadcast from 0,
-barrier, allgather), then ranks 0 and ``LATE`` exchange a message over a pair
+inside the formation), runs a step of the warmed collectives (allreduce,
+barrier), then ranks 0 and ``LATE`` exchange a message over a pair
 nothing connected before (a connection that opens in the user's step, after
 the formation). Both then block on a receive from each other that never comes,
 and one of them ends the generation (``sockets.shutdown``): both receives must
@@ -26,6 +26,8 @@ import torch
 import torch.distributed as dist
 
 from ckptless.worker import rebindable, sockets
+
+from .fds import fd_open
 
 LATE = 3  # no partner of rank 0 in a ring, a binomial tree from 0, or a dissemination barrier at W = 6
 TIMEOUT_S = 30.0  # Gloo's own: what a receive would wait without the shutdown
@@ -52,19 +54,16 @@ def run(rank: int, world: int, store_path: str, out_dir: str, closer: int) -> No
         with sockets.recording(0):
             pg = rebindable.new_user_gloo(dist.PrefixStore("g0/", store), 0, rank, world,
                                           timedelta(seconds=TIMEOUT_S))
-        out["formed"] = len(sockets.connections(0))
+        formed = set(sockets.connections(0))
+        out["formed"] = len(formed)
         out["listener_ports"] = sorted(sockets._listener_ports.get(0, ()))
-        t = torch.full((1000,), float(rank))
+        # The step: the collectives the formation warmed. Not always no new connection: in about half
+        # the runs here one rank held a fifth (Gloo's lazy pairs are connected from both ends at once).
+        t = torch.full((1,), float(rank))
         pg.allreduce([t]).wait()
-        opts = dist.BroadcastOptions()
-        opts.rootRank = 0
-        pg.broadcast([t], opts).wait()
         pg.barrier().wait()
-        gathered = [torch.zeros(1000) for _ in range(world)]
-        pg.allgather([gathered], [t]).wait()
         out["after_step"] = len(sockets.connections(0))
-        out["sum_ok"] = bool(torch.equal(t, torch.full((1000,), float(sum(range(world))))))
-        before_late = set(sockets.connections(0))
+        out["sum_ok"] = bool(torch.equal(t, torch.full((1,), float(sum(range(world))))))
         if rank in (0, LATE):
             peer = LATE if rank == 0 else 0
             msg = torch.tensor([rank])
@@ -73,7 +72,7 @@ def run(rank: int, world: int, store_path: str, out_dir: str, closer: int) -> No
             else:
                 pg.recv([msg], peer, 1).wait()
                 out["late_message"] = int(msg.item())
-            late = set(sockets.connections(0)) - before_late
+            late = set(sockets.connections(0)) - formed  # opened after the formation (in the step or now)
             out["late_connections"] = len(late)
             out["peer_listeners"] = sorted(p for _, p in sockets._peer_listeners.get(0, ()))
             out["far_ports"] = sorted({far for fd, (_, far) in _far_ends().items() if fd in late})
@@ -105,7 +104,7 @@ def _child_keeps(fds: list[int]) -> bool:
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:
-        kept = any(_open(fd) for fd in fds)
+        kept = any(fd_open(fd) for fd in fds)
         os.write(w, b"1" if kept else b"0")
         os._exit(0)
     os.close(w)
@@ -113,11 +112,3 @@ def _child_keeps(fds: list[int]) -> bool:
     os.close(r)
     os.waitpid(pid, 0)
     return answer == b"1"
-
-
-def _open(fd: int) -> bool:
-    try:
-        os.fstat(fd)
-        return True
-    except OSError:
-        return False
