@@ -54,9 +54,10 @@ test: $(STAMP) sysdeps
 
 # A recovery e2e subset again, beside one busy CPU process (CI runs it after `make test`):
 # recovery must hold on a slower, busier machine, not only on an idle one. The subset is
-# bounded for CI's time budget (a second failure during a recovery, a spare on another node: both on
-# the NCCL-semantics backend); `make test-loaded LOADED_K=` runs every non-slow recovery test.
-LOADED_K ?= second_failure_while or spare_on_another
+# bounded for CI's time budget (a second failure during a recovery, on the NCCL-semantics backend: a
+# replacement, a transfer and a re-plan under load); `make test-loaded LOADED_K=` runs every non-slow
+# recovery test.
+LOADED_K ?= second_failure_while
 test-loaded: $(STAMP)
 	$(PY) tools/with_busy_cpu.py -- $(PY) -m pytest -q -m "not slow" tests/e2e/test_recovery_e2e.py -k "$(LOADED_K)"
 

@@ -72,6 +72,7 @@ def test_correct_script_passes_kill_worker(tmp_path: Path, capsys: pytest.Captur
     assert inc.lost_ranks == (1,) and inc.kill_to_first_step_s is not None and inc.kill_to_first_step_s > 0
 
 
+@pytest.mark.slow  # CI budget: same run path as the test above; the verdict naming objects is unit-tested below
 @pytest.mark.timeout(240)
 def test_script_without_data_position_fails(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     code, text = _run(capsys, "run", "kill-worker", "--script", str(NOPROTECT), *SMALL, "--out", str(tmp_path),
