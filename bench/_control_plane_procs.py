@@ -20,6 +20,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
+from _recovery_common import kill_group
+
 NODE = str(Path(__file__).resolve().parent / "_control_plane_node.py")
 REPO = Path(__file__).resolve().parents[1]
 
@@ -137,11 +139,6 @@ class Emulators:
                 p.wait(max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 pass
-            if p.poll() is None:
-                try:
-                    os.killpg(p.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                p.wait(10)
+            kill_group(p)
         for f in self._logs:
             f.close()

@@ -49,7 +49,7 @@ def wait_file(path: Path, timeout: float, procs: list[subprocess.Popen[bytes]]) 
     raise TimeoutError(f"{path} did not appear within {timeout}s")
 
 
-def kill_group(p: subprocess.Popen[bytes]) -> None:
+def kill_group(p: subprocess.Popen[Any]) -> None:
     if p.poll() is None:
         try:
             os.killpg(p.pid, signal.SIGKILL)

@@ -55,6 +55,10 @@ class KeyValue:
     version: int
     lease: int
 
+    def as_put(self) -> "WatchEvent":
+        """This key as the put event a watch would have delivered (to feed a read through a watch callback)."""
+        return WatchEvent("put", self.key, self.value, self.mod_revision, self.create_revision)
+
 
 @dataclass(frozen=True)
 class WatchEvent:

@@ -47,7 +47,6 @@ class RelaySubscription:
             self._sock.close()
             raise
         self._sock.settimeout(None)  # a stream of events: it waits as long as the job runs (like a watch)
-        self.events_seen = len(snapshot)
         on_events(snapshot)
         self._thread = threading.Thread(target=self._run, name="ckptless-relay-sub", daemon=True)
         self._thread.start()
@@ -57,7 +56,6 @@ class RelaySubscription:
             while True:
                 _, ev = read_frame(self._sock)
                 if ev is not None:
-                    self.events_seen += 1
                     self._on_events([ev])
         except (OSError, CoordinatorError) as exc:
             if not self._cancelled.is_set():

@@ -40,7 +40,7 @@ import tempfile
 import threading
 
 from ckptless.coordinator.client import KeyValue, WatchEvent
-from ckptless.coordinator.relay_wire import SNAPSHOT_END, encode, encode_event
+from ckptless.coordinator.relay_wire import PUT, SNAPSHOT_END, encode, encode_event
 
 log = logging.getLogger(__name__)
 
@@ -67,12 +67,11 @@ class RelayServer:
         self._listener.listen(64)
         self._thread = threading.Thread(target=self._accept, name="ckptless-relay", daemon=True)
         self._thread.start()
-        self.sent_frames = 0  # for tests and docs/scale.md
 
     # --- the agent's side ---------------------------------------------------------------------------
     def seed(self, kvs: list[KeyValue]) -> None:
         """The keys read once before (or while) the watch starts."""
-        self.on_events([WatchEvent("put", kv.key, kv.value, kv.mod_revision, kv.create_revision) for kv in kvs])
+        self.on_events([kv.as_put() for kv in kvs])
 
     def on_events(self, events: list[WatchEvent]) -> None:
         """Newer events are kept and passed on; an event no newer than what is held is dropped."""
@@ -93,7 +92,6 @@ class RelayServer:
             try:
                 s.sendall(data)
                 keep.append(s)
-                self.sent_frames += 1
             except (BrokenPipeError, ConnectionResetError):  # its worker exited
                 _close(s)
             except OSError as exc:  # not reading (the send timed out): its worker watches etcd itself instead
@@ -110,7 +108,7 @@ class RelayServer:
                 return  # closed
             conn.settimeout(SEND_TIMEOUT_S)
             with self._lock:
-                snapshot = [encode(b"P", k, v, rev) for k, (rev, v) in sorted(self._state.items()) if v is not None]
+                snapshot = [encode(PUT, k, v, rev) for k, (rev, v) in sorted(self._state.items()) if v is not None]
                 try:
                     conn.sendall(b"".join(snapshot) + encode(SNAPSHOT_END))
                 except OSError as exc:

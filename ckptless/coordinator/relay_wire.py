@@ -56,7 +56,10 @@ def read_frame(sock: socket.socket) -> tuple[bytes, WatchEvent | None]:
     if kind not in (PUT, DELETE, SNAPSHOT_END) or key_len > MAX_KEY or value_len > MAX_VALUE:
         raise CoordinatorError(f"the control relay sent a malformed frame (kind {kind!r}, key {key_len} bytes, "
                                f"value {value_len} bytes)")
-    key = _read_exactly(sock, key_len).decode() if key_len else ""
+    try:
+        key = _read_exactly(sock, key_len).decode() if key_len else ""
+    except UnicodeDecodeError as exc:
+        raise CoordinatorError("the control relay sent a malformed frame (a key that is not UTF-8)") from exc
     value = _read_exactly(sock, value_len) if value_len else b""
     if kind == SNAPSHOT_END:
         return kind, None

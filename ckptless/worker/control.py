@@ -104,7 +104,7 @@ class WorkerControl:
             kvs, _ = self.client.get_prefix(self.keyspace.job_prefix)
         except CoordinatorError:
             return  # the watch delivers what changes next; wait_membership re-reads every REREAD_S
-        self._on_events([WatchEvent("put", kv.key, kv.value, kv.mod_revision, kv.create_revision) for kv in kvs])
+        self._on_events([kv.as_put() for kv in kvs])
 
     def _read_initial(self) -> None:
         """The watch only reports changes: what was already there is read once."""

@@ -174,7 +174,7 @@ def new_user_gloo(store: dist.Store, generation: int, rank: int, size: int,
     binomial broadcast. Why connect some pairs now: in the formation a dead peer
     aborts it at its deadline; in the user's step it would cost Gloo's connect
     timeout (pytorch/gloo#520: up to 5 x). So the formation runs, on one element,
-    what a data-parallel step runs, which connects exactly the pairs Gloo's
+    what a data-parallel step runs, which connects the pairs Gloo's
     algorithms pick: a dissemination barrier (~2 log2 W peers), a broadcast from
     rank 0 (binomial tree) and a ring allreduce (2 (W - 1) hops: one step's
     allreduce). A pair outside those (all_to_all, another root, send/recv)
