@@ -19,9 +19,15 @@ from ckptless.coordinator.config import EtcdConfig
 from ckptless.coordinator.embedded import EmbeddedEtcd
 
 from .harness.processes import Fifo
+from .harness.rotation import rotate_items
 
 if TYPE_CHECKING:
     from .harness.cluster import FaultFree
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """CI's time budget: the tests marked ``rotating`` take turns (tests/harness/rotation.py)."""
+    rotate_items(items)
 
 
 @pytest.fixture

@@ -196,6 +196,7 @@ def test_replicas_not_below_world_refused_at_start(module_etcd: EmbeddedEtcd, tm
 
 
 # --- 5. a corrupt newest disk snapshot, then a loss beyond K ------------------------------------
+@pytest.mark.rotating(0)  # CI budget: tests/harness/rotation.py
 @pytest.mark.timeout(300)  # see the report: uncoordinated snapshot skips can stall the job's end by 60 s
 def test_corrupt_newest_snapshot_then_beyond_k_loss(module_etcd: EmbeddedEtcd, tmp_path: Path,
                                                     baseline: FaultFree) -> None:
@@ -360,6 +361,7 @@ def test_etcd_lost_for_good_at_the_end_finished_job_exits_zero(etcd: EmbeddedEtc
 
 
 # --- 10. an agent paused shorter than the node grace period --------------------------------------
+@pytest.mark.rotating(1)  # CI budget: tests/harness/rotation.py
 def test_agent_paused_shorter_than_node_grace(module_etcd: EmbeddedEtcd, tmp_path: Path, baseline: FaultFree) -> None:
     """SIGSTOP the non-leading agent for 8 s (its 1 s lease expires; --node-grace is 10 s), then SIGCONT:
     its ranks were never lost. Was: ranks declared lost, unrecoverable."""

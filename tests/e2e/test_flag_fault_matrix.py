@@ -13,7 +13,6 @@
 
 from __future__ import annotations
 
-import datetime
 import os
 import random
 import signal
@@ -31,6 +30,7 @@ from ckptless.launcher.args import build_parser, parse_args
 from ..harness.cluster import TRAIN, Cluster, FaultFree, assert_bitwise_equal, descendants
 from ..harness.flag_matrix import BASE, BITWISE, ENDS, REFUSED, ROWS, FlagRow, job_args, jobs, rows_by_flag
 from ..harness.repo import PYTHON
+from ..harness.rotation import ci_seed
 
 VICTIM, AT_STEP = 1, 5
 
@@ -155,14 +155,9 @@ def _row_checks(rows: list[FlagRow], c: Cluster) -> None:
 CI_JOBS = 2
 
 
-def _ci_seed() -> int:
-    given = os.environ.get("CKPTLESS_MATRIX_SEED", "")
-    return int(given) if given else datetime.datetime.now(datetime.timezone.utc).date().toordinal()
-
-
 def _job_params() -> list[Any]:
     names = sorted(jobs())
-    chosen = set(random.Random(_ci_seed()).sample(names, min(CI_JOBS, len(names))))
+    chosen = set(random.Random(ci_seed()).sample(names, min(CI_JOBS, len(names))))
     return [pytest.param(n, marks=() if n in chosen else (pytest.mark.slow,)) for n in names]
 
 

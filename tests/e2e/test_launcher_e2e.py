@@ -114,6 +114,7 @@ def test_two_agents_form_one_job_on_external_etcd(etcd: EmbeddedEtcd, tmp_path: 
         assert nodes == [], "a clean exit must leave no node key behind"
 
 
+@pytest.mark.rotating(0)  # CI budget: tests/harness/rotation.py
 def test_worker_kill_recorded_and_agent_kill_detected(etcd: EmbeddedEtcd, tmp_path: Path) -> None:
     ks = Keyspace("kills")
     client = EtcdClient(EtcdConfig((etcd.endpoint,)))
@@ -197,6 +198,7 @@ def test_sigterm_is_forwarded_and_nothing_is_left(etcd: EmbeddedEtcd, tmp_path: 
         assert {json.loads(kv.value)["signal"] for kv in exits} == {signal.SIGTERM}
 
 
+@pytest.mark.rotating(1)  # CI budget: tests/harness/rotation.py
 def test_agent_survives_etcd_restart(etcd: EmbeddedEtcd, tmp_path: Path) -> None:
     ks = Keyspace("restart")
     agent = _agent(

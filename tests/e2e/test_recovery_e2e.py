@@ -91,6 +91,7 @@ def test_hung_worker_is_killed_and_replaced(module_etcd: EmbeddedEtcd, tmp_path:
     assert "is frozen" in c.tail(100000)
 
 
+@pytest.mark.rotating(0)  # CI budget: tests/harness/rotation.py
 def test_node_loss_replaced_by_spares_on_a_third_agent(module_etcd: EmbeddedEtcd, tmp_path: Path,
                                                        baseline: FaultFree) -> None:
     c = new_cluster(module_etcd.endpoint, tmp_path, "nodeloss", REF_PAUSE_RANK="2", REF_PAUSE_STEP="6")
@@ -109,6 +110,7 @@ def test_node_loss_replaced_by_spares_on_a_third_agent(module_etcd: EmbeddedEtcd
     assert all(c.pids(r)[-1]["role"] == "spare" for r in lost)
 
 
+@pytest.mark.rotating(1)  # CI budget: tests/harness/rotation.py
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_worker_killed_spare_on_another_agent_takes_its_rank(module_etcd: EmbeddedEtcd, tmp_path: Path,
                                                              baseline: FaultFree, backend: str) -> None:
@@ -152,6 +154,7 @@ def test_worker_killed_spare_on_another_agent_takes_its_rank(module_etcd: Embedd
     _no_nccl_backstop(c, backend)
 
 
+@pytest.mark.rotating(0)  # CI budget: tests/harness/rotation.py
 def test_any_rank_spare_takes_another_rank_as_built(module_etcd: EmbeddedEtcd, tmp_path: Path,
                                                     baseline: FaultFree) -> None:
     """By default (no flag: --spare-any-rank is the default now), the spare built as rank 0 takes lost
@@ -180,6 +183,7 @@ def test_any_rank_spare_takes_another_rank_as_built(module_etcd: EmbeddedEtcd, t
         f"rank 1 ran in pid {last['pid']}, not in the spare that stood by as rank 0 ({standby}): it was re-executed")
 
 
+@pytest.mark.rotating(1)  # CI budget: tests/harness/rotation.py
 def test_spare_refill_serves_a_second_failure_from_a_new_prebuilt_spare(module_etcd: EmbeddedEtcd, tmp_path: Path,
                                                                         baseline: FaultFree) -> None:
     """--spare-refill: the spare node keeps one spare. Rank 1 dies and its spare takes it; once that
@@ -310,6 +314,7 @@ def test_more_than_k_failures_in_one_group_fall_back_to_disk(module_etcd: Embedd
     assert "restored disk snapshot" in c.tail(100000) or "disk snapshot step" in c.tail(100000)
 
 
+@pytest.mark.rotating(0)  # CI budget: tests/harness/rotation.py
 def test_leader_killed_mid_publish(module_etcd: EmbeddedEtcd, tmp_path: Path, baseline: FaultFree) -> None:
     """The leader holds exactly before its publishing transaction and is SIGKILLed there: another
     agent leads, plans the same incident from the facts in etcd, and the job ends bitwise equal."""

@@ -40,6 +40,7 @@ def test_unseeded_setup_is_redrawn_the_same_by_a_replacement(module_etcd: Embedd
     assert "does not seed torch before ckptless.init()" in c.log_text()  # the script is told, once
 
 
+@pytest.mark.rotating(1)  # CI budget: tests/harness/rotation.py
 def test_spare_whose_setup_read_its_rank_restarts_as_the_lost_rank(module_etcd: EmbeddedEtcd, tmp_path: Path,
                                                                   baseline: FaultFree) -> None:
     c = new_cluster(module_etcd.endpoint, tmp_path, "readsrank", **KNOBS, REF_PAUSE_RANK="1", REF_PAUSE_STEP="5")
