@@ -16,7 +16,9 @@ What is real here (the product's classes, unchanged):
   ``--lease-ttl``), its node key through ``Rendezvous.register``, the exit record through the agent's
   ``Outbox``, and the membership follower's watch on ``job/`` that decodes each membership
   (``launcher/follower.py``); a respawn it is assigned starts a new worker under the planned id;
-* a worker per rank: ``ckptless.worker.control.WorkerControl`` with its own etcd client and watch.
+* a worker per rank: ``ckptless.worker.control.WorkerControl``, subscribed to its node's relay (it
+  learns from the agent's watch and writes through the agent: no etcd connection of its own), or with
+  its own etcd client and watch under ``--no-relay``.
   ``Worker`` below adds one flag to it, raised by the watch callback after the product's own handling
   when the incident of its generation arrived: it stands for the training thread's per-step
   ``incident()`` check (``worker/training.py``), without the step. The worker's own thread then does
@@ -61,6 +63,7 @@ from ckptless.launcher.outbox import Outbox  # noqa: E402
 from ckptless.recovery.facts import WorkerReport  # noqa: E402
 from ckptless.recovery.wire import Membership, membership_from_json  # noqa: E402
 from ckptless.coordinator.relay_server import RelayServer  # noqa: E402
+from ckptless.coordinator.relay_writer import RelayWriter  # noqa: E402
 from ckptless.worker.control import WorkerControl  # noqa: E402
 
 _out = threading.Lock()
@@ -125,8 +128,10 @@ class Agent:
         self.stopping = threading.Event()
         self.outbox = Outbox(lambda: self.client, self.stopping)
         self.generation = 0
-        # The node's control relay, fed as launcher/agent.py feeds it (its workers subscribe to it).
-        self.relay = RelayServer(node.relay_dir_of(node_id)) if node.relay_dir else None
+        # The node's control relay, fed as launcher/agent.py feeds it (its workers subscribe to it and
+        # write through it: their puts go out in batches, one transaction each).
+        self.relay = (RelayServer(node.relay_dir_of(node_id), writer=RelayWriter(lambda: self.client, node.ks.worker_writes))
+                      if node.relay_dir else None)
         self.watch = self.client.watch_prefix(node.ks.job_prefix, self._on_events)
         if self.relay is not None:
             self.relay.seed(self.client.get_prefix(node.ks.job_prefix)[0])

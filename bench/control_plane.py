@@ -106,10 +106,13 @@ from ckptless.coordinator.keyspace import Keyspace  # noqa: E402
 from ckptless.recovery.leader import write_initial_membership  # noqa: E402
 from ckptless.recovery.wire import membership_to_json  # noqa: E402
 
-#: OS threads one emulated worker needs: WorkerControl's etcd watch (pyetcd's stream reader, gRPC's
-#: two stream threads, ckptless's watch supervisor) and the worker's own thread; an agent: the same
-#: watch plus its lease keepalive. Measured: 200 WorkerControls in one process hold 800 threads.
+#: OS threads one emulated worker needs without the relays: WorkerControl's etcd watch (pyetcd's
+#: stream reader, gRPC's two stream threads, ckptless's watch supervisor) and the worker's own thread
+#: (measured: 200 WorkerControls in one process hold 800 threads); relayed: the subscription's reader
+#: and its own thread. An agent: the same watch plus its lease keepalive, and relaying, one reader per
+#: worker of its node and the relay's writer and acceptor.
 THREADS_PER_WORKER = 5
+THREADS_PER_RELAYED_WORKER = 2
 THREADS_PER_AGENT = 5
 
 
@@ -126,11 +129,12 @@ def run_world(world: int, per_node: int, procs: int, agent_procs: int, worker_ni
                            "agent_procs": min(agent_procs, n), "worker_sched": "idle" if worker_nice is None else f"nice {worker_nice}",
                            "etcd_dir": etcd_parent or "work dir",
                            "grpc_wait_slice": wait_slice or 0.1, "etcd_cpu": etcd_cpu, "relay": relay}
-    need = world * THREADS_PER_WORKER + n * THREADS_PER_AGENT + 200
+    per_worker = THREADS_PER_RELAYED_WORKER if relay else THREADS_PER_WORKER
+    need = world * per_worker + n * (THREADS_PER_AGENT + (per_node + 2 if relay else 0)) + 200
     room = thread_limit() - threads_in_use()
     if need > room:
-        row["error"] = (f"needs about {need} OS threads ({THREADS_PER_WORKER} per emulated worker: its "
-                        f"WorkerControl's watch holds 4; {THREADS_PER_AGENT} per agent); the kernel allows "
+        row["error"] = (f"needs about {need} OS threads ({per_worker} per emulated worker, "
+                        f"{THREADS_PER_AGENT} per agent and its relay's); the kernel allows "
                         f"{thread_limit()} tasks (pid_max/threads-max) and {threads_in_use()} are in use")
         say(json.dumps(row))
         return row

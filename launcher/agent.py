@@ -45,6 +45,7 @@ from types import FrameType
 from ckptless import environment
 from ckptless.coordinator.client import EtcdClient, WatchEvent
 from ckptless.coordinator.relay_server import RelayServer
+from ckptless.coordinator.relay_writer import RelayWriter
 from ckptless.coordinator.config import EtcdConfig
 from ckptless.coordinator.embedded import EmbeddedEtcd
 from ckptless.coordinator.rendezvous import NodeInfo, Rendezvous, RendezvousResult
@@ -185,8 +186,9 @@ class NodeAgent:
             elif cfg.replicas >= result.world_size:
                 raise ConfigError("replicas", cfg.replicas,
                                   f"must be < the world size ({result.world_size}): a rank's K mirrors live on other ranks")
-            # One watch of job/ per node: the follower's, relayed to the node's workers (coordinator/relay_server.py).
-            relay = st.relay = RelayServer()
+            # One watch of job/ per node: the follower's, relayed to the node's workers (coordinator/relay_server.py);
+            # their writes come back through it and go to etcd in batches (coordinator/relay_writer.py).
+            relay = st.relay = RelayServer(writer=RelayWriter(lambda: st.client, st.keyspace.worker_writes))
             stack.callback(relay.close)
 
             def on_job_events(events: list[WatchEvent]) -> None:

@@ -115,6 +115,13 @@ class Keyspace:
         return (f"{p}exits/", f"{p}facts/", f"{p}ready/", self.job_prefix, f"{p}ported")
 
     @property
+    def worker_writes(self) -> tuple[str, ...]:
+        """What a worker writes (its reports, ready marks, the ported mark): all its node's control relay
+        puts in etcd for it (``coordinator/relay_writer.py``)."""
+        p = self.prefix
+        return (f"{p}facts/", f"{p}ready/", self.ported)
+
+    @property
     def ported(self) -> str:
         """Put by every worker in ``ckptless.init()``: the script uses ckptless (so it can be recovered)."""
         return f"{self.prefix}ported"

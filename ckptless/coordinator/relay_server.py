@@ -25,22 +25,45 @@ so no other user of the host can read the job's records or, by binding the
 name first, feed workers a false incident. Nothing is unpickled: the frames
 are lengths and bytes (``coordinator/relay_wire.py``).
 
+Writes: a worker's report, ready mark and ported mark come the other way,
+as ``W`` frames, when the relay has a :class:`RelayWriter`
+(``coordinator/relay_writer.py``): the agent puts what its workers sent
+together in one etcd transaction and answers each write. A reader thread per
+subscriber takes them (L threads per node); it also notices a worker that
+exited at once, not at the next event sent to it.
+
 Cost per incident: the agent sends each event once to each of its L
 workers over the local socket (the membership: O(nodes) bytes, L times);
-etcd sends it once to the agent.
+etcd sends it once to the agent. The workers' L reports reach etcd as about
+one transaction.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
+import select
 import shutil
 import socket
 import tempfile
 import threading
 
 from ckptless.coordinator.client import KeyValue, WatchEvent
-from ckptless.coordinator.relay_wire import PUT, SNAPSHOT_END, encode, encode_event
+from ckptless.coordinator.relay_wire import (
+    PUT,
+    REFUSED,
+    SNAPSHOT_END,
+    UNAVAILABLE,
+    WRITE,
+    WRITTEN,
+    RelayClosed,
+    encode,
+    encode_event,
+    read_any,
+)
+from ckptless.coordinator.relay_writer import Answer, RelayWriter
+from ckptless.errors import CoordinatorError
 
 log = logging.getLogger(__name__)
 
@@ -50,14 +73,17 @@ SEND_TIMEOUT_S = 2.0
 class RelayServer:
     """Serves a node's workers what its agent's watch of ``prefix`` sees (see the module doc)."""
 
-    def __init__(self, directory: str | None = None) -> None:
-        """``directory``: where the socket lives (created with mode 0700; default a fresh temporary one)."""
+    def __init__(self, directory: str | None = None, writer: RelayWriter | None = None) -> None:
+        """``directory``: where the socket lives (created with mode 0700; default a fresh temporary one);
+        ``writer``: takes the workers' writes to etcd (None: a write is refused and the worker puts it
+        itself)."""
         if directory is None:
             self._dir = tempfile.mkdtemp(prefix="ckptless-relay-")  # mode 0700
         else:
             os.makedirs(directory, mode=0o700, exist_ok=False)
             self._dir = directory
         self.path = os.path.join(self._dir, "s")
+        self._writer = writer
         self._state: dict[str, tuple[int, bytes | None]] = {}  # key -> (mod_revision, value; None: deleted)
         self._subscribers: list[socket.socket] = []
         self._lock = threading.Lock()
@@ -116,6 +142,42 @@ class RelayServer:
                     _close(conn)
                     continue
                 self._subscribers.append(conn)
+            threading.Thread(target=self._read, args=(conn,), name="ckptless-relay-in", daemon=True).start()
+
+    def _read(self, conn: socket.socket) -> None:
+        """A subscriber's writes; its end (the worker exited) closes it here at once."""
+        poller = select.poll()  # not select(): an agent may hold descriptors above FD_SETSIZE
+        poller.register(conn, select.POLLIN)
+        try:
+            while not self._closed.is_set():
+                poller.poll()  # no timeout: close() and a failed send shut the socket down, which wakes it
+                f = read_any(conn)  # a frame arrives whole (one sendall): the 2 s timeout is ample
+                if f.kind != WRITE:
+                    raise CoordinatorError(f"a worker sent the control relay a {f.kind!r} frame")
+                if self._writer is None:
+                    self._answer(conn, f.number, Answer(0, False, "this control relay takes no writes"))
+                else:
+                    self._writer.submit(f.key, f.value, functools.partial(self._answer, conn, f.number))
+        except RelayClosed:
+            pass
+        except (OSError, CoordinatorError) as exc:
+            if not self._closed.is_set():
+                log.warning("control relay: closing a subscriber (%s)", exc)
+        with self._lock:
+            if conn in self._subscribers:
+                self._subscribers.remove(conn)
+        _close(conn)
+
+    def _answer(self, conn: socket.socket, request: int, a: Answer) -> None:
+        if not a.why:
+            frame = encode(WRITTEN, "", str(a.revision).encode(), request)
+        else:
+            frame = encode(UNAVAILABLE if a.unavailable else REFUSED, "", a.why.encode()[:65536], request)
+        with self._lock:  # one sender at a time on the socket (the watch thread sends events on it)
+            try:
+                conn.sendall(frame)
+            except OSError:
+                pass  # its reader sees the end and closes it
 
     @property
     def subscribers(self) -> int:
@@ -125,6 +187,8 @@ class RelayServer:
     def close(self) -> None:
         """Stop serving: every subscriber sees the end of its stream (and falls back to its own watch)."""
         self._closed.set()
+        if self._writer is not None:
+            self._writer.close()
         _close(self._listener)
         with self._lock:
             for s in self._subscribers:

@@ -18,7 +18,12 @@ by ``CKPTLESS_CONTROL_RELAY``. Without one (a script started another way), or
 when the relay's stream ends (the agent stopped, died, or dropped a worker that
 did not read), the worker watches ``job/`` itself and reads every key of it
 once, so nothing published in between is missed. Its writes (reports, ready
-marks) always go to etcd directly: O(1) per worker per incident.
+marks, the ported mark) go through the relay too: the agent puts what its
+workers sent together in one etcd transaction (``coordinator/relay_writer.py``),
+so a relayed worker opens no etcd connection at all and etcd serves O(nodes)
+clients and about one request per node per recovery phase. Its own etcd
+client is made only when it needs one: no relay, a relay that ended, or one
+that did not answer a write within ``RELAY_WRITE_TIMEOUT_S``.
 
 etcd outages: a healthy worker never needs etcd to train. When it must write
 (a report, a ready mark), it retries until ``outage_timeout_s`` and only then
@@ -38,7 +43,8 @@ from typing import Any, TypeVar
 from ckptless.coordinator.client import EtcdClient, WatchEvent
 from ckptless.coordinator.config import EtcdConfig
 from ckptless.coordinator.keyspace import Keyspace
-from ckptless.coordinator.relay_client import RelaySubscription
+from ckptless.coordinator.relay_client import RelaySubscription, RelayWriteTimeout
+from ckptless.coordinator.relay_wire import RelayClosed
 from ckptless.errors import CkptlessError, CoordinatorError, CoordinatorUnavailable, RecoveryError
 from ckptless.recovery.facts import WorkerReport
 from ckptless.recovery.view import JobStatus, report_record_to_json
@@ -47,7 +53,10 @@ from ckptless.worker import abort
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
-REREAD_S = 5.0  # wait_membership reads etcd itself this often while its watch has nothing newer
+REREAD_S = 5.0  # wait_membership reads etcd itself this often while its own watch has nothing newer
+# A write the relay did not answer in this time goes to etcd directly (the agent's transaction has
+# the etcd client's call deadline, 10 s by default, to ride out an etcd restart).
+RELAY_WRITE_TIMEOUT_S = 12.0
 
 
 class JobEndedError(RecoveryError):
@@ -64,7 +73,9 @@ class WorkerControl:
         self.keyspace = Keyspace(job_id)
         self.worker_id = worker_id
         self.outage_timeout_s = outage_timeout_s
-        self.client = EtcdClient(EtcdConfig.from_env(endpoint))
+        self._endpoint = endpoint
+        self._client: EtcdClient | None = None  # made on first need (a relayed worker may never need it)
+        self._client_lock = threading.Lock()
         self._incidents: set[int] = set()
         self._newest_generation = -1
         self._status: JobStatus | None = None
@@ -78,6 +89,8 @@ class WorkerControl:
         self._switch_lock = threading.Lock()
         self._watch: Any = None
         self._relay: RelaySubscription | None = None
+        self._relay_gone = threading.Event()
+        self._stop = threading.Event()
         if relay_path:
             try:
                 self._relay = RelaySubscription(relay_path, self._on_events, self._relay_lost)
@@ -88,18 +101,39 @@ class WorkerControl:
             self._read_initial()
 
     @property
+    def client(self) -> EtcdClient:
+        """This worker's own etcd client, connected on first use."""
+        with self._client_lock:
+            if self._client is None:
+                self._client = EtcdClient(EtcdConfig.from_env(self._endpoint))
+            return self._client
+
+    @property
+    def has_own_client(self) -> bool:
+        """True once this worker connected to etcd itself (docs/scale.md: a relayed worker does not)."""
+        return self._client is not None
+
+    @property
     def relayed(self) -> bool:
         """True while this worker learns from its node's relay (not from a watch of its own)."""
-        return self._relay is not None and self._watch is None
+        return self._relay is not None and not self._relay_gone.is_set()
 
     def _relay_lost(self, exc: BaseException) -> None:
         """The relay's stream ended: watch etcd from now on, and read every ``job/`` key once (what was
-        published while no one was listening)."""
-        with self._switch_lock:
-            if self._closing or self._watch is not None:
-                return
-            log.warning("control relay lost (%s): watching etcd directly", exc)
-            self._watch = self.client.watch_prefix(self.keyspace.job_prefix, self._on_events)
+        published while no one was listening). Runs on the subscription's thread, which has nothing else
+        to do: it retries until etcd answers (a worker's first connection may meet an etcd outage)."""
+        self._relay_gone.set()
+        log.warning("control relay lost (%s): watching etcd directly", exc)
+        while True:
+            with self._switch_lock:
+                if self._closing or self._watch is not None:
+                    return
+                try:
+                    self._watch = self.client.watch_prefix(self.keyspace.job_prefix, self._on_events)
+                    break
+                except CoordinatorError as err:
+                    log.warning("cannot watch etcd yet (%s); retrying", err)
+            self._stop.wait(1.0)
         try:
             kvs, _ = self.client.get_prefix(self.keyspace.job_prefix)
         except CoordinatorError:
@@ -186,20 +220,31 @@ class WorkerControl:
                     raise CoordinatorUnavailable(f"{what}: etcd unreachable for {self.outage_timeout_s:.0f}s") from exc
                 self._changed.wait(1.0)
 
+    def _put(self, key: str, value: bytes | str) -> None:
+        """Through the node's relay while there is one (CoordinatorUnavailable when the agent could not
+        reach etcd: ``_persist`` retries); directly when it is gone or does not answer."""
+        relay = self._relay
+        if relay is not None and self.relayed:
+            data = value.encode() if isinstance(value, str) else value
+            try:
+                relay.put(key, data, RELAY_WRITE_TIMEOUT_S)
+                return
+            except (RelayClosed, RelayWriteTimeout) as exc:
+                log.warning("control relay took no write of %s (%s): writing to etcd directly", key, exc)
+        self.client.put(key, value)
+
     def report(self, generation: int, rank: int, report: WorkerReport, reason: str,
                bad_snapshot: int | None = None) -> None:
         payload = report_record_to_json(report, reason, bad_snapshot)
-        self._persist(f"report for generation {generation}",
-                      lambda: self.client.put(self.keyspace.facts(generation, rank), payload))
+        self._persist(f"report for generation {generation}", lambda: self._put(self.keyspace.facts(generation, rank), payload))
 
     def mark_ported(self) -> None:
         """This job's script uses ckptless: a failure is recoverable (one put per worker, at init)."""
-        self._persist("ported mark", lambda: self.client.put(self.keyspace.ported, self.worker_id))
+        self._persist("ported mark", lambda: self._put(self.keyspace.ported, self.worker_id))
 
     def mark_ready(self, generation: int, rank: int) -> None:
         payload = json.dumps({"worker_id": self.worker_id, "t": time.time()})
-        self._persist(f"ready mark of generation {generation}",
-                      lambda: self.client.put(self.keyspace.ready(generation, rank), payload))
+        self._persist(f"ready mark of generation {generation}", lambda: self._put(self.keyspace.ready(generation, rank), payload))
 
     # --- memberships -----------------------------------------------------------------------------------
     def membership(self) -> Membership | None:
@@ -228,15 +273,17 @@ class WorkerControl:
         The record comes from the watch, which already delivered it: reading
         it again would double the bytes every worker pulls from etcd per
         incident (O(nodes) each, docs/scale.md). etcd is read again only every
-        ``REREAD_S`` while nothing newer arrived, in case the watch is behind
-        (it re-creates itself after an etcd restart).
+        ``REREAD_S`` while nothing newer arrived, in case the worker's own watch
+        is behind (it re-creates itself after an etcd restart); never while the
+        relay serves it (the agent's watch catches up by revision, and a
+        relayed worker keeps no etcd connection: a spare waits for hours).
         """
         next_read = time.monotonic() + REREAD_S
         while True:
             self._changed.clear()
             self.check_ended()
             m = self._delivered()
-            if (m is None or m.generation <= after) and time.monotonic() >= next_read:
+            if (m is None or m.generation <= after) and time.monotonic() >= next_read and not self.relayed:
                 next_read = time.monotonic() + REREAD_S
                 try:
                     m = self.membership()
@@ -251,10 +298,13 @@ class WorkerControl:
             self._changed.wait(min(left, 0.5))
 
     def close(self) -> None:
+        self._stop.set()
         with self._switch_lock:
             self._closing = True
         if self._relay is not None:
             self._relay.cancel()
         if self._watch is not None:
             self._watch.cancel()
-        self.client.close()
+        with self._client_lock:
+            if self._client is not None:
+                self._client.close()

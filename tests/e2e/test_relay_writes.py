@@ -1,0 +1,180 @@
+"""Workers' writes through their node's control relay (issue 20): no etcd connection per worker.
+
+Real etcd, the product's RelayServer with its RelayWriter (as ``launcher/agent.py`` builds them) and
+the product's WorkerControl. What is guarded:
+
+* a relayed worker's report, ready mark and ported mark land in etcd under the same keys as before,
+  and the worker never connects to etcd itself;
+* writes that arrive together go out as one transaction;
+* a key outside what workers write is refused, named, and not written;
+* a relay that ends, or does not answer, costs no write: the worker puts it itself;
+* an agent that cannot reach etcd makes the worker retry (bounded by its outage timeout), not bypass
+  the relay.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ckptless.coordinator.client import EtcdClient
+from ckptless.coordinator.embedded import EmbeddedEtcd
+from ckptless.coordinator.keyspace import Keyspace
+from ckptless.coordinator.relay_client import RelaySubscription
+from ckptless.coordinator.relay_server import RelayServer
+from ckptless.coordinator.relay_wire import SNAPSHOT_END, encode
+from ckptless.coordinator.relay_writer import RelayWriter
+from ckptless.errors import CoordinatorError, CoordinatorUnavailable
+from ckptless.recovery.facts import WorkerReport
+from ckptless.recovery.view import report_record_from_json
+from ckptless.worker import control as control_mod
+from ckptless.worker.control import WorkerControl
+
+from ..harness.waiting import wait_until
+
+JOB = "relaywrites"
+
+
+class _GatedClient:
+    """The real client, whose first transaction waits for the test (so the next writes queue up)."""
+
+    def __init__(self, client: EtcdClient) -> None:
+        self.client, self.gate, self.entered, self.txns = client, threading.Event(), threading.Event(), 0
+
+    def txn(self, *args: Any, **kwargs: Any) -> Any:
+        self.txns += 1
+        self.entered.set()
+        self.gate.wait(10)
+        return self.client.txn(*args, **kwargs)
+
+
+@pytest.fixture
+def ks() -> Keyspace:
+    return Keyspace(JOB)
+
+
+@pytest.fixture
+def relay(client: EtcdClient, ks: Keyspace) -> Iterator[RelayServer]:
+    r = RelayServer(writer=RelayWriter(lambda: client, ks.worker_writes))
+    yield r
+    r.close()
+
+
+def test_relayed_writes_land_in_etcd_and_no_worker_connects_to_it(etcd: EmbeddedEtcd, client: EtcdClient,
+                                                                  ks: Keyspace, relay: RelayServer) -> None:
+    workers = [WorkerControl(etcd.endpoint, JOB, f"n0/w{r}", relay_path=relay.path) for r in range(4)]
+    try:
+        for r, w in enumerate(workers):
+            w.mark_ported()
+            w.report(0, r, WorkerReport(w.worker_id, 4, 4, frozenset({4}), ()), "incident")
+            w.mark_ready(1, r)
+        for r in range(4):
+            facts = client.get(ks.facts(0, r))
+            assert facts is not None and report_record_from_json(facts.value).report.worker_id == f"n0/w{r}"
+            ready = client.get(ks.ready(1, r))
+            assert ready is not None and json.loads(ready.value)["worker_id"] == f"n0/w{r}"
+        assert client.get(ks.ported) is not None
+        assert not any(w.has_own_client for w in workers), "a relayed worker connected to etcd itself"
+    finally:
+        for w in workers:
+            w.close()
+
+
+def test_writes_that_arrive_together_go_out_as_one_transaction(etcd: EmbeddedEtcd, client: EtcdClient,
+                                                               ks: Keyspace) -> None:
+    gated = _GatedClient(client)
+    relay = RelayServer(writer=RelayWriter(lambda: gated, ks.worker_writes))  # type: ignore[arg-type, return-value]
+    workers = [WorkerControl(etcd.endpoint, JOB, f"n0/w{r}", relay_path=relay.path) for r in range(6)]
+    try:
+        first = threading.Thread(target=workers[0].mark_ready, args=(0, 0))
+        first.start()
+        assert gated.entered.wait(10), "the first write never reached the writer"
+        rest = [threading.Thread(target=w.mark_ready, args=(0, r)) for r, w in enumerate(workers) if r]
+        for t in rest:
+            t.start()
+        wait_until(lambda: relay._writer is not None and relay._writer._queue.qsize() == 5, 10,
+                   "the other five writes queued behind the first")
+        gated.gate.set()
+        for t in [first, *rest]:
+            t.join(20)
+        assert gated.txns == 2, f"{gated.txns} transactions for 6 writes (1 + one batch of 5 expected)"
+        assert len(client.get_prefix(ks.ready_prefix(0))[0]) == 6
+    finally:
+        gated.gate.set()
+        for w in workers:
+            w.close()
+        relay.close()
+
+
+def test_a_write_outside_the_workers_keys_is_refused(client: EtcdClient, ks: Keyspace, relay: RelayServer) -> None:
+    sub = RelaySubscription(relay.path, lambda evs: None, lambda exc: None)
+    try:
+        with pytest.raises(CoordinatorError, match="does not write .*job/status"):
+            sub.put(ks.status, b'{"state": "failed"}', 10)
+        assert client.get(ks.status) is None
+        assert sub.put(ks.ready(0, 3), b"{}", 10) > 0  # the subscription still works
+    finally:
+        sub.cancel()
+
+
+def test_a_relay_that_ends_costs_no_write(etcd: EmbeddedEtcd, client: EtcdClient, ks: Keyspace,
+                                          relay: RelayServer) -> None:
+    w = WorkerControl(etcd.endpoint, JOB, "n0/w1", relay_path=relay.path)
+    try:
+        w.mark_ported()
+        assert not w.has_own_client
+        relay.close()  # the agent is gone
+        w.mark_ready(0, 1)
+        assert client.get(ks.ready(0, 1)) is not None
+        assert w.has_own_client
+    finally:
+        w.close()
+
+
+def test_a_relay_that_does_not_answer_costs_no_write(etcd: EmbeddedEtcd, client: EtcdClient, ks: Keyspace,
+                                                     tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stopped agent: its socket takes the write and never answers; the worker writes it itself."""
+    path = str(tmp_path / "silent")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(1)
+    held: list[socket.socket] = []
+
+    def serve() -> None:
+        conn, _ = listener.accept()
+        conn.sendall(encode(SNAPSHOT_END))
+        held.append(conn)  # reads nothing, answers nothing
+
+    threading.Thread(target=serve, daemon=True).start()
+    monkeypatch.setattr(control_mod, "RELAY_WRITE_TIMEOUT_S", 0.5)
+    w = WorkerControl(etcd.endpoint, JOB, "n0/w2", relay_path=path)
+    try:
+        assert w.relayed
+        t0 = time.monotonic()
+        w.mark_ready(0, 2)
+        assert client.get(ks.ready(0, 2)) is not None
+        assert time.monotonic() - t0 < 10
+    finally:
+        w.close()
+        for c in held:
+            c.close()
+        listener.close()
+
+
+def test_an_agent_without_etcd_makes_its_workers_retry_not_bypass(etcd: EmbeddedEtcd, ks: Keyspace) -> None:
+    relay = RelayServer(writer=RelayWriter(lambda: None, ks.worker_writes))
+    w = WorkerControl(etcd.endpoint, JOB, "n0/w3", outage_timeout_s=1.0, relay_path=relay.path)
+    try:
+        with pytest.raises(CoordinatorUnavailable, match="ready mark of generation 0: etcd unreachable"):
+            w.mark_ready(0, 3)
+        assert not w.has_own_client
+    finally:
+        w.close()
+        relay.close()
