@@ -31,6 +31,7 @@ import logging
 import os
 import threading
 import time
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -66,7 +67,11 @@ class _HeldWork(dist.Work):
 
     def __init__(self, group: NcclLikeGroup, inner: dist.Work, value: Any) -> None:
         super().__init__()
-        self._group = group
+        # Weak: Gloo runs _on_inner on its own worker thread, and the callback is the last holder of
+        # this work once ckptless dropped the generation's groups; a strong reference would make that
+        # thread drop the last reference to the Gloo group it belongs to, whose destructor joins that
+        # very thread ('terminate: Resource deadlock avoided', SIGABRT; seen twice in 2026-11-27 runs).
+        self._group = weakref.ref(group)
         self._value = value
         self._error: str | None = None
         self._fut: torch.futures.Future[Any] = torch.futures.Future()
@@ -83,9 +88,13 @@ class _HeldWork(dist.Work):
         try:
             value = f.wait()
         except Exception:  # noqa: BLE001 - a peer failed: NCCL does not say so, the work just never ends
-            self._group._hold(self)
+            group = self._group()
+            if group is not None:
+                group._hold(self)
             return
-        self._group._untrack(self)
+        group = self._group()
+        if group is not None:
+            group._untrack(self)
         if not self._fut.done():
             self._fut.set_result(value)
 
