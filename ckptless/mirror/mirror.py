@@ -434,6 +434,21 @@ class MirrorEngine:
         for b in pool:
             buffers.drop(b.tensor, b.path, b.fence, self.config.timeout_s)
 
+    def release_group(self) -> bool:
+        """Drop the engine's references to its mirror group (a retired engine whose thread ended);
+        returns True if it held one.
+
+        Why: the group's Gloo device keeps its listening socket and its threads open as long as the
+        group lives: one listener more per recovery for the rest of the job (docs/scale.md). Its
+        connections were shut down when the generation was left. Why only now: freeing a group while
+        the engine's thread is inside a Gloo call on it aborts the process; once the thread ended,
+        no call of ours is on it (an unfinished send or receive keeps the Gloo context alive through
+        its own reference, not through the group)."""
+        held = self.group is not None
+        self.group = None  # type: ignore[assignment]  # retired: no method of this engine uses it again
+        self.transport.group = None  # type: ignore[assignment]
+        return held
+
     def take_pool(self) -> list[torch.Tensor]:
         """Hand over the pool's plain-memory buffers and forget them (a retired engine whose thread ended).
 

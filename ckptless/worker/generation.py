@@ -11,6 +11,7 @@ the driver's :class:`~ckptless.worker.runtime.WorkerRuntime`, not here.
 
 from __future__ import annotations
 
+import gc
 import logging
 from collections.abc import Collection
 from dataclasses import dataclass
@@ -30,10 +31,11 @@ from ckptless.worker.mirror_peers import node_of
 
 log = logging.getLogger(__name__)
 
-# Engines of failed generations are never freed: their unregistered mirror groups may still
-# have Gloo operations in flight on native threads, and freeing a group under such an operation
-# aborts the process. Each holds a few sockets and threads. Their capture buffers are released
-# once their thread has ended (see MirrorEngine.release_pool): the memory is S per buffer.
+# Engines of failed generations are kept until their thread has ended: their unregistered mirror
+# groups may still have Gloo operations in flight on it, and freeing a group under such an
+# operation aborts the process. Once the thread ended, their capture buffers go to the next engine
+# or are released (MirrorEngine.release_pool: S per buffer), their group is dropped (its listener
+# and Gloo threads with it: MirrorEngine.release_group), and the engine leaves this list.
 _RETIRED_ENGINES: list[MirrorEngine] = []
 
 
@@ -56,19 +58,24 @@ def take_retired_buffers(limit: int, in_use: Collection[int] = ()) -> list[torch
     return out
 
 
-def retired_pools_left() -> bool:
-    """True while some retired engine still holds pool buffers (handed over or released later)."""
-    return any(engine.pool_ptrs() for engine in _RETIRED_ENGINES)
+def retired_engines_left() -> bool:
+    """True while some retired engine still holds its pool or its group (handed over or released later)."""
+    return bool(_RETIRED_ENGINES)
 
 
 def release_retired_buffers() -> int:
-    """Release the pools of retired engines whose thread has ended; returns how many are still running."""
-    running = 0
-    for engine in _RETIRED_ENGINES:
+    """Release what retired engines whose thread has ended still hold (pool, group) and forget them;
+    returns how many are still running."""
+    running, dropped = 0, False
+    for engine in list(_RETIRED_ENGINES):
         if engine.thread_alive():
             running += 1
-        else:
-            engine.release_pool()
+            continue
+        engine.release_pool()
+        dropped = engine.release_group() or dropped
+        _RETIRED_ENGINES.remove(engine)
+    if dropped:
+        gc.collect()  # Work objects in reference cycles keep a Gloo context (its listener) alive
     return running
 
 

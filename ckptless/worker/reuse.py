@@ -28,7 +28,7 @@ from ckptless.mirror.mirror import MirrorEngine
 from ckptless.mirror.partial import PairSpec
 from ckptless.mirror.store import StoredImage
 from ckptless.state.capture import StateImage
-from ckptless.worker.generation import release_retired_buffers, retired_pools_left, take_retired_buffers
+from ckptless.worker.generation import release_retired_buffers, retired_engines_left, take_retired_buffers
 
 
 def mirror_restored(engine: MirrorEngine | None, image: StateImage | None, version: int, owner: int, job_id: str,
@@ -52,11 +52,12 @@ def mirror_restored(engine: MirrorEngine | None, image: StateImage | None, versi
 def donate_retired(own_images: Sequence[StoredImage], engine: MirrorEngine) -> None:
     """Fill ``engine``'s pool with retired engines' free buffers; release the rest.
 
-    Called on every capture while a retired engine still holds buffers, so those
-    of a thread that ended late are released then (not at the next recovery).
+    Called on every capture while a retired engine is left, so the buffers and the
+    mirror group of a thread that ended late are released then (not at the next
+    recovery).
     ``own_images`` (kept for a restore) keep their buffers.
     """
-    if not retired_pools_left():
+    if not retired_engines_left():
         return
     room = engine.config.pool_buffers - len(engine.pool_ptrs())
     if room > 0 and engine.own_files is None:
