@@ -15,7 +15,8 @@ Columns (every time from the goodput ledgers, one monotonic clock):
 kill -> the last survivor's ``failure_detected`` (hop by hop before issue 20);
 ``planned_s`` kill -> the leader's ``plan_published``; ``sockets_before`` /
 ``sockets_after`` the most socket descriptors of a worker (``/proc/<pid>/fd``)
-before the kill and three steps after the recovery; ``etcd_events_per_rank``
+before the kill and three steps after the recovery (``socket_kinds_*``: that
+worker's sockets by kind: unix, listen, etcd, store, peer); ``etcd_events_per_rank``
 watch events etcd sent (``etcd_debugging_mvcc_events_total``) from the kill to
 every rank stepping, per rank; ``etcd_kib_per_rank`` gRPC bytes etcd sent
 meanwhile, per rank; ``idle_events_s`` events etcd sent per second of
@@ -71,6 +72,57 @@ def sockets_of(pid: int) -> int:
         return 0
 
 
+def _socket_inodes(pid: int) -> list[str]:
+    out = []
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("socket:["):
+            out.append(link[8:-1])
+    return out
+
+
+def socket_kinds(pid: int, etcd_port: int, agent_pids: list[int]) -> dict[str, int]:
+    """What a worker's sockets are: ``unix``, ``listen`` (its Gloo and store listeners), ``etcd``,
+    ``store`` (to an agent's TCPStore) and ``peer`` (to another worker: Gloo pairs). ``/proc/<pid>/net``
+    lists the whole network namespace; a socket is matched to its owner by inode."""
+    tcp: dict[str, tuple[str, int, int]] = {}  # inode -> (state, local port, remote port)
+    for proto in ("tcp", "tcp6"):
+        try:
+            lines = Path(f"/proc/{pid}/net/{proto}").read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            f = line.split()
+            tcp[f[9]] = (f[3], int(f[1].rsplit(":", 1)[1], 16), int(f[2].rsplit(":", 1)[1], 16))
+    store_ports = set()
+    for a in agent_pids:
+        try:
+            store_ports |= {tcp[i][1] for i in _socket_inodes(a) if i in tcp and tcp[i][0] == "0A"}
+        except OSError:
+            pass
+    kinds: dict[str, int] = {}
+    try:
+        inodes = _socket_inodes(pid)
+    except OSError:
+        return kinds
+    for i in inodes:
+        if i not in tcp:
+            k = "unix"
+        elif tcp[i][0] == "0A":
+            k = "listen"
+        elif tcp[i][2] == etcd_port:
+            k = "etcd"
+        elif tcp[i][2] in store_ports:
+            k = "store"
+        else:
+            k = "peer"
+        kinds[k] = kinds.get(k, 0) + 1
+    return kinds
+
+
 def rank_pids(out: Path, world: int) -> dict[int, int]:
     """The newest process of each rank (the workers append a line at their first step)."""
     pids = {}
@@ -117,6 +169,9 @@ def run_one(world: int, state_bytes: int, step_sleep: float, work: Path, log: An
             idle = (c1["events"] - c0["events"]) / (time.monotonic() - t0)
             before = rank_pids(out, world)
             sockets_before = max(sockets_of(p) for p in before.values())
+            etcd_port = int(etcd.endpoint.rsplit(":", 1)[1])
+            agent_pids = [p.pid for p in procs]
+            kinds_before = socket_kinds(max(before.values(), key=sockets_of), etcd_port, agent_pids)
             t_kill = time.monotonic()
             os.kill(int(doc["pid"]), signal.SIGKILL)
             deadline = time.monotonic() + 600
@@ -141,12 +196,14 @@ def run_one(world: int, state_bytes: int, step_sleep: float, work: Path, log: An
                 time.sleep(0.05)
             after = rank_pids(out, world)
             sockets_after = max(sockets_of(p) for p in after.values())
+            kinds_after = socket_kinds(max(after.values(), key=sockets_of), etcd_port, agent_pids)
             for p in procs:
                 p.wait(300)
             mem = [json.loads(f.read_text()) for f in out.glob("mem_rank*.json")]
             row = {"world": world, "resumed_s": resumed, "learned_s": learned,
                    "planned_s": (min(plans) - t_kill) if plans else float("nan"),
                    "sockets_before": sockets_before, "sockets_after": sockets_after,
+                   "socket_kinds_before": kinds_before, "socket_kinds_after": kinds_after,
                    "etcd_events_per_rank": (c2["events"] - c1["events"]) / world,
                    "etcd_kib_per_rank": (c2["bytes"] - c1["bytes"]) / world / 1024,
                    "idle_events_s": idle, "peak_rss_mib": max(m["peak_rss"] for m in mem) / 2**20,
