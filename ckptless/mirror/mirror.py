@@ -438,12 +438,9 @@ class MirrorEngine:
         """Drop the engine's references to its mirror group (a retired engine whose thread ended);
         returns True if it held one.
 
-        Why: the group's Gloo device keeps its listening socket and its threads open as long as the
-        group lives: one listener more per recovery for the rest of the job (docs/scale.md). Its
-        connections were shut down when the generation was left. Why only now: freeing a group while
-        the engine's thread is inside a Gloo call on it aborts the process; once the thread ended,
-        no call of ours is on it (an unfinished send or receive keeps the Gloo context alive through
-        its own reference, not through the group)."""
+        Why: its Gloo device keeps a listener and threads open while the group lives (one listener
+        more per recovery, docs/scale.md). Why only now: freeing a group while the engine's thread is
+        in a Gloo call on it aborts the process; once the thread ended, none of ours is on it."""
         held = self.group is not None
         self.group = None  # type: ignore[assignment]  # retired: no method of this engine uses it again
         self.transport.group = None  # type: ignore[assignment]

@@ -13,6 +13,8 @@ the peer stores and hands them to :func:`ckptless.recovery.plan.plan_recovery`.
 
 from __future__ import annotations
 
+import functools
+
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal
@@ -307,18 +309,26 @@ class PlanningFacts:
                 raise ConfigError("node_local.node_id", img.node_id,
                                   f"rank {img.rank} ran on node {slot.worker.node_id!r}")
 
-    # --- derived views (cheap; the planner calls each once) --------------------
+    # --- derived views (indexed once: the planner asks per rank, so a scan each was O(W^2)) -----
+    @functools.cached_property
+    def _slot_by_rank(self) -> dict[int, RankSlot]:
+        return {s.rank: s for s in self.members}
+
+    @functools.cached_property
+    def _report_by_worker(self) -> dict[str, WorkerReport]:
+        index: dict[str, WorkerReport] = {}
+        for r in self.reports:
+            index.setdefault(r.worker_id, r)  # the first, as a scan would find
+        return index
+
     def slot(self, rank: int) -> RankSlot:
-        for s in self.members:
-            if s.rank == rank:
-                return s
-        raise ConfigError("rank", rank, "not a member")
+        s = self._slot_by_rank.get(rank)
+        if s is None:
+            raise ConfigError("rank", rank, "not a member")
+        return s
 
     def report_of(self, worker_id: str) -> WorkerReport | None:
-        for r in self.reports:
-            if r.worker_id == worker_id:
-                return r
-        return None
+        return self._report_by_worker.get(worker_id)
 
     @property
     def lost_ranks(self) -> tuple[int, ...]:
