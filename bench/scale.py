@@ -16,7 +16,10 @@ kill -> the last survivor's ``failure_detected`` (hop by hop before issue 20);
 ``planned_s`` kill -> the leader's ``plan_published``; ``sockets_before`` /
 ``sockets_after`` the most socket descriptors of a worker (``/proc/<pid>/fd``)
 before the kill and three steps after the recovery (``socket_kinds_*``: that
-worker's sockets by kind: unix, listen, etcd, store, peer); ``etcd_events_per_rank``
+worker's sockets by kind: unix, listen, etcd, store, peer); ``window_cpu_s`` CPU
+seconds the survivors, the replacement and the agents spent from the kill to
+every rank stepping (``window_cpu_per_core_s``: divided by this machine's
+cores, the least wall time that work takes here); ``etcd_events_per_rank``
 watch events etcd sent (``etcd_debugging_mvcc_events_total``) from the kill to
 every rank stepping, per rank; ``etcd_kib_per_rank`` gRPC bytes etcd sent
 meanwhile, per rank; ``idle_events_s`` events etcd sent per second of
@@ -43,6 +46,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from _control_plane_layout import cpu_seconds  # noqa: E402
 from _recovery_common import PY, WORKER, child_env, kill_group, read_events, wait_file  # noqa: E402
 
 from ckptless.coordinator.embedded import EmbeddedEtcd  # noqa: E402
@@ -172,13 +176,18 @@ def run_one(world: int, state_bytes: int, step_sleep: float, work: Path, log: An
             etcd_port = int(etcd.endpoint.rsplit(":", 1)[1])
             agent_pids = [p.pid for p in procs]
             kinds_before = socket_kinds(max(before.values(), key=sockets_of), etcd_port, agent_pids)
+            victim_pid = int(doc["pid"])
+            watched = [p for p in before.values() if p != victim_pid] + agent_pids
+            cpu_kill = sum(cpu_seconds(p) for p in watched)
             t_kill = time.monotonic()
-            os.kill(int(doc["pid"]), signal.SIGKILL)
+            os.kill(victim_pid, signal.SIGKILL)
             deadline = time.monotonic() + 600
             while True:
                 evs = read_events(gdir)
                 done = {e["rank"] for e in evs if e["kind"] == "first_step_after_recovery"}
                 if len(done) == world:
+                    fresh = [p for p in rank_pids(out, world).values() if p not in before.values()]
+                    window_cpu = sum(cpu_seconds(p) for p in watched + fresh) - cpu_kill
                     break
                 if time.monotonic() > deadline or any(p.poll() not in (None, 0) for p in procs):
                     raise RuntimeError(f"W={world}: the recovery did not finish")
@@ -204,6 +213,7 @@ def run_one(world: int, state_bytes: int, step_sleep: float, work: Path, log: An
                    "planned_s": (min(plans) - t_kill) if plans else float("nan"),
                    "sockets_before": sockets_before, "sockets_after": sockets_after,
                    "socket_kinds_before": kinds_before, "socket_kinds_after": kinds_after,
+                   "window_cpu_s": window_cpu, "window_cpu_per_core_s": window_cpu / len(os.sched_getaffinity(0)),
                    "etcd_events_per_rank": (c2["events"] - c1["events"]) / world,
                    "etcd_kib_per_rank": (c2["bytes"] - c1["bytes"]) / world / 1024,
                    "idle_events_s": idle, "peak_rss_mib": max(m["peak_rss"] for m in mem) / 2**20,
@@ -234,12 +244,14 @@ def main() -> int:
             rows.append(run_one(w, a.state_kib * 1024, a.step_sleep, a.work or Path(tmp),
                                 lambda s: print(s, flush=True)))
     print("\n| W | kill -> resumed s | last survivor learns s | plan published s | sockets/worker before -> after "
-          "| etcd events/rank | etcd KiB/rank | idle etcd events/s | peak RSS MiB | load |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "| etcd events/rank | etcd KiB/rank | idle etcd events/s | peak RSS MiB | CPU s in the window / cores | load |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['world']} | {r['resumed_s']:.2f} | {r['learned_s']:.3f} | {r['planned_s']:.2f} | "
               f"{r['sockets_before']} -> {r['sockets_after']} | {r['etcd_events_per_rank']:.1f} | "
-              f"{r['etcd_kib_per_rank']:.1f} | {r['idle_events_s']:.1f} | {r['peak_rss_mib']:.0f} | {r['load1']:.1f} |")
+              f"{r['etcd_kib_per_rank']:.1f} | {r['idle_events_s']:.1f} | {r['peak_rss_mib']:.0f} | "
+              f"{r['window_cpu_s']:.2f} / {r['window_cpu_s'] / r['window_cpu_per_core_s']:.0f} = {r['window_cpu_per_core_s']:.2f} | "
+              f"{r['load1']:.1f} |")
     if a.json is not None:
         a.json.write_text(json.dumps({"rows": rows}, indent=1))
     return 0

@@ -45,6 +45,7 @@ _requests: queue.SimpleQueue[tuple[int, str]] = queue.SimpleQueue()
 _lock = threading.Lock()
 _thread: list[threading.Thread] = []
 _aborted: set[int] = set()  # generations aborted in this process
+_queued: set[int] = set()  # generations requested and not yet served (one abort each, however many ask)
 
 
 def abort_now(generation: int, why: str) -> int:
@@ -64,8 +65,9 @@ def abort_now(generation: int, why: str) -> int:
 def request(generation: int, why: str) -> None:
     """Abort ``generation`` from the aborter thread, as soon as possible (safe from any thread)."""
     with _lock:
-        if generation in _aborted:
+        if generation in _aborted or generation in _queued:
             return
+        _queued.add(generation)
         if not _thread or not _thread[0].is_alive():
             t = threading.Thread(target=_serve, name="ckptless-aborter", daemon=True)
             _thread[:] = [t]
@@ -80,6 +82,9 @@ def _serve() -> None:
             abort_now(generation, why)
         except Exception:  # noqa: BLE001 - the leave path releases everything anyway; never kill this thread
             log.warning("aborting generation %d failed", generation, exc_info=True)
+        finally:
+            with _lock:
+                _queued.discard(generation)
 
 
 def install() -> None:
