@@ -44,7 +44,9 @@ def wait_file(path: Path, timeout: float, procs: list[subprocess.Popen[bytes]]) 
                 pass
         dead = [p for p in procs if p.poll() is not None]
         if dead:
-            raise RuntimeError(f"a launcher exited ({dead[0].args[:3]}... rc={dead[0].returncode}) while waiting for {path}")
+            args = dead[0].args
+            shown = list(args[:3]) if isinstance(args, (list, tuple)) else [args]
+            raise RuntimeError(f"a launcher exited ({shown!r}... rc={dead[0].returncode}) while waiting for {path}")
         time.sleep(0.01)
     raise TimeoutError(f"{path} did not appear within {timeout}s")
 

@@ -135,7 +135,7 @@ def run_ckptless(out: str) -> None:
 
     job.run(train_step, steps)
     job.close()
-    mem = _memory()
+    mem: dict[str, object] = dict(_memory())
     mem.update({"pid": os.getpid(), "rank": job.rank, "rss_before_state": RSS_BEFORE_STATE, "trace": trace,
                 "mappings": _big_mappings(),
                 "state_bytes": int(os.environ["BENCH_STATE_BYTES"])})
