@@ -139,11 +139,14 @@ def decision_to_doc(d: Decision) -> dict[str, Any]:
             "lost_ranks_without_replica": list(d.lost_ranks_without_replica)}
 
 
-def decision_from_doc(doc: dict[str, Any]) -> Decision:
+def decision_from_doc(doc: dict[str, Any], assignments_known: tuple[Assignment, ...] | None = None) -> Decision:
+    """``assignments_known``: the plan's assignments already decoded (a membership record stores them
+    once, as its ranks: decoding them twice was half a worker's O(W) decode per incident)."""
     kind = doc.get("type")
     try:
         if kind == "memory":
-            assignments = _assignments(doc["assignments"], "recovery plan")
+            assignments = (assignments_known if assignments_known is not None
+                           else _assignments(doc["assignments"], "recovery plan"))
             return RecoveryPlan(
                 job_id=str(doc["job_id"]), generation=int(doc["generation"]),
                 assignments=assignments,
@@ -209,14 +212,16 @@ def membership_from_json(raw: bytes) -> Membership:
         host, port = _get(doc, "store", list, what)
         ranks_doc = _get(doc, "ranks", (list, dict), what)
         dec = doc.get("decision")
-        if isinstance(dec, dict) and dec.get("assignments") == _SAME_AS_RANKS:
+        ranks = _assignments(ranks_doc, what)
+        same = isinstance(dec, dict) and dec.get("assignments") == _SAME_AS_RANKS
+        if same:
             dec = {**dec, "assignments": ranks_doc}
         return Membership(
             generation=int(_get(doc, "generation", int, what)),
             world_size=int(_get(doc, "world_size", int, what)),
             store_host=str(host), store_port=int(port),
-            ranks=_assignments(ranks_doc, what),
-            decision=None if dec is None else decision_from_doc(dec),
+            ranks=ranks,
+            decision=None if dec is None else decision_from_doc(dec, ranks if same else None),
         )
     except (ValueError, TypeError) as exc:
         raise RecoveryError(f"{what} record is malformed: {raw[:200]!r}") from exc
