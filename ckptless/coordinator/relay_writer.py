@@ -33,6 +33,7 @@ from ckptless.errors import CoordinatorError, CoordinatorUnavailable
 log = logging.getLogger(__name__)
 
 MAX_BATCH = 64  # etcd's default --max-txn-ops is 128
+MAX_BATCH_BYTES = 512 * 1024  # etcd's default --max-request-bytes is 1.5 MiB
 
 
 class Answer(NamedTuple):
@@ -69,8 +70,8 @@ class RelayWriter:
             first = self._queue.get()
             if first is None:
                 return
-            batch = [first]
-            while len(batch) < MAX_BATCH:
+            batch, size = [first], len(first[0]) + len(first[1])
+            while len(batch) < MAX_BATCH and size < MAX_BATCH_BYTES:
                 try:
                     nxt = self._queue.get_nowait()
                 except queue.Empty:
@@ -79,20 +80,37 @@ class RelayWriter:
                     self._queue.put(None)  # close after this batch
                     break
                 batch.append(nxt)
-            _answer(batch, self._commit(batch))
+                size += len(nxt[0]) + len(nxt[1])
+            self._commit(batch)
 
-    def _commit(self, batch: list[tuple[str, bytes, Reply]]) -> Answer:
+    def _commit(self, batch: list[tuple[str, bytes, Reply]]) -> None:
+        """One transaction for the batch; if etcd refuses the transaction as such (not unreachable),
+        each write is put on its own, so no write fails for another's sake."""
         client = self._client()
         if client is None:
-            return Answer(0, True, "the agent has no etcd connection")
+            _answer(batch, Answer(0, True, "the agent has no etcd connection"))
+            return
+        # One put per key, the newest value: etcd refuses a transaction naming a key twice (every
+        # worker writes the ported mark at init), and in order the later put would win anyway.
+        last: dict[str, bytes] = {}
+        for k, v, _ in batch:
+            last.pop(k, None)
+            last[k] = v
         try:
-            result = client.txn([], [Put(k, v) for k, v, _ in batch], timeout_s=self._timeout_s)
+            result = client.txn([], [Put(k, v) for k, v in last.items()], timeout_s=self._timeout_s)
         except CoordinatorUnavailable as exc:
-            return Answer(0, True, str(exc))
+            _answer(batch, Answer(0, True, str(exc)))
+            return
         except CoordinatorError as exc:
-            return Answer(0, False, str(exc))
+            if len(batch) == 1:
+                _answer(batch, Answer(0, False, str(exc)))
+                return
+            log.warning("control relay: etcd refused a batch of %d writes (%s); putting each alone", len(batch), exc)
+            for item in batch:
+                self._commit([item])
+            return
         self.batches += 1
-        return Answer(result.revision, False, "")
+        _answer(batch, Answer(result.revision, False, ""))
 
     def close(self) -> None:
         """Stop after what is queued; later writes are never answered (their relay is closed too)."""
