@@ -83,6 +83,7 @@ def _etcdctl(endpoint: str, *args: str) -> None:
 
 
 # --- 1. a second failure at the same committed version -------------------------------------------
+@pytest.mark.rotating(1)  # CI budget: tests/harness/rotation.py
 def test_second_failure_at_same_committed_version(module_etcd: EmbeddedEtcd, tmp_path: Path,
                                                   baseline: FaultFree) -> None:
     """--mirror-every 4: v4 is committed; rank 1 dies at step 6 (resume v4), then rank 2 at step 7 while v4 is
@@ -127,6 +128,7 @@ def test_etcd_auth_job_runs_and_recovers(etcd: EmbeddedEtcd, tmp_path: Path, bas
 
 
 # --- 3. a warm spare that died while idle -------------------------------------------------------
+@pytest.mark.rotating(0)  # CI budget: tests/harness/rotation.py
 def test_dead_idle_spare_is_never_assigned(module_etcd: EmbeddedEtcd, tmp_path: Path, baseline: FaultFree) -> None:
     """The only warm spare is SIGKILLed while waiting, then a worker dies: the rank is respawned, the dead
     spare never named in a plan. Was: dead spare assigned -> the job died after 180 s."""

@@ -91,6 +91,7 @@ def _restores(c: Cluster, rank: int) -> list[tuple[int, str, int]]:
     return got
 
 
+@pytest.mark.rotating(0)  # CI budget: tests/harness/rotation.py
 def test_respawn_restores_its_own_image_from_node_local_memory(module_etcd: EmbeddedEtcd, tmp_path: Path,
                                                                dev_shm_dir: Path, baseline: FaultFree) -> None:
     c = _cluster(module_etcd, tmp_path, dev_shm_dir, "nlocal")
