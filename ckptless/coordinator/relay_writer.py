@@ -52,7 +52,6 @@ class RelayWriter:
         prefixes workers may write; ``timeout_s``: each transaction's deadline (the client's default)."""
         self._client, self._allowed, self._timeout_s = client, allowed, timeout_s
         self._queue: queue.SimpleQueue[tuple[str, bytes, Reply] | None] = queue.SimpleQueue()
-        self.batches = 0  # transactions sent (docs/scale.md, the relay's tests)
         self._thread = threading.Thread(target=self._run, name="ckptless-relay-writer", daemon=True)
         self._thread.start()
 
@@ -109,7 +108,6 @@ class RelayWriter:
             for item in batch:
                 self._commit([item])
             return
-        self.batches += 1
         _answer(batch, Answer(result.revision, False, ""))
 
     def close(self) -> None:

@@ -19,6 +19,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -108,25 +109,15 @@ def test_relayed_writes_land_in_etcd_and_no_worker_connects_to_it(etcd: Embedded
             w.close()
 
 
-def test_writes_that_arrive_together_go_out_as_one_transaction(etcd: EmbeddedEtcd, client: EtcdClient,
-                                                               ks: Keyspace) -> None:
-    gated = _GatedClient(client)
+@contextmanager
+def _gated_node(etcd: EmbeddedEtcd, client: EtcdClient, ks: Keyspace, n: int,
+                refuse_batches: bool = False) -> Iterator[tuple[_GatedClient, RelayServer, list[WorkerControl]]]:
+    """A node's relay whose writer uses a gated client, and ``n`` relayed workers."""
+    gated = _GatedClient(client, refuse_batches)
     relay = RelayServer(writer=RelayWriter(lambda: gated, ks.worker_writes))  # type: ignore[arg-type, return-value]
-    workers = [WorkerControl(etcd.endpoint, JOB, f"n0/w{r}", relay_path=relay.path) for r in range(6)]
+    workers = [WorkerControl(etcd.endpoint, JOB, f"n0/w{r}", relay_path=relay.path) for r in range(n)]
     try:
-        first = threading.Thread(target=workers[0].mark_ready, args=(0, 0))
-        first.start()
-        assert gated.entered.wait(10), "the first write never reached the writer"
-        rest = [threading.Thread(target=w.mark_ready, args=(0, r)) for r, w in enumerate(workers) if r]
-        for t in rest:
-            t.start()
-        wait_until(lambda: relay._writer is not None and relay._writer._queue.qsize() == 5, 10,
-                   "the other five writes queued behind the first")
-        gated.gate.set()
-        for t in [first, *rest]:
-            t.join(20)
-        assert gated.txns == 2, f"{gated.txns} transactions for 6 writes (1 + one batch of 5 expected)"
-        assert len(client.get_prefix(ks.ready_prefix(0))[0]) == 6
+        yield gated, relay, workers
     finally:
         gated.gate.set()
         for w in workers:
@@ -134,12 +125,18 @@ def test_writes_that_arrive_together_go_out_as_one_transaction(etcd: EmbeddedEtc
         relay.close()
 
 
+def test_writes_that_arrive_together_go_out_as_one_transaction(etcd: EmbeddedEtcd, client: EtcdClient,
+                                                               ks: Keyspace) -> None:
+    with _gated_node(etcd, client, ks, 6) as (gated, relay, workers):
+        _queued_behind_a_slow_write(relay, gated, workers[0],
+                                    [threading.Thread(target=w.mark_ready, args=(0, r)) for r, w in enumerate(workers) if r])
+        assert gated.sizes == [1, 5], f"transactions of {gated.sizes} puts for 6 writes (1, then one batch of 5)"
+        assert len(client.get_prefix(ks.ready_prefix(0))[0]) == 6  # 99 and 1..5
+
+
 def test_one_key_written_by_many_workers_in_one_batch(etcd: EmbeddedEtcd, client: EtcdClient, ks: Keyspace) -> None:
     """Every worker puts the ported mark at init: etcd refuses a transaction that names a key twice,
     which once failed every worker of a node at its start (a full make test run, 2026-11-27)."""
-    gated = _GatedClient(client)
-    relay = RelayServer(writer=RelayWriter(lambda: gated, ks.worker_writes))  # type: ignore[arg-type, return-value]
-    workers = [WorkerControl(etcd.endpoint, JOB, f"n0/w{r}", relay_path=relay.path) for r in range(5)]
     errors: list[BaseException] = []
 
     def ported(w: WorkerControl) -> None:
@@ -148,34 +145,21 @@ def test_one_key_written_by_many_workers_in_one_batch(etcd: EmbeddedEtcd, client
         except BaseException as exc:  # noqa: BLE001 - reported by the assertion below
             errors.append(exc)
 
-    try:
+    with _gated_node(etcd, client, ks, 5) as (gated, relay, workers):
         _queued_behind_a_slow_write(relay, gated, workers[0],
                                     [threading.Thread(target=ported, args=(w,)) for w in workers[1:]])
         assert not errors, errors
         assert gated.sizes == [1, 1], f"transactions of {gated.sizes} puts (the 4 same-key writes: one put)"
         kv = client.get(ks.ported)
         assert kv is not None and kv.value.decode().startswith("n0/w")
-    finally:
-        gated.gate.set()
-        for w in workers:
-            w.close()
-        relay.close()
 
 
 def test_a_batch_etcd_refuses_is_put_write_by_write(etcd: EmbeddedEtcd, client: EtcdClient, ks: Keyspace) -> None:
-    gated = _GatedClient(client, refuse_batches=True)
-    relay = RelayServer(writer=RelayWriter(lambda: gated, ks.worker_writes))  # type: ignore[arg-type, return-value]
-    workers = [WorkerControl(etcd.endpoint, JOB, f"n0/w{r}", relay_path=relay.path) for r in range(4)]
-    try:
+    with _gated_node(etcd, client, ks, 4, refuse_batches=True) as (gated, relay, workers):
         _queued_behind_a_slow_write(relay, gated, workers[0],
                                     [threading.Thread(target=w.mark_ready, args=(0, r)) for r, w in enumerate(workers) if r])
         assert len(client.get_prefix(ks.ready_prefix(0))[0]) == 4  # 99 and 1..3
         assert not any(w.has_own_client for w in workers)
-    finally:
-        gated.gate.set()
-        for w in workers:
-            w.close()
-        relay.close()
 
 
 def test_a_write_outside_the_workers_keys_is_refused(client: EtcdClient, ks: Keyspace, relay: RelayServer) -> None:
