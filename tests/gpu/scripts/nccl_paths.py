@@ -49,7 +49,7 @@ def cycle() -> dict[str, Any]:
     t0 = time.perf_counter()
     for i in range(50):
         b = nccl.build(dist.PrefixStore(f"g{i}/", store), 0, 1, TIMEOUT, f"g{i}", [0], DEV)
-        nccl.check_members(b, DEV, 1, f"cycle {i}")
+        nccl.check_members(b, DEV, 1, f"cycle {i}", 60)
         x = torch.ones(1 << 20, device=DEV)
         b.allreduce([x]).wait()
         torch.cuda.synchronize()
@@ -69,11 +69,15 @@ def forming() -> dict[str, Any]:
     made: list[Any] = []
     error: list[str] = []
 
+    def created(b: Any) -> None:
+        made.append(b)
+        rebindable._forming_add(7, b)
+
     def form() -> None:
         try:
             b = nccl.build(dist.PrefixStore("w2/", store), 0, 2, TIMEOUT, "w2", [0, 1], DEV,
-                           on_created=lambda b: (made.append(b), rebindable._forming_add(7, b)))
-            nccl.check_members(b, DEV, 2, "the world-2 group")
+                           on_created=created)
+            nccl.check_members(b, DEV, 2, "the world-2 group", 60)
             error.append("formed without its second rank")
         except Exception as exc:  # noqa: BLE001 - the expected way out
             error.append(f"{type(exc).__name__}: {exc}"[:300])
@@ -92,7 +96,7 @@ def forming() -> dict[str, Any]:
 def hung() -> dict[str, Any]:
     store = dist.HashStore()
     b = nccl.build(dist.PrefixStore("h/", store), 0, 1, TIMEOUT, "h", [0], DEV)
-    nccl.check_members(b, DEV, 1, "the world-1 group")
+    nccl.check_members(b, DEV, 1, "the world-1 group", 60)
     buf = torch.zeros(16, device=DEV)
     outcome: list[str] = []
 
