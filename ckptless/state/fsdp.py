@@ -19,7 +19,7 @@ the gradients the failed step had already produced, so none of them leaks
 into the retried step.
 
 Private torch 2.13 APIs used (pinned by ``tests/e2e/test_state_ddp_fsdp.py``):
-``FSDPModule._get_fsdp_state``, ``FSDPState._fsdp_param_groups``,
+``FSDPModule._get_fsdp_state``, ``FSDPState._fsdp_param_groups`` (``_fsdp_param_group`` in torch 2.11),
 ``FSDPState._is_root``, ``FSDPParamGroup._all_gather_result`` (and its
 ``all_gather_work``), ``FSDPParamGroup._module_to_pre_load_state_dict_hook_handle``,
 ``FSDPParamGroup.fsdp_params``, ``FSDPParam._post_load_hook_handle``.
@@ -62,12 +62,22 @@ def load_hook_ids(module: nn.Module) -> tuple[set[int], set[int]]:
     pre: set[int] = set()
     post: set[int] = set()
     for _, state in _states(module):
-        for group in state._fsdp_param_groups:
+        for group in _param_groups(state):
             for handle in group._module_to_pre_load_state_dict_hook_handle.values():
                 pre.add(handle.id)
             for param in group.fsdp_params:
                 post.add(param._post_load_hook_handle.id)
     return pre, post
+
+
+def _param_groups(state: Any) -> list[Any]:
+    """An FSDP state's parameter groups: ``_fsdp_param_groups`` (a list) in torch 2.13, one optional
+    ``_fsdp_param_group`` in torch 2.11 (the GPU machine's torch: the first GPU run found it)."""
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is not None:
+        return list(groups)
+    group = getattr(state, "_fsdp_param_group", None)
+    return [] if group is None else [group]
 
 
 def reset_after_failure(module: nn.Module) -> bool:
@@ -88,7 +98,7 @@ def reset_after_failure(module: nn.Module) -> bool:
     if not states:
         return False
     for _, state in states:
-        for group in state._fsdp_param_groups:
+        for group in _param_groups(state):
             result = group._all_gather_result
             work = None if result is None else result.all_gather_work
             if work is not None and not (work.is_completed() and work.is_success()):
