@@ -41,13 +41,15 @@ def gpu_out() -> Path:
 
 def run_script(out: Path, name: str, *args: str, timeout: float = 150, env: dict[str, str] | None = None) -> dict[str, Any]:
     """Run ``scripts/<name>.py *args OUT_JSON`` in a fresh interpreter; returns what it wrote."""
-    result = out / f"{name}-{'-'.join(args) or 'run'}.json"
+    case = "-".join(Path(a).name for a in args) or "run"  # an argument may be a path: name the files by its last part
+    result = out / f"{name}-{case}.json"
     # TORCH_NCCL_NONBLOCKING_TIMEOUT: how long torch waits for a non-blocking NCCL init, and so how long
     # an abort of one can block (see ckptless/worker/nccl.py); ckptless sets it in init(), these scripts here.
     full = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-                CUBLAS_WORKSPACE_CONFIG=":4096:8", TORCH_NCCL_NONBLOCKING_TIMEOUT="20", **(env or {}))
+                CUBLAS_WORKSPACE_CONFIG=":4096:8", TORCH_NCCL_NONBLOCKING_TIMEOUT="20")
+    full.update(env or {})
     proc = subprocess.run([sys.executable, str(SCRIPTS / f"{name}.py"), *args, str(result)], env=full,
                           capture_output=True, text=True, timeout=timeout)
-    (out / f"{name}-{'-'.join(args) or 'run'}.log").write_text(proc.stdout + proc.stderr)
+    (out / f"{name}-{case}.log").write_text(proc.stdout + proc.stderr)
     assert proc.returncode == 0, f"{name} {args} exited {proc.returncode}:\n{(proc.stdout + proc.stderr)[-4000:]}"
     return json.loads(result.read_text()) if result.exists() else {}
