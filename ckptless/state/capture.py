@@ -27,6 +27,7 @@ from ckptless.state.fence import CopyFence, late_sources
 from ckptless.state.image import StateImage, check_buffer, slot
 from ckptless.state.manifest import Manifest, TensorEntry, dtype_name
 from ckptless.state.registry import StateRegistry
+from ckptless.state.replication import EXTRA_KEY, Region, ReplicaSet, claim
 from ckptless.state.restore import restore
 from ckptless.state.tree import encode
 
@@ -39,15 +40,29 @@ def _align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
-def _layout(tensors: list[torch.Tensor]) -> tuple[list[TensorEntry], int]:
-    entries: list[TensorEntry] = []
+def _layout(tensors: list[torch.Tensor], shared: list[bool] | None = None,
+            chunk_bytes: int = 1) -> tuple[list[TensorEntry], int, int]:
+    """Entries in tensor order, the image's size and the end of its replicated prefix.
+
+    The tensors flagged in ``shared`` are laid out first, in tensor order, and the prefix is padded to a
+    whole chunk, so that replicas' prefixes are byte-identical chunk for chunk and a holder can keep the
+    suffix alone (:mod:`ckptless.state.replication`); then every other tensor. Without shared tensors the
+    layout is the plain one (prefix 0)."""
+    entries: list[TensorEntry | None] = [None] * len(tensors)
     end = 0
-    for t in tensors:
-        off = _align(end)
-        nbytes = t.numel() * t.element_size()
-        entries.append(TensorEntry(dtype_name(t.dtype), tuple(t.shape), off, nbytes))
-        end = off + nbytes
-    return entries, end
+    prefix = 0
+    for want_shared in ((True, False) if shared is not None and any(shared) else (False,)):
+        for i, t in enumerate(tensors):
+            if shared is not None and any(shared) and shared[i] != want_shared:
+                continue
+            off = _align(end)
+            nbytes = t.numel() * t.element_size()
+            entries[i] = TensorEntry(dtype_name(t.dtype), tuple(t.shape), off, nbytes)
+            end = off + nbytes
+        if want_shared and shared is not None and any(shared):
+            prefix = end = -(-end // chunk_bytes) * chunk_bytes
+    out = [e for e in entries if e is not None]
+    return out, end, prefix
 
 
 Copy = tuple[int, torch.Tensor, torch.Tensor]  # (tensor index in the image, destination slot, source)
@@ -75,7 +90,7 @@ class Capturer:
     """
 
     def __init__(self, registry: StateRegistry, job_id: str, owner: int, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-                 timeout_s: float = 60.0) -> None:
+                 timeout_s: float = 60.0, mirror_replicated: bool = False) -> None:
         if not isinstance(job_id, str) or not job_id:
             raise ConfigError("job_id", job_id, "must be a non-empty string")
         if type(owner) is not int or owner < 0:
@@ -87,8 +102,9 @@ class Capturer:
         self.owner = owner
         self.chunk_bytes = chunk_bytes
         self.timeout_s = timeout_s
+        self.mirror_replicated = mirror_replicated
 
-    def _collect(self) -> tuple[Any, list[torch.Tensor]]:
+    def _collect(self) -> tuple[Any, list[torch.Tensor], list[bool] | None, Region | None]:
         states: dict[str, Any] = {}
         for name, obj in self.registry.items():
             try:
@@ -97,13 +113,24 @@ class Capturer:
                 raise
             except Exception as exc:
                 raise StateError(f"{name}.state_dict() failed: {exc}") from exc
-        return encode(states)
+        tree, tensors = encode(states)
+        declared: dict[str, ReplicaSet] = getattr(self.registry, "replicated", dict)()
+        if not declared:
+            return tree, tensors, None, None
+        ranks, ptrs = claim(self.registry.items(), states, declared, self.owner)
+        if ranks is None or not ptrs:
+            return tree, tensors, None, None
+        shared = [bool(t.numel()) and (t.device.type, t.data_ptr()) in ptrs for t in tensors]
+        if not any(shared):
+            return tree, tensors, None, None
+        _, _, prefix = _layout(tensors, shared, self.chunk_bytes)
+        return tree, tensors, shared, Region(prefix, ranks, self.mirror_replicated)
 
     def required_bytes(self) -> int:
         """Bytes an image of the current state needs (state sizes may grow,
         e.g. optimizer moments appear after the first step: ask again)."""
-        _, tensors = self._collect()
-        return _layout(tensors)[1]
+        _, tensors, shared, _ = self._collect()
+        return _layout(tensors, shared, self.chunk_bytes)[1]
 
     def allocate(self, nbytes: int | None = None) -> torch.Tensor:
         """A buffer for :meth:`capture`: page-locked when this process uses CUDA, so that the
@@ -131,8 +158,8 @@ class Capturer:
             raise ConfigError("version", version, "must be a non-negative int")
         if type(generation) is not int or generation < 0:
             raise ConfigError("generation", generation, "must be a non-negative int")
-        tree, tensors = self._collect()
-        entries, total = _layout(tensors)
+        tree, tensors, shared, region = self._collect()
+        entries, total, _ = _layout(tensors, shared, self.chunk_bytes)
         if out is None:
             out = self.allocate(total)
         check_buffer(out, "capture buffer")
@@ -155,22 +182,24 @@ class Capturer:
             chunk_checksums=tuple(sums),
             tensors=tuple(entries),
             tree=tree,
+            extra={} if region is None else {EXTRA_KEY: region.to_json()},
         )
         return StateImage(manifest=manifest, buffer=out, fence=fence)
 
     def _copy(self, out: torch.Tensor, tensors: list[torch.Tensor], entries: list[TensorEntry]) -> CopyFence | None:
         """CPU tensors are copied here; device tensors are queued on side streams (returns their fence)."""
         end = 0
-        on_device: list[Copy] = []
-        for i, (t, e) in enumerate(zip(tensors, entries)):
+        for e in sorted(entries, key=lambda x: x.offset):  # the gaps, zeroed: equal states, equal images
             if e.offset > end:
                 out[end : e.offset].zero_()
+            end = max(end, e.offset + e.nbytes)
+        on_device: list[Copy] = []
+        for i, (t, e) in enumerate(zip(tensors, entries)):
             dst = slot(out, e, t.dtype)
             if t.device.type == "cpu":
                 dst.copy_(t)
             else:
                 on_device.append((i, dst, t))
-            end = e.offset + e.nbytes
         if not on_device:
             return None
         return self._copy_from_device(on_device, late_sources(obj for _, obj in self.registry.items()))

@@ -26,6 +26,7 @@ from torch import nn
 from ckptless.errors import ConfigError
 from ckptless.state import fsdp
 from ckptless.state.ddp import HIDDEN_PREFIX, DDPReducerState, check_supported, hidden_name
+from ckptless.state.replication import ReplicaSet, of_group
 from ckptless.state.rng import RNGState
 
 RNG_NAME = "rng"
@@ -72,9 +73,10 @@ class StateRegistry:
 
     def __init__(self, include_rng: bool = True) -> None:
         self._objs: dict[str, Stateful] = {}
+        self._replicated: dict[str, ReplicaSet] = {}
         self._rng: RNGState | None = RNGState() if include_rng else None
 
-    def protect(self, **objs: Any) -> None:
+    def protect(self, replicated_over: Any = None, **objs: Any) -> None:
         """Add objects by keyword name; all are validated before any is added.
 
         Raises :class:`ConfigError` (naming the name and value) when a name is
@@ -88,7 +90,14 @@ class StateRegistry:
         protect it before its first training step, and protect the DDP-wrapped
         model in a replacement too (an image with reducer state restores into
         a plain module, not the other way round).
+
+        ``replicated_over`` (a process group or a list of global ranks) declares that every rank of it
+        holds these objects identically (a module: its parameters): they are then recovered from a live
+        replica instead of mirrored (:mod:`ckptless.state.replication`). A DDP model is declared
+        replicated over its process group without asking. A wrong declaration is caught at the first
+        mirror round (the replicas' checksums differ) and named.
         """
+        declared = None if replicated_over is None else of_group(replicated_over)
         for name, obj in objs.items():
             if not name or not name.isidentifier() or keyword.iskeyword(name):
                 raise ConfigError("name", name, "must be a non-empty Python identifier")
@@ -109,12 +118,20 @@ class StateRegistry:
             ddp = _ddp(obj)
             if ddp is not None:
                 self._objs[hidden_name(name)] = DDPReducerState(ddp, name)
+            over = declared if declared is not None or ddp is None else of_group(ddp.process_group)
+            if over is not None:
+                self._replicated[name] = over
+
+    def replicated(self) -> dict[str, ReplicaSet]:
+        """Protected name -> the ranks that hold it identically (DDP models, declarations)."""
+        return dict(self._replicated)
 
     def unprotect(self, name: str) -> None:
         """Stop protecting ``name`` (images captured before still include it)."""
         if name not in self._objs or is_hidden(name):
             raise ConfigError("name", name, "is not protected")
         del self._objs[name]
+        self._replicated.pop(name, None)
         tracker = self._objs.pop(hidden_name(name), None)
         if isinstance(tracker, DDPReducerState):
             tracker.close()
