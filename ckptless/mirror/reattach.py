@@ -24,7 +24,7 @@ from ckptless.errors import IntegrityError, ManifestError
 from ckptless.mirror.shm import os_error_text, reserve_mapping, stat_signature, unlink_quiet
 from ckptless.mirror.slot_files import SlotFiles
 from ckptless.mirror.store import PeerStore
-from ckptless.state.checksum import bad_chunks
+from ckptless.state.replication import bad_held_chunks, held_bytes
 from ckptless.state.manifest import Manifest
 
 
@@ -80,8 +80,8 @@ def _verified_manifest(files: SlotFiles, owner: int, idx: int, buf: torch.Tensor
         m = Manifest.from_bytes(fh.read())
     if m.job_id != files.job_id or m.owner != owner:
         raise ManifestError(f"manifest names job {m.job_id!r} owner {m.owner}")
-    if m.total_bytes > size or buf is None and m.total_bytes:
-        raise ManifestError(f"payload file holds {size} bytes, manifest wants {m.total_bytes}")
-    if m.total_bytes and bad_chunks(buf, m.chunk_bytes, list(m.chunk_checksums), m.total_bytes):  # type: ignore[arg-type]
+    if held_bytes(m) > size or buf is None and held_bytes(m):
+        raise ManifestError(f"payload file holds {size} bytes, manifest wants {held_bytes(m)}")
+    if held_bytes(m) and bad_held_chunks(buf, m):  # type: ignore[arg-type]
         raise IntegrityError("checksum mismatch")
     return m

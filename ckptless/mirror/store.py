@@ -32,7 +32,7 @@ from ckptless.errors import ConfigError, IntegrityError, MirrorError, StaleGener
 from ckptless.mirror.shm import FallbackNotice, file_prefix
 from ckptless.mirror.slot_files import SlotFiles
 from ckptless.mirror.slots import OwnerSlots, Slot, image_key
-from ckptless.state.checksum import bad_chunks
+from ckptless.state.replication import bad_held_chunks, held_bytes, held_from
 from ckptless.state.layout import manifest_layout_key
 from ckptless.state.manifest import Manifest
 
@@ -46,7 +46,11 @@ class Image(Protocol):
 
 @dataclass
 class StoredImage:
-    """A complete image held by the store; ``buffer`` is a view into a slot (do not write)."""
+    """A complete image held by the store; ``buffer`` is a view into a slot (do not write).
+
+    ``buffer`` holds the image from ``replication.held_from(manifest)`` on: a holder keeps no copy of a
+    replicated prefix that live replicas hold (:mod:`ckptless.state.replication`); byte ``b`` of the
+    image is ``buffer[b - held_from(manifest)]``."""
 
     manifest: Manifest
     buffer: torch.Tensor
@@ -161,7 +165,8 @@ class PeerStore:
                                        f"is not newer than held {image_key(held)}")
 
     def begin(self, manifest: Manifest) -> torch.Tensor:
-        """Reserve the writing slot for ``manifest``; returns the view to fill (total_bytes long).
+        """Reserve the writing slot for ``manifest``; returns the view to fill (the held bytes: total_bytes
+        less a replicated prefix, see :class:`StoredImage`).
 
         The slot that does not hold the newest complete image is reused; whatever
         older image it held is forgotten now (its manifest file first, so the
@@ -179,8 +184,8 @@ class PeerStore:
             slot.writing = manifest
             if self.files is not None:
                 self.files.forget(manifest.owner, idx)
-            buf = self._ensure_capacity(manifest.owner, idx, slot, manifest.total_bytes)
-            return buf[: manifest.total_bytes]
+            buf = self._ensure_capacity(manifest.owner, idx, slot, held_bytes(manifest))
+            return buf[: held_bytes(manifest)]
 
     def _writing(self, owner: int) -> tuple[int, Slot]:
         own = self._owners.get(owner)
@@ -195,7 +200,7 @@ class PeerStore:
         _, slot = self._writing(owner)
         m = slot.writing
         assert m is not None and slot.buffer is not None
-        return bad_chunks(slot.buffer, m.chunk_bytes, list(m.chunk_checksums), m.total_bytes)
+        return bad_held_chunks(slot.buffer, m)
 
     def complete(self, owner: int, verified: bool = False) -> Manifest:
         """Mark the written slot complete; verifies checksums unless ``verified``.
@@ -209,7 +214,7 @@ class PeerStore:
             m = slot.writing
             assert m is not None and slot.buffer is not None
             if not verified:
-                bad = bad_chunks(slot.buffer, m.chunk_bytes, list(m.chunk_checksums), m.total_bytes)
+                bad = bad_held_chunks(slot.buffer, m)
                 if bad:
                     slot.writing = None
                     raise IntegrityError(f"replica of owner {owner} v{m.version}: corrupt chunks {bad[:8]}")
@@ -231,7 +236,7 @@ class PeerStore:
     def put(self, manifest: Manifest, buffer: torch.Tensor) -> Manifest:
         """Copy a whole image in (local use, repair from another holder, tests); same rules as begin/complete."""
         view = self.begin(manifest)
-        view.copy_(buffer[: manifest.total_bytes])
+        view.copy_(buffer[held_from(manifest): manifest.total_bytes])
         return self.complete(manifest.owner)
 
     # --- read path ----------------------------------------------------------------
@@ -246,7 +251,7 @@ class PeerStore:
                 return None
             s = own.slots[idx]
             assert s.complete is not None and s.buffer is not None
-            return StoredImage(s.complete, s.buffer[: s.complete.total_bytes])
+            return StoredImage(s.complete, s.buffer[: held_bytes(s.complete)])
 
     def _find(self, owner: int, version: int) -> tuple[int, Slot] | None:
         """Slot holding ``version`` of ``owner`` (newest generation first), as :meth:`get` sees it."""
@@ -259,7 +264,7 @@ class PeerStore:
             s = (self._find(owner, version) or (0, None))[1]
             if s is None or s.complete is None or s.buffer is None:
                 return None
-            return StoredImage(s.complete, s.buffer[: s.complete.total_bytes])
+            return StoredImage(s.complete, s.buffer[: held_bytes(s.complete)])
 
     def layout_of(self, owner: int, version: int) -> str:
         """The layout key of the held ``(owner, version)`` ("" if not held), cached per slot."""
@@ -342,7 +347,7 @@ class PeerStore:
         # it rewrote (epoch changed) is simply not reported.
         for owner, version, idx, s, epoch, m, buf in todo:
             stat = self._stat(owner, idx)  # before reading: a later write changes it again
-            bad = bad_chunks(buf, m.chunk_bytes, list(m.chunk_checksums), m.total_bytes)
+            bad = bad_held_chunks(buf, m)
             with self._lock:
                 if s.epoch != epoch or s.complete is not m:
                     continue

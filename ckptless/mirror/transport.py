@@ -54,6 +54,7 @@ from ckptless.mirror.partial import same_image
 from ckptless.mirror.store import PeerStore
 from ckptless.state.checksum import bad_chunks
 from ckptless.state.manifest import Manifest
+from ckptless.state.replication import held_from
 
 MAGIC = 0x636B70746C657373  # "ckptless"
 HEADER_LEN = 9
@@ -190,8 +191,9 @@ class MirrorTransport:
         if land.data_ptr() != dst.data_ptr():
             dst.copy_(land)  # device -> CPU; synchronous, so it is complete on return
 
-    def _spans(self, total: int) -> list[tuple[int, int]]:
-        return [(off, min(self.wire_bytes, total - off)) for off in range(0, total, self.wire_bytes)]
+    def _spans(self, total: int, start: int = 0) -> list[tuple[int, int]]:
+        """The payload's messages: ``[start, total)`` (``start``: where holders' copies begin, a whole chunk)."""
+        return [(off, min(self.wire_bytes, total - off)) for off in range(start, total, self.wire_bytes)]
 
     # --- one round -------------------------------------------------------------------------------------
     def exchange(
@@ -262,21 +264,24 @@ class MirrorTransport:
         # Phase 3: payload straight into the store's writing slots.
         views = {o: store.begin(m) for o, m in moving.items()}
         try:
-            precvs = {o: [(self._irecv(views[o][off:off + n], o, TAG_PAYLOAD + i), off, n)
-                          for i, (off, n) in enumerate(self._spans(m.total_bytes))]
+            # Byte b of an owner's image lands at views[o][b - base]: a holder keeps no replicated prefix.
+            base = {o: held_from(m) for o, m in moving.items()}
+            precvs = {o: [(self._irecv(views[o][off - base[o]:off - base[o] + n], o, TAG_PAYLOAD + i), off, n)
+                          for i, (off, n) in enumerate(self._spans(m.total_bytes, base[o]))]
                       for o, m in moving.items()}
             psends = self._send_payload(buffer, manifest.total_bytes, [h for h in self.holders if h in send_to],
-                                        res, deadline)
+                                        res, deadline, held_from(manifest))
             for o, parts in precvs.items():
                 m = moving[o]
                 bad: list[int] = []
                 for (w, land), off, n in parts:
                     wait_one(w, deadline, f"payload from rank {o}")
-                    self._landed(views[o][off:off + n], land)
+                    view = views[o][off - base[o]:off - base[o] + n]
+                    self._landed(view, land)
                     res.bytes_received += n
                     first = off // m.chunk_bytes
                     sums = list(m.chunk_checksums[first:first + -(-n // m.chunk_bytes)])
-                    bad += [first + b for b in bad_chunks(views[o][off:off + n], m.chunk_bytes, sums, n)]
+                    bad += [first + b for b in bad_chunks(view, m.chunk_bytes, sums, n)]
                 if bad:
                     res.corrupt[o] = bad
                     store.abort(o)
@@ -292,11 +297,12 @@ class MirrorTransport:
         return res
 
     def _send_payload(self, buffer: torch.Tensor, total: int, holders: list[int], res: RoundResult,
-                      deadline: Deadline) -> list[dist.Work | None]:
-        """Post the payload messages; with a rate cap one at a time, sleeping while ahead of it."""
+                      deadline: Deadline, start: int = 0) -> list[dist.Work | None]:
+        """Post the payload messages (bytes ``[start, total)``); with a rate cap one at a time, sleeping
+        while ahead of it."""
         works: list[dist.Work | None] = []
         t0 = time.monotonic()
-        for i, (off, n) in enumerate(self._spans(total)):
+        for i, (off, n) in enumerate(self._spans(total, start)):
             for h in holders:
                 w = self._isend(buffer[off:off + n], h, TAG_PAYLOAD + i)
                 res.bytes_sent += n
