@@ -36,6 +36,9 @@ class Stripe:
 
     If the stripe fails its checksum (or the source dies), the receiver tries
     ``fallbacks`` in order; all of them hold the same version complete.
+    ``own``: the sources serve these chunks from their *own* image of that
+    version (live replicas of the owner's replicated prefix,
+    :mod:`ckptless.state.replication`), not from a replica they hold.
     """
 
     owner: int
@@ -43,6 +46,7 @@ class Stripe:
     stop: int
     source: str
     fallbacks: tuple[str, ...]
+    own: bool = False
 
     @property
     def n_chunks(self) -> int:

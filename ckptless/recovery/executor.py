@@ -29,6 +29,7 @@ from ckptless.recovery.transfer import Received, execute_transfers
 from ckptless.recovery.wire import Membership
 from ckptless.state.capture import StateImage, restore
 from ckptless.state.registry import StateRegistry
+from ckptless.state.replication import first_held_chunk, region_of
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +91,7 @@ class RestoreOutcome:
     # it as the resume version instead of capturing the state again. None: capture (disk, initial,
     # node-local files).
     image: StateImage | None = None
+    bytes_from_replicas: int = 0  # of bytes_received: a replicated prefix sent by live replicas
 
 
 #: How old a replica's checksum verdict may be and still be reported without re-reading it.
@@ -120,7 +122,11 @@ def build_report(worker_id: str, own: list[StoredImage], store: PeerStore | None
             log.warning("replica of rank %d v%d is corrupt at rest (chunks %s): dropped", owner, version, bad[:8])
             store.drop(owner, version)
         for owner, version, n_chunks in at_rest.verified:
-            replicas.setdefault((owner, version), ReplicaFact(owner, version, n_chunks, store.layout_of(owner, version)))
+            held = store.get(owner, version)
+            first = 0 if held is None else first_held_chunk(held.manifest)
+            region = None if held is None or first == 0 else region_of(held.manifest)
+            replicas.setdefault((owner, version), ReplicaFact(owner, version, n_chunks, store.layout_of(owner, version),
+                                                              first, None if region is None else region.ranks))
     return WorkerReport(
         worker_id=worker_id,
         newest_captured=max(local) if local else None,
@@ -209,7 +215,7 @@ def _from_memory(plan: RecoveryPlan, inputs: RestoreInputs) -> RestoreOutcome:
         received = inputs.received_early
     else:
         received = execute_transfers(plan, inputs.membership, inputs.worker_id, inputs.peer_store,
-                                     inputs.timeout_s, into=inputs.into)
+                                     inputs.timeout_s, into=inputs.into, own=inputs.own_images)
     image: StateImage | None = None
     if local is not None:
         source, nbytes = "node-local", 0
@@ -229,7 +235,8 @@ def _from_memory(plan: RecoveryPlan, inputs: RestoreInputs) -> RestoreOutcome:
     if inputs.peer_store is not None:
         inputs.peer_store.discard_newer(version)
     _discard_newer_own(inputs, version)
-    return RestoreOutcome(version, source, nbytes, plan.steps_lost, image)
+    replicas = 0 if received is None else received.from_replicas
+    return RestoreOutcome(version, source, nbytes, plan.steps_lost, image, replicas)
 
 
 def _restore_node_local(local: LocalRestore, inputs: RestoreInputs) -> None:

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from ckptless.errors import ConfigError
+from ckptless.state.replication import ReplicaSet
 
 #: How many complete versions of one owner's image a holder keeps (double buffer).
 MAX_VERSIONS_PER_OWNER = 2
@@ -77,8 +78,13 @@ class ReplicaFact:
     version: int
     n_chunks: int
     layout: str = ""
+    first_chunk: int = 0  # the holder keeps chunks [first_chunk, n_chunks): the rest is replicated
+    peers: ReplicaSet | None = None  # who holds [0, first_chunk) identically (their own images), if any
 
     def __post_init__(self) -> None:
+        if not 0 <= self.first_chunk <= self.n_chunks or (self.first_chunk > 0) != (self.peers is not None):
+            raise ConfigError("replica.first_chunk", self.first_chunk,
+                              f"must lie in [0, {self.n_chunks}] and come with its replica peers iff > 0")
         if self.owner < 0:
             raise ConfigError("replica.owner", self.owner, "must be >= 0")
         if self.version < 0:

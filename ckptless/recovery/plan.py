@@ -60,6 +60,7 @@ from ckptless.recovery.decision import (
     WaitForReplacement,
 )
 from ckptless.recovery.facts import NodeLocalImage, PlanningFacts, Worker
+from ckptless.state.replication import ReplicaSet
 
 
 def respawn_worker_id(node_id: str, generation: int, rank: int) -> str:
@@ -90,7 +91,11 @@ def available_versions(facts: PlanningFacts, assignments: list[Assignment] | Non
         assignments = assign_replacements(facts, facts.generation + 1)[0]
     local = usable_node_local(facts, assignments)
     from_peers_of: dict[int, set[int]] = {}  # owner -> versions live holders hold (one pass: O(replicas))
+    prefixes = _prefix_index(facts)
     for owner, v in _replica_index(facts):
+        p = prefixes.get((owner, v))
+        if p is not None and not prefix_sources(facts, owner, v, p[1]):
+            continue  # the holders keep the suffix only, and no live replica has the prefix
         from_peers_of.setdefault(owner, set()).add(v)
     avail: dict[int, frozenset[int]] = {}
     for slot in facts.members:
@@ -133,6 +138,32 @@ def _replica_index(facts: PlanningFacts) -> dict[tuple[int, int], list[tuple[int
     for entries in index.values():
         entries.sort()
     return index
+
+
+def _prefix_index(facts: PlanningFacts) -> dict[tuple[int, int], tuple[int, ReplicaSet]]:
+    """(owner, version) -> (first chunk its holders keep, the replicas holding the chunks before it)
+    for copies held without their replicated prefix (:mod:`ckptless.state.replication`)."""
+    out: dict[tuple[int, int], tuple[int, ReplicaSet]] = {}
+    for rep in facts.reports:
+        for fact in rep.replicas:
+            if fact.peers is not None:
+                out.setdefault((fact.owner, fact.version), (fact.first_chunk, fact.peers))
+    return out
+
+
+def prefix_sources(facts: PlanningFacts, owner: int, version: int, peers: ReplicaSet) -> tuple[str, ...]:
+    """R3/R6 for a replicated prefix: the workers of ``owner``'s live replicas that hold ``version`` of
+    their own image (a survivor's committed or newer image; a replacement's once it restored), in rank
+    order. O(replicas) per lost owner."""
+    out: list[str] = []
+    for r in peers.ranks:
+        if r == owner or not 0 <= r < facts.world_size:
+            continue
+        slot = facts.slot(r)
+        rep = facts.report_of(slot.worker.worker_id) if slot.alive else None
+        if rep is not None and version in rep.local_versions:
+            out.append(rep.worker_id)
+    return tuple(out)
 
 
 # --- R2: who takes a lost rank ---------------------------------------------------
@@ -263,8 +294,10 @@ def prebuilt_adoptions(facts: PlanningFacts, assignments: list[Assignment], vers
 
 
 # --- R6: striping --------------------------------------------------------------
-def stripe_image(owner: int, n_chunks: int, holders: tuple[str, ...]) -> tuple[Stripe, ...]:
-    """Split ``[0, n_chunks)`` into one contiguous range per holder, sizes within 1.
+def stripe_image(owner: int, n_chunks: int, holders: tuple[str, ...], first: int = 0,
+                 own: bool = False) -> tuple[Stripe, ...]:
+    """Split ``[first, first + n_chunks)`` into one contiguous range per holder, sizes within 1
+    (``own``: the sources serve it from their own images, see :class:`Stripe`).
 
     The holder order is rotated by ``owner`` so that when several owners are
     rebuilt at once, the big (first) stripes land on different holders.
@@ -277,13 +310,13 @@ def stripe_image(owner: int, n_chunks: int, holders: tuple[str, ...]) -> tuple[S
     order = holders[shift:] + holders[:shift]
     base, extra = divmod(n_chunks, h)
     stripes: list[Stripe] = []
-    start = 0
+    start = first
     for i, src in enumerate(order):
         size = base + (1 if i < extra else 0)
         if size == 0:
             continue
         fallbacks = order[i + 1:] + order[:i]
-        stripes.append(Stripe(owner, start, start + size, src, fallbacks))
+        stripes.append(Stripe(owner, start, start + size, src, fallbacks, own))
         start += size
     return tuple(stripes)
 
@@ -351,6 +384,7 @@ def _why_waiting(facts: PlanningFacts, unassigned: list[int]) -> str:
 def _memory_plan(facts: PlanningFacts, new_gen: int, assignments: list[Assignment],
                  version: int, newest_seen: int | None) -> RecoveryPlan:
     index = _replica_index(facts)
+    prefixes = _prefix_index(facts)
     worker_of = {a.rank: a.worker_id for a in assignments}
     local = usable_node_local(facts, assignments)
     rollbacks: list[Rollback] = []
@@ -371,8 +405,14 @@ def _memory_plan(facts: PlanningFacts, new_gen: int, assignments: list[Assignmen
         entries = index[(rank, version)]
         holders = tuple(w for (_, w, _) in entries)
         n_chunks = entries[0][2]
-        transfers.append(Transfer(rank, worker_of[rank], version, n_chunks, holders,
-                                  stripe_image(rank, n_chunks, holders)))
+        prefix = prefixes.get((rank, version))
+        if prefix is None:
+            stripes = stripe_image(rank, n_chunks, holders)
+        else:  # the suffix from the holders (first: one of them sends the manifest), the prefix from replicas
+            first, peers = prefix
+            stripes = (stripe_image(rank, n_chunks - first, holders, first)
+                       + stripe_image(rank, first, prefix_sources(facts, rank, version, peers), 0, own=True))
+        transfers.append(Transfer(rank, worker_of[rank], version, n_chunks, holders, stripes))
     lost = facts.lost_ranks
     below_k = _owners_below_k(facts)
     steps_lost = max(0, (newest_seen if newest_seen is not None else version) - version)

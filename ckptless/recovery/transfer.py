@@ -16,6 +16,7 @@ rank calls :func:`execute_transfers` with the same plan.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -30,6 +31,7 @@ from ckptless.recovery.wire import Membership
 from ckptless.state import host_memory
 from ckptless.state.checksum import crc_of
 from ckptless.state.manifest import Manifest
+from ckptless.state.replication import held_from
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +41,7 @@ class Received:
     manifest: Manifest
     buffer: torch.Tensor
     bytes_from: dict[int, int]
+    from_replicas: int = 0  # bytes of a replicated prefix served by live replicas (the rest: holders)
 
 
 def _tag(t_idx: int, slot: int) -> int:
@@ -90,11 +93,13 @@ def execute_transfers(
     timeout_s: float,
     into: torch.Tensor | None = None,
     group: dist.ProcessGroup | None = None,
+    own: Sequence[StoredImage] = (),
 ) -> Received | None:
     """Send my stripes and, if I am a receiver, return my rebuilt (verified) image.
 
     ``group``: a Gloo group of the new generation with the membership's ranks
-    (None: the default group).
+    (None: the default group). ``own``: this rank's own images, which serve the
+    stripes of a replicated prefix (``Stripe.own``) that a lost replica needs.
     """
     deadline = Deadline(timeout_s)
     rank_of = {a.worker_id: a.rank for a in membership.ranks}
@@ -110,7 +115,8 @@ def execute_transfers(
         if receiver == me:
             mine_recv = (t_idx, t)
             continue
-        if t.stripes and rank_of[t.stripes[0].source] == me:
+        sender = _manifest_source(t)
+        if sender is not None and rank_of[sender] == me:
             img = _held(store, t)
             raw = torch.frombuffer(bytearray(img.manifest.to_bytes()), dtype=torch.uint8)
             hdr = torch.tensor([raw.numel()], dtype=torch.int64)
@@ -119,7 +125,10 @@ def execute_transfers(
             sends.append(_isend(raw, receiver, _tag(t_idx, 1), group))
     if mine_recv is not None:
         t_idx, t = mine_recv
-        src0 = rank_of[t.stripes[0].source]
+        first_source = _manifest_source(t)
+        if first_source is None:
+            raise RecoveryError(f"plan gives rank {t.owner} v{t.version} no holder to send its manifest")
+        src0 = rank_of[first_source]
         hdr = torch.empty(1, dtype=torch.int64)
         wait_one(_irecv(hdr, src0, _tag(t_idx, 0), group), deadline, f"manifest size from rank {src0}")
         raw = torch.empty(int(hdr.item()), dtype=torch.uint8)
@@ -148,14 +157,16 @@ def execute_transfers(
                 src = rank_of[sources[attempt]]
                 tag = _tag(t_idx, 2 + s_idx)
                 if src == me:
-                    img = _held(store, t)
+                    img = _own_copy(own, t) if s.own else _held(store, t)
+                    base = 0 if s.own else held_from(img.manifest)  # a holder's copy starts after the prefix
                     a, b = _byte_range(img.manifest, s, img.manifest.chunk_bytes, img.manifest.total_bytes)
-                    sends.append(_isend(img.buffer[a:b], receiver, tag, group))
+                    sends.append(_isend(img.buffer[a - base:b - base], receiver, tag, group))
                 elif receiver == me and received is not None:
                     m = received.manifest
                     a, b = _byte_range(m, s, m.chunk_bytes, m.total_bytes)
                     recvs.append((t_idx, s_idx, _irecv(received.buffer[a:b], src, tag, group)))
                     received.bytes_from[src] = received.bytes_from.get(src, 0) + (b - a)
+                    received.from_replicas += (b - a) if s.own else 0
         wait_all([w for _, _, w in recvs], deadline, "stripe receive")
         wait_all(sends, deadline, "stripe send")
         sends = []
@@ -172,6 +183,21 @@ def execute_transfers(
         pending = {flat[i] for i in range(n_stripes) if int(bad[i]) == 1}
         attempt += 1
     return received
+
+
+def _manifest_source(t: Transfer) -> str | None:
+    """Who sends the receiver the owner's manifest: the source of the first stripe a holder serves
+    (a replica serving a prefix from its own image has its own manifest, not the owner's)."""
+    first = next((s.source for s in t.stripes if not s.own), None)
+    return first if first is not None else (t.holders[0] if t.holders else None)
+
+
+def _own_copy(own: Sequence[StoredImage], t: Transfer) -> StoredImage:
+    """This rank's own image of ``t.version``, whose replicated prefix equals the owner's."""
+    hits = [img for img in own if img.manifest.version == t.version]
+    if not hits:
+        raise RecoveryError(f"plan says this replica of rank {t.owner} has its own v{t.version}, but it does not")
+    return max(hits, key=lambda img: img.manifest.generation)
 
 
 def _held(store: PeerStore | None, t: Transfer) -> StoredImage:

@@ -12,9 +12,10 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
-from ckptless.errors import RecoveryError
+from ckptless.errors import ManifestError, RecoveryError
 from ckptless.recovery import roster
 from ckptless.recovery.facts import ReplicaFact, Worker, WorkerReport
+from ckptless.state.replication import ReplicaSet
 from ckptless.recovery.decision import Assignment, Decision, DiskFallback, LocalRestore, RecoveryPlan, Stripe, Transfer, Unrecoverable, WaitForReplacement
 
 
@@ -72,7 +73,8 @@ def report_to_json(r: WorkerReport) -> bytes:
         "newest_captured": r.newest_captured,
         "committed": r.committed,
         "local_versions": sorted(r.local_versions),
-        "replicas": [[f.owner, f.version, f.n_chunks, f.layout] for f in r.replicas],
+        "replicas": [[f.owner, f.version, f.n_chunks, f.layout]
+                     + ([f.first_chunk, f.peers.to_json()] if f.peers is not None else []) for f in r.replicas],
         "own_layouts": [[v, k] for v, k in r.own_layouts],
     }).encode()
 
@@ -86,12 +88,19 @@ def report_from_json(raw: bytes) -> WorkerReport:
             newest_captured=_opt_int(doc, "newest_captured", what),
             committed=_opt_int(doc, "committed", what),
             local_versions=frozenset(int(v) for v in _get(doc, "local_versions", list, what)),
-            replicas=tuple(ReplicaFact(int(f[0]), int(f[1]), int(f[2]), str(f[3]) if len(f) > 3 else "")
-                           for f in _get(doc, "replicas", list, what)),
+            replicas=tuple(_replica_fact(f) for f in _get(doc, "replicas", list, what)),
             own_layouts=tuple((int(v), str(k)) for v, k in doc.get("own_layouts", ())),
         )
-    except (ValueError, TypeError) as exc:
+    except (ValueError, TypeError, ManifestError) as exc:
         raise RecoveryError(f"{what} is malformed: {raw[:200]!r}") from exc
+
+
+def _replica_fact(f: list[Any]) -> ReplicaFact:
+    """``[owner, version, n_chunks, layout]``, plus ``[first_chunk, peers]`` for a copy without its
+    replicated prefix (an old report has four fields, or three)."""
+    peers = ReplicaSet.from_json(f[5]) if len(f) > 5 else None
+    return ReplicaFact(int(f[0]), int(f[1]), int(f[2]), str(f[3]) if len(f) > 3 else "",
+                       int(f[4]) if len(f) > 5 else 0, peers)
 
 
 # --- decisions ------------------------------------------------------------------
@@ -117,7 +126,8 @@ def decision_to_doc(d: Decision) -> dict[str, Any]:
             "transfers": [
                 {"owner": t.owner, "receiver": t.receiver, "version": t.version, "n_chunks": t.n_chunks,
                  "holders": list(t.holders),
-                 "stripes": [[s.owner, s.start, s.stop, s.source, list(s.fallbacks)] for s in t.stripes]}
+                 "stripes": [[s.owner, s.start, s.stop, s.source, list(s.fallbacks)] + ([1] if s.own else [])
+                             for s in t.stripes]}
                 for t in d.transfers
             ],
             "replace_mirrors": d.replace_mirrors, "owners_below_k": list(d.owners_below_k), "steps_lost": d.steps_lost,
@@ -156,8 +166,9 @@ def decision_from_doc(doc: dict[str, Any], assignments_known: tuple[Assignment, 
                 transfers=tuple(
                     Transfer(int(t["owner"]), str(t["receiver"]), int(t["version"]), int(t["n_chunks"]),
                              tuple(str(h) for h in t["holders"]),
-                             tuple(Stripe(int(o), int(a), int(b), str(src), tuple(str(f) for f in fb))
-                                   for o, a, b, src, fb in t["stripes"]))
+                             tuple(Stripe(int(s[0]), int(s[1]), int(s[2]), str(s[3]), tuple(str(f) for f in s[4]),
+                                          bool(s[5]) if len(s) > 5 else False)
+                                   for s in t["stripes"]))
                     for t in doc["transfers"]
                 ),
                 replace_mirrors=bool(doc["replace_mirrors"]),

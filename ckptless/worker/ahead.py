@@ -77,7 +77,8 @@ def _transfer_now(rt: WorkerRuntime, m: Membership, deadline: float) -> Received
                                   peers=mirror_peers(m, rank, rt.replicas, rt.mirror_config.placement))
     try:
         return execute_transfers(m.decision, m, rt.worker_id, rt.peer_store, rt.ctx.collective_timeout_s,
-                                 into=rt.standby_buffers[0] if rt.standby_buffers else None, group=pg)
+                                 into=rt.standby_buffers[0] if rt.standby_buffers else None, group=pg,
+                                 own=rt.own_images)
     except RuntimeError as exc:  # a raw Gloo call on the mirror group: a peer failed
         raise TransportError(f"transfers of generation {m.generation} failed: {exc}") from exc
 

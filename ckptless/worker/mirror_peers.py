@@ -45,6 +45,12 @@ def mirror_peers(m: Membership, rank: int, replicas: int, strategy: str) -> list
         rank_of = {a.worker_id: a.rank for a in m.ranks}
         for t in m.decision.transfers:
             receiver = rank_of.get(t.receiver)
+            if t.holders and all(s.own for s in t.stripes):  # the manifest's sender serves no stripe
+                sender = rank_of.get(t.holders[0])
+                if receiver == rank and sender is not None:
+                    peers.add(sender)
+                elif sender == rank and receiver is not None:
+                    peers.add(receiver)
             for s in t.stripes:
                 senders = {rank_of.get(w) for w in (s.source, *s.fallbacks)} - {None}
                 if receiver == rank:

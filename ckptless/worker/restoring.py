@@ -109,7 +109,8 @@ def restore_state(rt: WorkerRuntime, a: RestoreState) -> Event:
                         rt.rank, out.resume_step, lost)
         rt.ledger.emit(EventKind.DISK_RESTORE, step=out.resume_step, generation=g, steps_lost=lost)
     else:
-        rt.ledger.emit(EventKind.TRANSFER_DONE, generation=g, bytes=out.bytes_received)
+        rt.ledger.emit(EventKind.TRANSFER_DONE, generation=g, bytes=out.bytes_received,
+                       replica_bytes=out.bytes_from_replicas)
         rt.ledger.emit(EventKind.ROLLBACK_DONE, step=out.resume_step, generation=g, source=out.source)
     rt.recoveries += 1
     # Re-protect the resume version under the new membership, in the background, moving only
@@ -126,7 +127,9 @@ def restore_state(rt: WorkerRuntime, a: RestoreState) -> Event:
     rt.standby_buffers = []
     if failed is not None:
         return failed
-    log.warning("rank %d: resumed at step %d in generation %d (%s)", rt.rank, out.resume_step, g, out.source)
+    via = (f"{out.source}: {out.bytes_received - out.bytes_from_replicas} bytes from holders, "
+           f"{out.bytes_from_replicas} from live replicas" if out.bytes_from_replicas else out.source)
+    log.warning("rank %d: resumed at step %d in generation %d (%s)", rt.rank, out.resume_step, g, via)
     return Restored(out.resume_step)
 
 
