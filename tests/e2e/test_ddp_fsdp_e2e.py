@@ -117,11 +117,12 @@ def fsdp_baseline(module_etcd: EmbeddedEtcd, tmp_path_factory: pytest.TempPathFa
 
 
 def _kill_and_check(etcd: EmbeddedEtcd, out: Path, script: str, args: Sequence[str], victim: int, step: int,
-                    where: str, baseline: dict[int, dict[str, object]], **env: str) -> ExampleCluster:
+                    where: str, baseline: dict[int, dict[str, object]], agent_args: Sequence[str] = (),
+                    **env: str) -> ExampleCluster:
     c = _run(etcd, out, script, args, EXAMPLE_PAUSE=f"{victim}:{step}:{where}", **env)
     try:
-        c.start_agent()
-        c.start_agent()
+        c.start_agent(*agent_args)
+        c.start_agent(*agent_args)
         doomed = c.paused_pid(victim)
         before = c.worker_pids()
         assert before.get(victim) == doomed, f"paused pid {doomed} is not rank {victim}'s worker: {before}"
@@ -146,8 +147,19 @@ def _kill_and_check(etcd: EmbeddedEtcd, out: Path, script: str, args: Sequence[s
 
 def test_ddp_default_kill_survivor_side_rank_in_backward(module_etcd: EmbeddedEtcd, tmp_path: Path,
                                                           ddp_baseline: dict) -> None:
-    """Rank 3 dies inside step 5's backward: ranks 0-2 are in the reducer's all-reduce with it."""
-    _kill_and_check(module_etcd, tmp_path / "ddp_r3_bwd", DDP_SCRIPT, (), 3, 5, "backward", ddp_baseline)
+    """Rank 3 dies inside step 5's backward: ranks 0-2 are in the reducer's all-reduce with it.
+
+    Without the node-local tier (``--no-shm-dir``) its respawn rebuilds its image over the network:
+    the DDP parameters and AdamW state (the replicated prefix, issue 21) from the live replicas' own
+    images, only the rest (buffers, RNG, data position, reducer state) from its mirror holder, which
+    never received the prefix."""
+    c = _kill_and_check(module_etcd, tmp_path / "ddp_r3_bwd", DDP_SCRIPT, (), 3, 5, "backward", ddp_baseline,
+                        agent_args=("--no-shm-dir",))
+    got = re.search(r"rank 3: resumed at step \d+ in generation 1 \(peers: (\d+) bytes from holders, "
+                    r"(\d+) from live replicas\)", c.log_text())
+    assert got is not None, c.log_text()[-3000:]
+    from_holders, from_replicas = int(got.group(1)), int(got.group(2))
+    assert from_replicas > 0 and from_holders < from_replicas, (from_holders, from_replicas)
 
 
 @pytest.mark.slow  # CI budget: CI kills DDP (default) and FSDP2; this variant runs in the slow tier
