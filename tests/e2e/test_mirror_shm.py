@@ -225,13 +225,13 @@ def test_bit_flip_at_rest_is_not_reported_and_can_be_dropped(shm_dir: str) -> No
 
 def test_verdicts_are_cached_and_in_memory_rot_needs_a_forced_recheck(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[int] = []
-    real = store_mod.bad_chunks
+    real = store_mod.bad_held_chunks
 
     def counting(*a: Any, **kw: Any) -> list[int]:
         calls.append(1)
         return real(*a, **kw)
 
-    monkeypatch.setattr(store_mod, "bad_chunks", counting)
+    monkeypatch.setattr(store_mod, "bad_held_chunks", counting)
     s = PeerStore(JOB)
     m, b = make_image(0, 1)
     s.begin(m).copy_(b)
@@ -247,15 +247,15 @@ def test_check_racing_with_a_rewrite_reports_neither_verdict(monkeypatch: pytest
     s = PeerStore(JOB)
     for v in (1, 2):
         s.put(*make_image(0, v))
-    real = store_mod.bad_chunks
+    real = store_mod.bad_held_chunks
     m3, b3 = make_image(0, 3)
 
     def rewrite_meanwhile(*a: Any, **kw: Any) -> list[int]:
-        monkeypatch.setattr(store_mod, "bad_chunks", real)
+        monkeypatch.setattr(store_mod, "bad_held_chunks", real)
         s.begin(m3)[:10].copy_(b3[:10])  # the next round reuses v1's slot mid-check
         return real(*a, **kw)
 
-    monkeypatch.setattr(store_mod, "bad_chunks", rewrite_meanwhile)
+    monkeypatch.setattr(store_mod, "bad_held_chunks", rewrite_meanwhile)
     res = s.check_at_rest(max_age_s=0)
     assert [v for _, v, _ in res.verified] == [2] and res.corrupt == []
 
