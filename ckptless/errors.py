@@ -98,6 +98,17 @@ class IntegrityError(StateError):
     """Bytes failed checksum verification (a corrupt replica or transfer)."""
 
 
+class SilentDataCorruption(IntegrityError):
+    """Replicas that must hold the same state bitwise do not (``ckptless.mirror.replica_check``).
+
+    ``replace``: this rank is the odd one of a local majority and the job's policy is to replace it
+    (it leaves as a failed device); otherwise the job stops with this error."""
+
+    def __init__(self, message: str, replace: bool = False) -> None:
+        super().__init__(message)
+        self.replace = replace
+
+
 class MirrorError(CkptlessError):
     """Peer mirroring failed (transport, placement or peer store)."""
 

@@ -31,6 +31,9 @@ class MirrorConfig(BaseModel):
     timeout_s: float = Field(default=60.0, gt=0, description="deadline of one mirror round")
     pool_buffers: int = Field(default=2, ge=1, description="owner capture buffers: 2 = committed + in flight; "
                               "1 = capture reuses the committed buffer (memory budget, see mirror.py)")
+    on_replica_mismatch: Literal["stop", "replace"] = Field(
+        default="stop", description="replicas that differ at a round (silent data corruption): stop the job, "
+                                    "or replace the odd rank of a majority (ckptless.mirror.replica_check)")
     max_send_bytes_s: float = Field(default=0.0, ge=0, description="cap on one rank's payload send rate, "
                                     "bytes/s (0: none); spreads a round's CPU work over more steps")
 

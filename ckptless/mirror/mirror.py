@@ -15,11 +15,10 @@ Buffer pool lifetime rules (``MirrorConfig.pool_buffers``):
   own copy, for local rollback: ``local_image()``); it becomes FREE when a
   newer version commits. An in-flight buffer becomes FREE when its round ends
   without a commit.
-* ``pool_buffers=2`` (default): committed + in flight. Capturing v+1 waits
-  only while v's round is still running, so a step longer than a round never
-  waits, and a committed local copy always exists (survivors roll back from
-  local memory). ``3`` also lets one capture run ahead of a slow round
-  (absorbs jitter when step < round) for one more S of memory.
+* ``pool_buffers=2`` (default): committed + in flight. Capturing v+1 waits only while v's round
+  is still running, so a step longer than a round never waits, and a committed local copy always
+  exists (survivors roll back from local memory). ``3`` also lets one capture run ahead of a slow
+  round (absorbs jitter when step < round) for one more S of memory.
 * ``pool_buffers=1`` (memory budget: host memory (2 + 2K) x S with the live
   state in host memory): capturing v+1 reuses the buffer of committed v once
   no round is queued or in flight (it blocks while v's round still sends).
@@ -28,12 +27,11 @@ Buffer pool lifetime rules (``MirrorConfig.pool_buffers``):
   at v, this rank receives v from its holders (the planner does that for any
   rank that does not report v locally) instead of restoring it in place.
 
-Node-local tier (``config.shm_dir`` set and ``config.node_local``): the pool
-buffers are files in ``shm_dir`` and the committed one carries a manifest
-file beside it, so a respawn on this node can restore the committed image
-after this process died (:mod:`ckptless.mirror.ownimage`). The buffer states
-below decide when that manifest is written (on commit, before the older one
-is removed) and removed (before its buffer is captured into again).
+Node-local tier (``config.shm_dir`` set and ``config.node_local``): the pool buffers are files in
+``shm_dir`` and the committed one carries a manifest file beside it, so a respawn on this node can
+restore the committed image after this process died (:mod:`ckptless.mirror.ownimage`). The buffer
+states below decide when that manifest is written (on commit, before the older one is removed)
+and removed (before its buffer is captured into again).
 
 Rounds are collective: every rank must submit the same versions in the same
 order (use ``should_mirror(step)``), with the same ``pairs``. A partial round
@@ -60,7 +58,7 @@ import torch
 import torch.distributed as dist
 
 from ckptless.errors import MirrorError, TransportError
-from ckptless.mirror import agreement, buffers
+from ckptless.mirror import agreement, buffers, replica_check
 from ckptless.mirror.commit import RoundOutcome, decide, encode, round_ack
 from ckptless.mirror.config import MirrorConfig
 from ckptless.mirror.partial import MISSING, Pair, PairSpec, check_pairs, digest, my_missing_pairs, split
@@ -346,12 +344,13 @@ class MirrorEngine:
                 with self._cond:
                     entry.manifest = manifest
             deadline = Deadline(self.config.timeout_s)
+            diverged = replica_check.check(self.group, self.rank, manifest, deadline)  # never committed if so
             pairs = self._missing_pairs(manifest, deadline) if spec == MISSING else spec
             assert pairs is None or isinstance(pairs, frozenset)
             send_to, recv_from = split(pairs, self.rank, self.placement)
             res = self.transport.exchange(manifest, buffer, self.store, deadline,
                                           send_to=send_to, recv_from=recv_from)
-            outcome = self._agree(res, deadline)
+            outcome = self._agree(res, deadline, diverged is None)
         except Exception as exc:  # any failure leaves the group in an unknown state
             log.error("mirror round v%d failed on rank %d: %s", manifest.version, self.rank, exc)
             with self._cond:
@@ -382,6 +381,9 @@ class MirrorEngine:
                             manifest.version, self.rank, res.missing)
             if not outcome.in_step:
                 self.error = MirrorError(f"ranks are out of step in round v{manifest.version}")
+            if diverged is not None:
+                log.error("%s", diverged.describe())
+                self.error = replica_check.verdict(diverged, self.config.on_replica_mismatch) or self.error
             self._cond.notify_all()
         if files is not None:
             files.sweep_others()
@@ -404,10 +406,10 @@ class MirrorEngine:
                                                           held, deadline)
         return my_missing_pairs(self.rank, own, theirs, held, owner_digests)
 
-    def _agree(self, res: RoundResult, deadline: Deadline) -> RoundOutcome:
+    def _agree(self, res: RoundResult, deadline: Deadline, own_ok: bool) -> RoundOutcome:
         """The round's acks, reduced with MIN over the agreement tree (``2 * depth(W)`` hops)."""
         ok = {o: o in res.received for o in self.transport.owners}
-        vec = encode(round_ack(res.version, True, ok), res.version)
+        vec = encode(round_ack(res.version, own_ok, ok), res.version)
         reduced = agreement.tree_allreduce(self.group, self.rank, self.world_size, vec, "min", deadline,
                                            "commit agreement")
         return decide(reduced, self.committed_version)

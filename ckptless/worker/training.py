@@ -13,14 +13,15 @@ import logging
 from collections.abc import Generator
 
 from ckptless import chaos_hooks
-from ckptless.errors import MirrorError, StateError, TransportError
+from ckptless.errors import MirrorError, SilentDataCorruption, StateError, TransportError
 from ckptless.goodput.ledger import EventKind
 from ckptless.mirror.partial import PairSpec
 from ckptless.state.capture import StateImage
-from ckptless.worker import groups, reuse
+from ckptless.worker import exit_file, groups, reuse
 from ckptless.worker.faults import device_failure, is_fault
 from ckptless.worker.machine import (
     Committed,
+    DeviceFailed,
     Event,
     Fault,
     JobEnded,
@@ -42,6 +43,8 @@ def protect(rt: WorkerRuntime, version: int, pairs: PairSpec = None, restored: S
             rt.capture_and_mirror(version, pairs)
     except (MirrorError, TransportError) as exc:
         reason = f"{type(exc).__name__}: {exc}"
+    except SilentDataCorruption as exc:  # replicas differ (mirror/replica_check.py): the job's policy
+        return sdc_event(rt, exc)
     except StateError as exc:  # the script's state cannot be captured: the user's to fix
         rt.user_exception = exc
         return UserError(f"{type(exc).__name__}: {exc}")
@@ -147,6 +150,15 @@ def _reprotected(rt: WorkerRuntime, resume_version: int) -> bool:
     return True
 
 
+def sdc_event(rt: WorkerRuntime, exc: SilentDataCorruption) -> Event:
+    """Replicas differ: this rank leaves as a failed device (the policy replaces an odd rank: its agent
+    marks its GPU bad and the rank is rebuilt from its replicas), or the job stops with the error."""
+    if exc.replace:
+        return DeviceFailed(exit_file.summarize(exc))
+    rt.user_exception = exc
+    return UserError(f"{type(exc).__name__}: {exc}")
+
+
 def final_commit(rt: WorkerRuntime) -> Event:
     engine = rt.gen.engine if rt.gen is not None else None
     assert rt.spec is not None
@@ -156,6 +168,8 @@ def final_commit(rt: WorkerRuntime) -> Event:
     try:
         if not engine.wait_committed(rt.spec.steps, timeout=rt.mirror_config.timeout_s):
             reason = f"the final version {rt.spec.steps} was not committed within {rt.mirror_config.timeout_s}s"
+    except SilentDataCorruption as exc:
+        return sdc_event(rt, exc)
     except MirrorError as exc:
         reason = f"{type(exc).__name__}: {exc}"
     return Fault(reason) if reason else Committed()

@@ -1,0 +1,175 @@
+"""Replicas checked against each other in every mirror round (issue 21): silent data corruption found.
+
+Why: ranks of a replica set (DDP, a declared ``replicated_over``) must hold the
+same replicated prefix bitwise at every version (:mod:`ckptless.state.replication`).
+A bit flipped in one rank's parameters (a faulty GPU or DIMM, a kernel bug) or
+a wrong declaration breaks that, and nothing else would notice: the job trains
+on, or a replacement is later rebuilt from a corrupt replica. ckptless already
+checksums every chunk of every image, so the check is almost free: in each round
+a rank sends its prefix's chunk checksums to its two ring neighbours in its set
+and compares theirs (2 messages of 8 bytes per prefix chunk out, 2 in, one hop:
+O(1) messages per rank, O(S / chunk) bytes).
+
+A rank that differs from a neighbour does not acknowledge the round, so the
+version is **never committed** (the commit rule already requires every ack).
+The finding names the ranks, the tensors (their paths in the protected state)
+and the step. What happens then is the job's policy (``MirrorConfig.on_replica_mismatch``):
+
+* ``stop`` (default): every rank that saw it ends the job with one
+  :class:`~ckptless.errors.SilentDataCorruption` error (a user-visible stop,
+  never respawned into);
+* ``replace``: a rank that differs from both neighbours while they agree with
+  each other (a local majority of three) is the odd one: it alone leaves as a
+  failed device (its agent marks its GPU bad), and is rebuilt from its
+  replicas' images at the last committed version, where the set agreed; the
+  others go on. With no majority (a set of two, or neighbours that disagree)
+  it stops as above.
+
+Pure decision (:func:`compare`, :func:`tensor_paths`) apart from the one
+exchange (:func:`exchange`), which has the round's deadline.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ckptless.errors import SilentDataCorruption
+from ckptless.mirror.transport import Deadline, wait_all
+from ckptless.state.manifest import Manifest
+from ckptless.state.replication import Region
+
+# Above the agreement tags (0x7FF00000 + 0..4): a checksum vector to the next rank, and to the previous.
+TAG_TO_NEXT, TAG_TO_PREV = 0x7FF00010, 0x7FF00011
+
+
+@dataclass(frozen=True)
+class Divergence:
+    """What one rank found in one round: which neighbour differs in which chunks, and who is odd."""
+
+    version: int
+    rank: int
+    differs: tuple[tuple[int, tuple[int, ...]], ...]  # (neighbour, chunks where it differs from this rank)
+    tensors: tuple[str, ...]  # the protected tensors those chunks hold
+    odd: int | None  # the rank a local majority of three calls odd (None: no majority)
+
+    def describe(self) -> str:
+        who = ", ".join(f"rank {n} (chunks {list(c[:8])}{'...' if len(c) > 8 else ''})" for n, c in self.differs)
+        names = ", ".join(self.tensors[:6]) + (f" and {len(self.tensors) - 6} more" if len(self.tensors) > 6 else "")
+        odd = f"; rank {self.odd} is the odd one (its neighbours agree)" if self.odd is not None else \
+            "; no majority tells which copy is right"
+        return (f"silent data corruption: at step {self.version} rank {self.rank}'s replicated state differs from "
+                f"{who} in {names or 'padding'}{odd}")
+
+
+def compare(rank: int, region: Region, mine: Sequence[int], prev_sums: Sequence[int], next_sums: Sequence[int],
+            version: int, manifest: Manifest | None = None) -> Divergence | None:
+    """Pure: this rank's verdict from its own and its neighbours' prefix checksums (None: all agree)."""
+    prev, nxt = region.ranks.neighbours(rank)
+    differs: list[tuple[int, tuple[int, ...]]] = []
+    for who, theirs in ((prev, prev_sums), (nxt, next_sums)):
+        if who == rank:
+            continue
+        bad = tuple(i for i, (a, b) in enumerate(zip(mine, theirs)) if a != b)
+        if len(mine) != len(theirs):
+            bad = bad + tuple(range(min(len(mine), len(theirs)), max(len(mine), len(theirs))))
+        if bad and (who, bad) not in differs:
+            differs.append((who, bad))
+    if not differs:
+        return None
+    odd: int | None = None
+    neighbours_agree = prev != nxt and list(prev_sums) == list(next_sums)
+    if neighbours_agree and {n for n, _ in differs} == {prev, nxt}:
+        odd = rank  # both neighbours hold the same bytes and this rank does not
+    elif len(differs) == 1 and prev != nxt:
+        odd = differs[0][0]  # one neighbour differs from this rank, the other agrees with it
+    chunks = sorted({c for _, cs in differs for c in cs})
+    names = tuple(tensor_paths(manifest, chunks)) if manifest is not None else ()
+    return Divergence(version, rank, tuple(differs), names, odd)
+
+
+def tensor_paths(manifest: Manifest, chunks: Sequence[int]) -> list[str]:
+    """The state paths (``model.0.weight``, ``optimizer.state.3.exp_avg``) of the tensors whose bytes
+    lie in ``chunks`` of the image, in tensor order."""
+    spans = [(c * manifest.chunk_bytes, (c + 1) * manifest.chunk_bytes) for c in chunks]
+    hit = {i for i, e in enumerate(manifest.tensors)
+           if any(e.offset < b and e.offset + e.nbytes > a for a, b in spans)}
+    found: dict[int, str] = {}
+    _walk(manifest.tree, "", found, 0)
+    return [found.get(i, f"tensor #{i}") for i in sorted(hit)]
+
+
+def _walk(node: Any, path: str, found: dict[int, str], depth: int) -> None:
+    if depth > 128:
+        return
+    if isinstance(node, list):
+        for i, v in enumerate(node):
+            _walk(v, f"{path}.{i}" if path else str(i), found, depth + 1)
+        return
+    if not isinstance(node, dict) or len(node) != 1:
+        return
+    ((tag, val),) = node.items()
+    if tag in ("T", "N") and isinstance(val, int):
+        found.setdefault(val, path)
+    elif tag == "Td" and isinstance(val, list) and val and isinstance(val[0], int):
+        found.setdefault(val[0], path)
+    elif tag in ("d", "o"):
+        items = val[0] if tag == "o" and isinstance(val, list) and val else val
+        for item in items if isinstance(items, list) else ():
+            if isinstance(item, list) and len(item) == 2:
+                _walk(item[1], f"{path}.{item[0]}" if path else str(item[0]), found, depth + 1)
+    elif tag in ("t", "DT") and isinstance(val, list):
+        _walk(val if tag == "t" else val[0], path, found, depth + 1)
+
+
+def exchange(group: dist.ProcessGroup, rank: int, region: Region, mine: Sequence[int],
+             deadline: Deadline) -> tuple[list[int], list[int]]:
+    """Send ``mine`` to both ring neighbours, receive theirs: (previous rank's, next rank's).
+
+    Collective within the replica set: every member calls it in the same round."""
+    prev, nxt = region.ranks.neighbours(rank)
+
+    def swap(out: torch.Tensor, n_prev: int, n_next: int, what: str) -> tuple[torch.Tensor, torch.Tensor]:
+        from_prev, from_next = torch.empty(n_prev, dtype=torch.int64), torch.empty(n_next, dtype=torch.int64)
+        works = [group.recv([from_prev], prev, TAG_TO_NEXT), group.recv([from_next], nxt, TAG_TO_PREV),
+                 group.send([out], nxt, TAG_TO_NEXT), group.send([out], prev, TAG_TO_PREV)]
+        wait_all(works, deadline, f"the replica check ({what}) with ranks {prev} and {nxt}")
+        return from_prev, from_next
+
+    # Lengths first: replicas whose prefixes differ in size (a wrong declaration) must not post
+    # receives of the wrong size; both ends then skip the vectors alike.
+    lp, ln = swap(torch.tensor([len(mine)], dtype=torch.int64), 1, 1, "sizes")
+    if int(lp) != len(mine) or int(ln) != len(mine):
+        return [-1] * int(lp), [-1] * int(ln)
+    vp, vn = swap(torch.tensor(list(mine), dtype=torch.int64), len(mine), len(mine), "checksums")
+    return [int(x) for x in vp.tolist()], [int(x) for x in vn.tolist()]
+
+
+def check(group: dist.ProcessGroup, rank: int, manifest: Manifest, deadline: Deadline) -> Divergence | None:
+    """One round's check for this rank's image (None when it has no replicated prefix, or all agree)."""
+    from ckptless.state.replication import prefix_chunks, region_of
+
+    region = region_of(manifest)
+    n = prefix_chunks(manifest)
+    if region is None or n == 0 or rank not in region.ranks:
+        return None
+    mine = list(manifest.chunk_checksums[:n])
+    prev_sums, next_sums = exchange(group, rank, region, mine, deadline)
+    return compare(rank, region, mine, prev_sums, next_sums, manifest.version, manifest)
+
+
+def verdict(d: Divergence, policy: str) -> SilentDataCorruption | None:
+    """The engine's error for a divergence it found (None: go on, another rank leaves).
+
+    ``stop``: every rank that saw it stops the job. ``replace``: the odd rank alone leaves (as a failed
+    device); its neighbours go on; with no majority every rank that saw it stops."""
+    if policy == "replace" and d.odd is not None:
+        if d.odd != d.rank:
+            return None
+        return SilentDataCorruption(d.describe() + ": this rank leaves to be rebuilt from its replicas",
+                                    replace=True)
+    return SilentDataCorruption(d.describe() + " (policy: stop; --on-replica-mismatch replace rebuilds an odd rank)")
