@@ -16,6 +16,7 @@ rank calls :func:`execute_transfers` with the same plan.
 from __future__ import annotations
 
 import logging
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -76,11 +77,14 @@ def _byte_range(m: Manifest | None, s: Stripe, chunk_bytes: int, total: int) -> 
     return start, min(s.stop * chunk_bytes, total)
 
 
-def _stripe_ok(m: Manifest, buf: torch.Tensor, s: Stripe) -> bool:
+def _stripe_ok(m: Manifest, buf: torch.Tensor, s: Stripe, sums: torch.Tensor | None = None) -> bool:
+    """Every chunk of the stripe matches its checksum: the owner's manifest's, or ``sums`` (the serving
+    replica's own, for a prefix stripe)."""
     for c in range(s.start, s.stop):
         off = c * m.chunk_bytes
         n = min(m.chunk_bytes, m.total_bytes - off)
-        if crc_of(buf, off, n) != m.chunk_checksums[c]:
+        want = m.chunk_checksums[c] if sums is None else int(sums[c - s.start])
+        if crc_of(buf, off, n) != want:
             return False
     return True
 
@@ -144,6 +148,11 @@ def execute_transfers(
     n_stripes = sum(len(t.stripes) for t in transfers)
     attempt = 0
     pending = {(ti, si) for ti, t in enumerate(transfers) for si in range(len(t.stripes))}
+    # The replicated prefix is checked against the serving replica's own checksums, sent with the
+    # stripe: replicas agreed on them at every committed version, and at a version that never
+    # committed because one rank's prefix diverged (replica_check) the lost rank's own manifest
+    # carries that rank's corrupt checksums, which the majority's bytes must not be held to.
+    replica_sums: dict[int, torch.Tensor] = {}
     while pending:
         recvs: list[tuple[int, int, dist.Work | None]] = []
         for t_idx, t in enumerate(transfers):
@@ -156,14 +165,22 @@ def execute_transfers(
                     raise IntegrityError(f"stripe {s.start}-{s.stop} of rank {t.owner} v{t.version} corrupt at every holder")
                 src = rank_of[sources[attempt]]
                 tag = _tag(t_idx, 2 + s_idx)
+                sums_tag = _tag(t_idx, 2 + len(t.stripes) + s_idx)
                 if src == me:
                     img = _own_copy(own, t) if s.own else _held(store, t)
                     base = 0 if s.own else held_from(img.manifest)  # a holder's copy starts after the prefix
                     a, b = _byte_range(img.manifest, s, img.manifest.chunk_bytes, img.manifest.total_bytes)
+                    if s.own:  # a replica's bytes are checked against its own checksums (see below)
+                        sums = torch.tensor(img.manifest.chunk_checksums[s.start:s.stop], dtype=torch.int64)
+                        keep.append(sums)
+                        sends.append(_isend(sums, receiver, sums_tag, group))
                     sends.append(_isend(img.buffer[a - base:b - base], receiver, tag, group))
                 elif receiver == me and received is not None:
                     m = received.manifest
                     a, b = _byte_range(m, s, m.chunk_bytes, m.total_bytes)
+                    if s.own:
+                        replica_sums[s_idx] = torch.empty(s.stop - s.start, dtype=torch.int64)
+                        recvs.append((t_idx, s_idx, _irecv(replica_sums[s_idx], src, sums_tag, group)))
                     recvs.append((t_idx, s_idx, _irecv(received.buffer[a:b], src, tag, group)))
                     received.bytes_from[src] = received.bytes_from.get(src, 0) + (b - a)
                     received.from_replicas += (b - a) if s.own else 0
@@ -175,13 +192,20 @@ def execute_transfers(
             t_idx, t = mine_recv
             base = sum(len(x.stripes) for x in transfers[:t_idx])
             for s_idx, s in enumerate(t.stripes):
-                if (t_idx, s_idx) in pending and not _stripe_ok(received.manifest, received.buffer, s):
+                if (t_idx, s_idx) in pending and not _stripe_ok(received.manifest, received.buffer, s,
+                                                                  replica_sums.get(s_idx) if s.own else None):
                     bad[base + s_idx] = 1
                     log.warning("stripe %d-%d of rank %d from attempt %d failed its checksum", s.start, s.stop, t.owner, attempt)
         bad = _verdicts_max(bad, group, deadline)
         flat = [(ti, si) for ti, t in enumerate(transfers) for si in range(len(t.stripes))]
         pending = {flat[i] for i in range(n_stripes) if int(bad[i]) == 1}
         attempt += 1
+    if received is not None and mine_recv is not None and replica_sums:
+        merged = list(received.manifest.chunk_checksums)
+        for s_idx, got in replica_sums.items():
+            stripe = mine_recv[1].stripes[s_idx]
+            merged[stripe.start:stripe.stop] = [int(x) for x in got.tolist()]
+        received.manifest = dataclasses.replace(received.manifest, chunk_checksums=tuple(merged))
     return received
 
 
