@@ -11,6 +11,9 @@ parameters. docs/porting.md shows the diff against the plain script.
 
 Options beyond the plain script (for CI and the tests):
   --steps N       train N steps instead of --epochs full epochs
+  --hsdp R        HSDP: a (R, world / R) mesh, replicate x shard; each parameter and
+                  optimizer shard is then held by R ranks, and ckptless recovers a lost
+                  one from a live replica instead of mirroring it (docs/state.md)
   --out DIR       write DIR/final_rank<R>.pt at the end: this rank's parameter
                   shards, optimizer state (local shards), LR, draws from every RNG
                   stream, data position
@@ -84,6 +87,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--steps", type=int, default=0, help="train this many steps (0: --epochs full epochs)")
     p.add_argument("--out", default="", help="write OUT/final_rank<R>.pt at the end")
+    p.add_argument("--hsdp", type=int, default=1, help="HSDP: this many replicas of a sharded model (a 2-D mesh)")
     return p.parse_args()
 
 
@@ -92,6 +96,8 @@ def main() -> None:
     job = ckptless.init()  # creates the default process group
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = init_device_mesh("cpu", (world,))
+    if args.hsdp > 1:  # HSDP: replicate x shard (each shard held by --hsdp ranks, recovered from them)
+        mesh = init_device_mesh("cpu", (args.hsdp, world // args.hsdp), mesh_dim_names=("replicate", "shard"))
     random.seed(0)  # every RNG stream seeded: a rerun draws the same numbers
     np.random.seed(0)
     torch.manual_seed(0)
@@ -164,7 +170,8 @@ def save_final_state(out: str, rank: int, module: nn.Module, opt: torch.optim.Op
 
 
 class PausePoint:
-    """``EXAMPLE_PAUSE=R:S[:start|backward]``: see the module docstring. Inactive unless set."""
+    """``EXAMPLE_PAUSE=R:S[:start|backward]`` (several, comma-separated: one per rank): see the module
+    docstring. Inactive unless set."""
 
     LIMIT_S = 120.0
 
@@ -173,7 +180,8 @@ class PausePoint:
 
     @classmethod
     def from_env(cls, out: str, rank: int) -> PausePoint:
-        spec = os.environ.get("EXAMPLE_PAUSE", "")
+        specs = [x for x in os.environ.get("EXAMPLE_PAUSE", "").split(",") if x]
+        spec = next((x for x in specs if x.split(":")[0] == str(rank)), "")
         if not spec or not out:
             return cls(out)
         r, s, *rest = spec.split(":")

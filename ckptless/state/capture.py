@@ -115,8 +115,6 @@ class Capturer:
                 raise StateError(f"{name}.state_dict() failed: {exc}") from exc
         tree, tensors = encode(states)
         declared: dict[str, ReplicaSet] = getattr(self.registry, "replicated", dict)()
-        if not declared:
-            return tree, tensors, None, None
         ranks, ptrs = claim(self.registry.items(), states, declared, self.owner)
         if ranks is None or not ptrs:
             return tree, tensors, None, None

@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from ckptless.errors import ConfigError, ManifestError
+from ckptless.state.dtensor import is_dtensor, local_of
 from ckptless.state.manifest import Manifest
 
 EXTRA_KEY = "replicated"
@@ -165,8 +166,7 @@ def tensor_ptrs(obj: Any) -> set[tuple[str, int]]:
         if depth > 64:
             return
         if isinstance(x, torch.Tensor):
-            if x.numel():
-                out.add((x.device.type, x.data_ptr()))
+            out.update(_ptr(x))
         elif isinstance(x, Mapping):
             for v in x.values():
                 walk(v, depth + 1)
@@ -178,8 +178,47 @@ def tensor_ptrs(obj: Any) -> set[tuple[str, int]]:
     return out
 
 
+def _ptr(t: torch.Tensor) -> set[tuple[str, int]]:
+    """(device type, pointer) of what a capture copies: a DTensor's local shard, else the tensor."""
+    local = local_of(t) if is_dtensor(t) else t
+    return {(local.device.type, local.data_ptr())} if local.numel() else set()
+
+
 def _param_ptrs(module: torch.nn.Module) -> set[tuple[str, int]]:
-    return {(p.device.type, p.data_ptr()) for p in module.parameters() if p.numel()}
+    return {x for p in module.parameters() for x in _ptr(p)}
+
+
+def of_dtensors(module: Any, rank: int) -> ReplicaSet | None:
+    """HSDP (FSDP2 on a 2-D mesh, replicate x shard) and any module whose DTensor parameters are
+    ``Replicate`` on some mesh dimensions: the ranks that share this rank's coordinates on every other
+    dimension hold the same local shards. None when no parameter is such a DTensor, when they disagree
+    on mesh or placements (no single set), or when the set is this rank alone."""
+    if not isinstance(module, torch.nn.Module):
+        return None
+    found: ReplicaSet | None = None
+    seen: dict[tuple[int, tuple[Any, ...]], ReplicaSet | None] = {}  # one mesh lookup per (mesh, placements)
+    for p in module.parameters():
+        if not is_dtensor(p):
+            return None
+        mesh, placements = p.device_mesh, tuple(p.placements)  # type: ignore[attr-defined]
+        key = (id(mesh), placements)
+        if key not in seen:
+            seen[key] = _set_of(mesh, placements)
+        rs = seen[key]
+        if rs is None or (found is not None and rs != found) or rank not in rs:
+            return None
+        found = rs
+    return found
+
+
+def _set_of(mesh: Any, placements: tuple[Any, ...]) -> ReplicaSet | None:
+    rep_dims = [i for i, pl in enumerate(placements) if pl.is_replicate()]
+    coord = mesh.get_coordinate()
+    if not rep_dims or coord is None:
+        return None
+    index = tuple(slice(None) if d in rep_dims else coord[d] for d in range(mesh.ndim))
+    ranks = [int(r) for r in mesh.mesh[index].flatten().tolist()]
+    return ReplicaSet.of_ranks(ranks) if len(set(ranks)) >= 2 else None
 
 
 def claim(objects: Iterable[tuple[str, Any]], states: Mapping[str, Any], declared: Mapping[str, ReplicaSet],
@@ -187,7 +226,8 @@ def claim(objects: Iterable[tuple[str, Any]], states: Mapping[str, Any], declare
     """The image's replica set and the tensors (device type, pointer) it covers.
 
     ``declared``: protected name -> the set it is replicated over (a DDP model's inner module, or a user
-    declaration). A module contributes its parameters; an optimizer whose every parameter is covered
+    declaration); a module whose DTensor parameters are ``Replicate`` on a mesh dimension (HSDP) is
+    found here (:func:`of_dtensors`). A module contributes its parameters; an optimizer whose every parameter is covered
     contributes its state; any other declared object, every tensor of its state dict. One image has
     one replicated region: a second, different set (rare: a DDP model beside another DDP group's) stays
     private, mirrored as before. A set this rank is not in is a wrong declaration: refused here.
@@ -195,6 +235,12 @@ def claim(objects: Iterable[tuple[str, Any]], states: Mapping[str, Any], declare
     objs = list(objects)
     chosen: ReplicaSet | None = None
     ptrs: set[tuple[str, int]] = set()
+    declared = dict(declared)
+    for name, obj in objs:  # HSDP and other Replicate DTensor parameters are found, not declared
+        if name not in declared and isinstance(obj, torch.nn.Module):
+            found = of_dtensors(obj, rank)
+            if found is not None:
+                declared[name] = found
     for name, obj in objs:
         rs = declared.get(name)
         if rs is None:
@@ -211,8 +257,8 @@ def claim(objects: Iterable[tuple[str, Any]], states: Mapping[str, Any], declare
     for name, obj in objs:
         if name in declared or not isinstance(obj, torch.optim.Optimizer):
             continue
-        params = [p for g in obj.param_groups for p in g["params"] if p.numel()]
-        if params and all((p.device.type, p.data_ptr()) in ptrs for p in params):
+        params = [x for g in obj.param_groups for p in g["params"] for x in _ptr(p)]
+        if params and all(x in ptrs for x in params):
             ptrs |= tensor_ptrs(states.get(name))
     return chosen, ptrs
 
