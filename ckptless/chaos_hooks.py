@@ -69,3 +69,40 @@ def pause_point(point: str, **info: object) -> None:
     deadline = time.monotonic() + HOLD_S
     while not os.path.exists(release) and time.monotonic() < deadline:
         time.sleep(0.005)  # held until the runner's signal (or its release file) arrives
+
+
+def flip_point(point: str, registry: object, rank: int) -> None:
+    """A chaos fault: silent data corruption. If the runner asked for ``point`` (e.g. ``flip:r2:5``: rank 2
+    after its step 5, before that version is captured), flip the lowest bit of the first element of the
+    first parameter of the first replicated module (a DDP model or a ``replicated_over`` declaration,
+    :meth:`StateRegistry.replicated`, else an HSDP model) in place, as a faulty GPU or DIMM would, once per
+    job (``flipped_<tag>.json`` is the latch). No-op otherwise."""
+    points = _load()
+    tag = points.get(point) if points else None
+    if tag is None:
+        return
+    d = environment.current().chaos_dir
+    assert d is not None
+    marker = os.path.join(d, f"flipped_{tag}.json")
+    if os.path.exists(marker):
+        return
+    import torch
+
+    from ckptless.state.dtensor import is_dtensor, local_of
+    from ckptless.state.replication import of_dtensors
+
+    declared: dict[str, object] = getattr(registry, "replicated", dict)()
+    items = list(getattr(registry, "items", lambda: iter(()))())
+    names = [n for n, _ in items if n in declared] + [n for n, o in items if of_dtensors(o, rank) is not None]
+    for name in names:
+        module = dict(items)[name]
+        for p in getattr(module, "parameters", lambda: iter(()))():
+            local = local_of(p) if is_dtensor(p) else p.data
+            if not local.numel():
+                continue
+            with torch.no_grad():
+                low = local.reshape(-1)[:1].view(torch.uint8)[:1]  # little-endian: the lowest mantissa bit
+                low ^= 1
+            with open(marker, "w") as f:
+                json.dump({"pid": os.getpid(), "point": point, "object": name, "t_wall": time.time()}, f)
+            return

@@ -100,12 +100,15 @@ class Job:
         return self._driver.state
 
     # --- protection ---------------------------------------------------------------------------------
-    def protect(self, **objs: Any) -> None:
+    def protect(self, replicated_over: Any = None, **objs: Any) -> None:
         """Register Stateful objects (model, optimizer, scheduler, data position, extras).
 
-        RNG streams are protected automatically under the name ``rng``.
+        RNG streams are protected automatically under the name ``rng``. ``replicated_over`` (a process
+        group or a list of ranks): every rank of it holds these objects identically, so a lost rank
+        gets them from a live replica instead of a mirror (docs/state.md, "Replicated state"); a DDP
+        model and HSDP's replicated shards are found without it.
         """
-        self._rt.registry.protect(**objs)
+        self._rt.registry.protect(replicated_over, **objs)
         self._rt.layout_changed()
         self._rt.make_snapshot_writer()
 

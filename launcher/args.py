@@ -83,6 +83,8 @@ class LaunchConfig:
     replicas: int = 1  # ckptless's own flags from here on
     mirror_every: int = 1
     placement: str = "ring"
+    on_replica_mismatch: str = "stop"
+    mirror_replicated: bool = False
     spares: int = 0
     snapshot_every: int = 0
     snapshot_dir: str | None = None
@@ -235,6 +237,12 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
     add("--replicas", action=env, type=int, default=1, help="K: peers holding a mirror of each shard.")
     add("--mirror-every", action=env, type=int, default=1, help="Mirror every N steps.")
     add("--placement", action=env, type=str, default="ring", choices=list(PLACEMENTS), help="Mirror placement.")
+    add("--on-replica-mismatch", action=env, type=str, default="stop", choices=["stop", "replace"],
+        help="Data-parallel replicas whose state differs at a mirror round (silent data corruption): stop the "
+             "job with one error naming ranks, tensors and step, or replace the odd rank of a majority.")
+    add("--mirror-replicated", action=check_env,
+        help="Mirror data-parallel replicated state too (DDP parameters, HSDP shards), not only what no replica "
+             "holds: survives the loss of every replica of a shard at once, for K x S bytes per round.")
     add("--spares", action=env, type=int, default=0, help="Hot spare workers per node.")
     add("--snapshot-every", action=env, type=int, default=0, help="Disk snapshot every M steps (0: off).")
     add("--snapshot-dir", action=env, type=str, default=None, help="Directory for disk snapshots.")

@@ -194,6 +194,8 @@ def ckptless_env_from_config(cfg: LaunchConfig, *, etcd_endpoint: str, node_id: 
         "CKPTLESS_REPLICAS": str(cfg.replicas if recovery else 0),
         "CKPTLESS_MIRROR_EVERY": str(cfg.mirror_every),
         "CKPTLESS_PLACEMENT": cfg.placement,
+        "CKPTLESS_ON_REPLICA_MISMATCH": cfg.on_replica_mismatch,
+        "CKPTLESS_MIRROR_REPLICATED": "1" if cfg.mirror_replicated else "0",
         "CKPTLESS_LEASE_TTL": repr(float(cfg.lease_ttl)),
     }
     for key, path in (("CKPTLESS_GOODPUT_DIR", cfg.goodput_dir), ("CKPTLESS_SHM_DIR", cfg.shm_dir)):

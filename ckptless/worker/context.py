@@ -79,6 +79,8 @@ class WorkerContext:
     snapshot_dir: str | None = None
     snapshot_every: int = 0
     standby_rank: int | None = None  # a spare that builds the script's objects as this rank while it waits
+    on_replica_mismatch: str = "stop"  # MirrorConfig.on_replica_mismatch: "stop" or "replace"
+    mirror_replicated: bool = False  # holders keep replicated prefixes too (--mirror-replicated)
     mirror_buffers: int = 2  # owner capture buffers (MirrorConfig.pool_buffers); 1 = the (2 + 2K) x S memory budget
     control_relay: str | None = None  # the node's control relay (coordinator/relay_server.py); None: watch etcd
 
@@ -122,5 +124,7 @@ class WorkerContext:
             snapshot_every=_int(e, "CKPTLESS_SNAPSHOT_EVERY", 0),
             standby_rank=_standby(e, role, world),
             mirror_buffers=_int(e, "CKPTLESS_MIRROR_BUFFERS", 2, low=1),
+            on_replica_mismatch=e.get("CKPTLESS_ON_REPLICA_MISMATCH") or "stop",
+            mirror_replicated=e.get("CKPTLESS_MIRROR_REPLICATED", "0") == "1",
             control_relay=e.get("CKPTLESS_CONTROL_RELAY") or None,
         )

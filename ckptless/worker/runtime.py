@@ -105,6 +105,7 @@ class WorkerRuntime:
         self.mirror_config = mirror_config or MirrorConfig.build(
             replicas=max(self.replicas, 1), mirror_every=ctx.mirror_every, placement=ctx.placement,
             shm_dir=ctx.shm_dir, timeout_s=ctx.collective_timeout_s, pool_buffers=ctx.mirror_buffers,
+            on_replica_mismatch=ctx.on_replica_mismatch,
         )
         self.heartbeat = Heartbeat(heartbeat_file)
         self.ledger = WorkerLedger(ctx.goodput_dir, None if ctx.role == "spare" else ctx.rank)
@@ -188,8 +189,12 @@ class WorkerRuntime:
     @property
     def capturer(self) -> Capturer:
         if self._capturer is None or self._capturer.owner != self.rank:
+            # One pool buffer means no rank keeps the committed version while it captures the next, so
+            # no live replica could serve a lost rank's replicated prefix: holders then keep it too
+            # (as with --mirror-replicated, for jobs that must survive losing every replica at once).
             self._capturer = Capturer(self.registry, self.ctx.job_id, self.rank, self.mirror_config.chunk_bytes,
-                                      timeout_s=self.mirror_config.timeout_s)
+                                      timeout_s=self.mirror_config.timeout_s,
+                                      mirror_replicated=self.ctx.mirror_replicated or self.mirror_config.pool_buffers < 2)
         return self._capturer
 
     def open_peer_store(self) -> PeerStore:
@@ -223,6 +228,7 @@ class WorkerRuntime:
         if engine is None:
             return self.capturer.capture(version, self.generation)
         reuse.donate_retired(self.own_images, engine)  # before acquiring: a retired engine's buffer is faulted in
+        chaos_hooks.flip_point(f"flip:r{self.rank}:{version}", self.registry, self.rank)  # chaos runs only: a bit flip
         buf = engine.acquire_buffer(self.capturer.required_bytes())
         # The training thread waits for no copy: CPU tensors are copied here, device tensors on side
         # streams (the next step waits for them on the GPU, where it would overwrite them); the engine's
