@@ -31,10 +31,12 @@ from pathlib import Path
 import pytest
 
 from ckptless.coordinator.embedded import EmbeddedEtcd
+from ckptless.coordinator.keyspace import Keyspace
 
 from ..harness import nccl_like
 from ..harness.cluster import Cluster, assert_bitwise_equal, descendants_with_env, wait_exit
 from ..harness.repo import PYTHON, REPO, SCRIPTS, child_env
+from ..harness.waiting import wait_until
 
 DDP_SCRIPT = str(REPO / "examples" / "ddp_train.py")
 FSDP_SCRIPT = str(REPO / "examples" / "fsdp2_train.py")
@@ -359,3 +361,144 @@ def test_fsdp2_on_nccl_semantics_kill_rank0_in_backward(module_etcd: EmbeddedEtc
     c = _kill_and_check(module_etcd, tmp_path / "fsdp_nccl_r0_bwd", FSDP_SCRIPT, (), 0, 5, "backward",
                         fsdp_baseline, **nccl_like.job_env())
     assert "[nccl_like] watchdog" not in c.log_text() and "[nccl_like] connected lazily" not in c.log_text()
+
+
+@pytest.mark.rotating(0)  # CI budget: tests/harness/rotation.py
+def test_ddp_spare_takes_a_rank_and_gets_its_replicated_state_from_live_replicas(module_etcd: EmbeddedEtcd,
+                                                                                 tmp_path: Path,
+                                                                                 ddp_baseline: dict) -> None:
+    """Issue 21 with a spare: rank 1 is killed at step 5; a spare on a third node (pre-built as rank 0,
+    so it restarts warm as rank 1: DDP state is never adopted in place) receives the DDP parameters
+    and AdamW state from the live replicas, the rest from rank 1's holder; bitwise, survivors kept."""
+    out = tmp_path / "ddp_spare"
+    c = _run(module_etcd, out, DDP_SCRIPT, (), EXAMPLE_PAUSE="1:5:start")
+    try:
+        c.start_agent()
+        c.start_agent()
+        doomed = c.paused_pid(1)
+        before = c.worker_pids()  # before the spare's node exists: its standby process is no rank's yet
+        c.start_agent("--spares", "1", nproc=0)
+        with c.client() as cl:
+            wait_until(lambda: bool(cl.get_prefix(Keyspace(c.job_id).spares_prefix)[0]), 120, "the spare")
+        os.kill(doomed, signal.SIGKILL)
+        c.wait()
+    finally:
+        c.kill_all()
+    finals, pids = c.finals_with_pids()
+    assert_bitwise_equal(finals, ddp_baseline)
+    assert pids[1] != doomed
+    for r in (0, 2, 3):
+        assert pids[r] == before[r], f"survivor rank {r} was restarted"
+    got = re.search(r"rank 1: resumed at step \d+ in generation 1 \(peers: (\d+) bytes from holders, "
+                    r"(\d+) from live replicas\)", c.log_text())
+    assert got is not None and int(got.group(2)) > int(got.group(1)), c.log_text()[-3000:]
+
+
+# --- issue 21: replicas checked against each other (silent data corruption) --------------------------
+
+
+def _flip_cluster(etcd: EmbeddedEtcd, out: Path, policy: str) -> ExampleCluster:
+    """The DDP example with a chaos bit flip in rank 2's first parameter after its step 5 (before v5 is
+    captured): v5 is where rank 2's replicated prefix first differs from ranks 1 and 3."""
+    chaos = out / "chaos"
+    chaos.mkdir(parents=True, exist_ok=True)
+    c = _run(etcd, out, DDP_SCRIPT, (), CKPTLESS_CHAOS_DIR=str(chaos), CKPTLESS_CHAOS_POINTS="flip=flip:r2:5")
+    c.start_agent("--on-replica-mismatch", policy)
+    c.start_agent("--on-replica-mismatch", policy)
+    return c
+
+
+def test_a_flipped_bit_in_one_replica_stops_the_job_naming_ranks_tensor_and_step(module_etcd: EmbeddedEtcd,
+                                                                                  tmp_path: Path) -> None:
+    """Policy ``stop`` (the default): found at the next round, never committed, one clear error naming
+    rank 2 as the odd one, the parameter and the step; the agents end non-zero, nothing is respawned."""
+    out = tmp_path / "sdc_stop"
+    c = _flip_cluster(module_etcd, out, "stop")
+    try:
+        for a in c.agents:
+            code = wait_exit(a, 180, "an agent of a job stopped by silent data corruption")
+            assert code != 0, c.tail()
+    finally:
+        c.kill_all()
+    flipped = json.loads((out / "chaos" / "flipped_flip.json").read_text())
+    assert flipped["object"] == "model", flipped
+    text = c.log_text()
+    found = re.search(r"silent data corruption: at step 5 rank (\d)'s replicated state differs from (.*?) in "
+                      r"([^;]*); rank 2 is the odd one", text)
+    assert found is not None, text[-4000:]
+    assert "model.0.weight" in found.group(3), found.group(0)
+    assert "SilentDataCorruption" in text
+    assert not list(out.glob("final_rank*.pt")), "a rank finished the job after the corruption"
+
+
+@pytest.mark.rotating(1)  # CI budget: tests/harness/rotation.py
+def test_a_flipped_bit_in_one_replica_is_replaced_and_the_run_ends_bitwise(module_etcd: EmbeddedEtcd, tmp_path: Path,
+                                                                          ddp_baseline: dict) -> None:
+    """Policy ``replace``: rank 2, whose prefix differs from both its neighbours while they agree, leaves
+    as a failed device and is rebuilt from its replicas (their own images, checked against their own
+    checksums, not against rank 2's corrupt manifest); the others keep their processes; the run ends
+    bitwise equal to the fault-free one."""
+    out = tmp_path / "sdc_replace"
+    c = _flip_cluster(module_etcd, out, "replace")
+    try:
+        c.wait()
+    finally:
+        c.kill_all()
+    finals, pids = c.finals_with_pids()
+    assert_bitwise_equal(finals, ddp_baseline)
+    flipped = json.loads((out / "chaos" / "flipped_flip.json").read_text())
+    assert pids[2] != flipped["pid"], "rank 2 finished in the process whose parameter was corrupted"
+    for r in (0, 1, 3):
+        assert int(finals[r]["recoveries"]) == 1, f"rank {r}: {finals[r]['recoveries']} recoveries"  # type: ignore[call-overload]
+    text = c.log_text()
+    assert "rank 2 is the odd one" in text and "this rank leaves to be rebuilt from its replicas" in text, text[-3000:]
+    assert re.search(r"rank 2: resumed at step \d+ in generation 1", text), text[-3000:]
+
+
+# --- issue 21: HSDP (FSDP2 on a replicate x shard mesh): shards recovered from their replica --------------
+
+HSDP = ("--hsdp", "2")  # mesh [[0, 1], [2, 3]]: ranks 1 and 3 hold one shard, 0 and 2 the other
+
+
+@pytest.fixture(scope="module")
+def hsdp_baseline(module_etcd: EmbeddedEtcd, tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[str, object]]:
+    return _baseline(module_etcd, tmp_path_factory.mktemp("hsdp"), FSDP_SCRIPT, HSDP)
+
+
+@pytest.mark.rotating(0)  # CI budget: tests/harness/rotation.py
+def test_hsdp_lost_rank_is_rebuilt_from_its_replica_peer(module_etcd: EmbeddedEtcd, tmp_path: Path,
+                                                         hsdp_baseline: dict) -> None:
+    """Rank 1 dies in step 5's backward; its parameter and optimizer shards come from rank 3 (the
+    other replica of that shard, on the other node), only its private rest from its mirror holder."""
+    c = _kill_and_check(module_etcd, tmp_path / "hsdp_r1", FSDP_SCRIPT, HSDP, 1, 5, "backward", hsdp_baseline,
+                        agent_args=("--no-shm-dir",))
+    got = re.search(r"rank 1: resumed at step \d+ in generation 1 \(peers: (\d+) bytes from holders, "
+                    r"(\d+) from live replicas\)", c.log_text())
+    assert got is not None, c.log_text()[-3000:]
+
+
+@pytest.mark.slow
+def test_hsdp_both_replicas_of_a_shard_lost_at_once_are_rebuilt_from_mirrors(module_etcd: EmbeddedEtcd,
+                                                                            tmp_path: Path,
+                                                                            hsdp_baseline: dict) -> None:
+    """Ranks 1 and 3, the two replicas of one shard, die in the same step: no live replica is left, so
+    the job mirrors replicated state too (``--mirror-replicated``, K = 2 so that each keeps a holder
+    that is not the other) and both are rebuilt from their holders, bitwise, the log saying so."""
+    out = tmp_path / "hsdp_both"
+    c = _run(module_etcd, out, FSDP_SCRIPT, HSDP, EXAMPLE_PAUSE="1:5:start,3:5:start")
+    try:
+        for _ in range(2):
+            c.start_agent("--no-shm-dir", "--mirror-replicated", "--replicas", "2")
+        doomed = [c.paused_pid(1), c.paused_pid(3)]
+        for pid in doomed:
+            os.kill(pid, signal.SIGKILL)
+        c.wait()
+    finally:
+        c.kill_all()
+    finals, pids = c.finals_with_pids()
+    assert_bitwise_equal(finals, hsdp_baseline)
+    assert pids[1] not in doomed and pids[3] not in doomed
+    text = c.log_text()
+    for r in (1, 3):
+        got = re.search(rf"rank {r}: resumed at step \d+ in generation 1 \((\w+)\)", text)
+        assert got is not None and got.group(1) == "peers", text[-3000:]  # whole images from the holders

@@ -158,3 +158,71 @@ def test_reports_carry_the_first_chunk_and_the_replica_set() -> None:
     assert report_from_json(raw) == r
     with pytest.raises(ConfigError):
         ReplicaFact(3, 5, 9, "", 4, None)
+
+
+# --- replicas checked against each other (mirror/replica_check.py) ----------------------------------------
+
+from ckptless.mirror import replica_check  # noqa: E402
+from ckptless.state.replication import Region  # noqa: E402
+
+
+def _region(*ranks: int) -> Region:
+    return Region(CHUNK * 4, ReplicaSet.of_ranks(ranks), False)
+
+
+def test_agreeing_replicas_find_nothing() -> None:
+    assert replica_check.compare(1, _region(0, 1, 2, 3), [5, 6, 7], [5, 6, 7], [5, 6, 7], 9) is None
+
+
+def test_the_odd_rank_finds_itself_and_its_neighbours_find_it() -> None:
+    region = _region(0, 1, 2, 3)
+    good, bad = [5, 6, 7], [5, 6, 8]
+    me = replica_check.compare(2, region, bad, good, good, 9)
+    assert me is not None and me.odd == 2 and me.differs == ((1, (2,)), (3, (2,)))
+    left = replica_check.compare(1, region, good, good, bad, 9)  # rank 1: prev 0 agrees, next 2 differs
+    assert left is not None and left.odd == 2
+    right = replica_check.compare(3, region, good, bad, good, 9)
+    assert right is not None and right.odd == 2
+    assert replica_check.verdict(me, "replace") is not None and replica_check.verdict(me, "replace").replace  # type: ignore[union-attr]
+    assert replica_check.verdict(left, "replace") is None  # the odd rank leaves; its neighbours go on
+    stop = replica_check.verdict(left, "stop")
+    assert stop is not None and not stop.replace and "rank 2 is the odd one" in str(stop)
+
+
+def test_two_replicas_that_differ_have_no_majority_and_stop() -> None:
+    d = replica_check.compare(0, _region(0, 1), [1, 2], [1, 3], [1, 3], 4)
+    assert d is not None and d.odd is None
+    err = replica_check.verdict(d, "replace")
+    assert err is not None and not err.replace and "no majority" in str(err)
+
+
+def test_prefixes_of_different_sizes_are_a_divergence_not_a_hang() -> None:
+    d = replica_check.compare(1, _region(0, 1, 2), [1, 2, 3], [-1, -1], [1, 2, 3], 4)
+    assert d is not None and d.differs[0][0] == 0
+
+
+def test_the_finding_names_the_tensors_by_their_paths() -> None:
+    _, img = _capture(1)
+    m = img.manifest  # type: ignore[attr-defined]
+    names = replica_check.tensor_paths(m, [0])
+    assert names and names[0] == "model.0.weight", names
+    region = region_of(m)
+    assert region is not None
+    last = region.bytes // CHUNK - 1
+    assert any(n.startswith("optimizer.state.") for n in replica_check.tensor_paths(m, [last]))
+
+
+@given(st.lists(st.integers(0, 3), min_size=4, max_size=4), st.integers(0, 3))
+def test_a_single_odd_rank_of_four_is_named_by_every_rank_that_sees_it(values: list[int], odd: int) -> None:
+    """Ranks 0-3 in a ring, every rank but ``odd`` holding the same prefix: whoever reports a divergence
+    names ``odd``, and ``odd`` itself reports."""
+    region = _region(0, 1, 2, 3)
+    sums = {r: [1, 2] for r in range(4)}
+    sums[odd] = [1, 2 + 1 + values[odd]]
+    for r in range(4):
+        prev, nxt = region.ranks.neighbours(r)
+        d = replica_check.compare(r, region, sums[r], sums[prev], sums[nxt], 3)
+        if r == odd or odd in (prev, nxt):
+            assert d is not None and d.odd == odd
+        else:
+            assert d is None
