@@ -33,15 +33,14 @@ restore the committed image after this process died (:mod:`ckptless.mirror.ownim
 states below decide when that manifest is written (on commit, before the older one is removed)
 and removed (before its buffer is captured into again).
 
-Rounds are collective: every rank must submit the same versions in the same
-order (use ``should_mirror(step)``), with the same ``pairs``. A partial round
-(``pairs``: see :mod:`ckptless.mirror.partial`) moves the payload only for the
-given (owner, holder) pairs and commits only if every other holder already
-holds the identical image. A round ending with corrupt or missing replicas is
-not committed but the engine continues; a transport error, a stale or
-out-of-step peer marks the engine broken: ``error`` is set, waiters wake, and
-every later call raises. Recovery then builds a new engine on a new group,
-passing the old ``store`` along.
+Rounds are collective: every rank must submit the same versions in the same order (use
+``should_mirror(step)``), with the same ``pairs``. A partial round (``pairs``: see
+:mod:`ckptless.mirror.partial`) moves the payload only for the given (owner, holder) pairs and
+commits only if every other holder already holds the identical image. A round ending with corrupt
+or missing replicas, or replicas that differ (:mod:`ckptless.mirror.replica_check`), is not
+committed but the engine continues; a transport error, a stale or out-of-step peer marks the
+engine broken: ``error`` is set, waiters wake, and every later call raises. Recovery then builds a
+new engine on a new group, passing the old ``store`` along.
 """
 
 from __future__ import annotations
@@ -57,7 +56,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ckptless.errors import MirrorError, TransportError
+from ckptless.errors import MirrorError, SilentDataCorruption, TransportError
 from ckptless.mirror import agreement, buffers, replica_check
 from ckptless.mirror.commit import RoundOutcome, decide, encode, round_ack
 from ckptless.mirror.config import MirrorConfig
@@ -148,12 +147,13 @@ class MirrorEngine:
             self._thread = threading.Thread(target=self._loop, name=f"ckptless-mirror-{self.rank}", daemon=True)
             self._thread.start()
 
-    # --- state ------------------------------------------------------------------------
     @property
     def broken(self) -> bool:
         return self.error is not None
 
     def _raise_if_broken(self) -> None:
+        if isinstance(self.error, SilentDataCorruption):  # not a fault: the job's policy (replica_check)
+            raise self.error
         if self.error is not None:
             raise MirrorError(f"mirror engine of rank {self.rank} is broken: {self.error}") from self.error
 
@@ -381,9 +381,9 @@ class MirrorEngine:
                             manifest.version, self.rank, res.missing)
             if not outcome.in_step:
                 self.error = MirrorError(f"ranks are out of step in round v{manifest.version}")
-            if diverged is not None:
-                log.error("%s", diverged.describe())
-                self.error = replica_check.verdict(diverged, self.config.on_replica_mismatch) or self.error
+            if diverged is not None:  # never a restore source where this rank may hold the bad copy
+                self.error, keep = replica_check.settle(diverged, self.config.on_replica_mismatch, self.error)
+                entry.manifest = entry.manifest if keep else None
             self._cond.notify_all()
         if files is not None:
             files.sweep_others()

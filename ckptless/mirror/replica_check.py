@@ -31,6 +31,7 @@ exchange (:func:`exchange`), which has the round's deadline.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -42,6 +43,8 @@ from ckptless.errors import SilentDataCorruption
 from ckptless.mirror.transport import Deadline, wait_all
 from ckptless.state.manifest import Manifest
 from ckptless.state.replication import Region
+
+log = logging.getLogger(__name__)
 
 # Above the agreement tags (0x7FF00000 + 0..4): a checksum vector to the next rank, and to the previous.
 TAG_TO_NEXT, TAG_TO_PREV = 0x7FF00010, 0x7FF00011
@@ -173,3 +176,13 @@ def verdict(d: Divergence, policy: str) -> SilentDataCorruption | None:
         return SilentDataCorruption(d.describe() + ": this rank leaves to be rebuilt from its replicas",
                                     replace=True)
     return SilentDataCorruption(d.describe() + " (policy: stop; --on-replica-mismatch replace rebuilds an odd rank)")
+
+
+def settle(d: Divergence, policy: str, current: BaseException | None) -> tuple[BaseException | None, bool]:
+    """What the engine does with a divergence it found in a round: its error from now on (the
+    :func:`verdict`, else ``current``) and whether this rank's own image of that version may still be
+    a restore source (not where this rank may hold the bad copy: the odd one, or any rank that saw a
+    divergence with no majority). Logs the finding once."""
+    log.error("%s", d.describe())
+    keep = d.odd is not None and d.odd != d.rank
+    return verdict(d, policy) or current, keep
