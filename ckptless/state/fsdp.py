@@ -22,7 +22,8 @@ Private torch 2.13 APIs used (pinned by ``tests/e2e/test_state_ddp_fsdp.py``):
 ``FSDPModule._get_fsdp_state``, ``FSDPState._fsdp_param_groups`` (``_fsdp_param_group`` in torch 2.11),
 ``FSDPState._is_root``, ``FSDPParamGroup._all_gather_result`` (and its
 ``all_gather_work``), ``FSDPParamGroup._module_to_pre_load_state_dict_hook_handle``,
-``FSDPParamGroup.fsdp_params``, ``FSDPParam._post_load_hook_handle``.
+``FSDPParamGroup.fsdp_params``, ``FSDPParam._post_load_hook_handle``, ``FSDPParam._unsharded_param``,
+``FSDPParam.unsharded_accumulated_grad``.
 """
 
 from __future__ import annotations
@@ -92,7 +93,11 @@ def reset_after_failure(module: nn.Module) -> bool:
     (one that never did has no per-iteration state, and its lazily built
     communication context does not exist yet), then set every parameter's
     ``grad`` to None: gradients are not part of the image, and a reduce-
-    scatter the failed step completed may already have written some.
+    scatter the failed step completed may already have written some; and the
+    unsharded parameters' gradients (and accumulated gradients) a failed backward
+    left before its reduce-scatter ran: the retried backward would add to them
+    (found with HSDP, where a survivor's shard group finishes a backward while
+    its replicate group waits for the dead rank).
     """
     states = _states(module)
     if not states:
@@ -103,6 +108,11 @@ def reset_after_failure(module: nn.Module) -> bool:
             work = None if result is None else result.all_gather_work
             if work is not None and not (work.is_completed() and work.is_success()):
                 group._all_gather_result = None
+            for fp in group.fsdp_params:  # gradients the failed backward left on the unsharded params
+                unsharded = getattr(fp, "_unsharded_param", None)
+                if unsharded is not None:
+                    unsharded.grad = None
+                fp.unsharded_accumulated_grad = None
     for m, state in states:
         if state._is_root:  # None before lazy init, False for non-roots
             m.reset_iter_state()  # type: ignore[operator]
