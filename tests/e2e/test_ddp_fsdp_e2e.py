@@ -120,8 +120,8 @@ def fsdp_baseline(module_etcd: EmbeddedEtcd, tmp_path_factory: pytest.TempPathFa
 
 def _kill_and_check(etcd: EmbeddedEtcd, out: Path, script: str, args: Sequence[str], victim: int, step: int,
                     where: str, baseline: dict[int, dict[str, object]], agent_args: Sequence[str] = (),
-                    **env: str) -> ExampleCluster:
-    c = _run(etcd, out, script, args, EXAMPLE_PAUSE=f"{victim}:{step}:{where}", **env)
+                    bitwise: bool = True, env: dict[str, str] | None = None) -> ExampleCluster:
+    c = _run(etcd, out, script, args, EXAMPLE_PAUSE=f"{victim}:{step}:{where}", **(env or {}))
     try:
         c.start_agent(*agent_args)
         c.start_agent(*agent_args)
@@ -133,7 +133,8 @@ def _kill_and_check(etcd: EmbeddedEtcd, out: Path, script: str, args: Sequence[s
     finally:
         c.kill_all()
     finals, pids = c.finals_with_pids()
-    assert_bitwise_equal(finals, baseline)
+    if bitwise:
+        assert_bitwise_equal(finals, baseline)
     paused = json.loads((out / f"paused_rank{victim}.json").read_text())
     assert paused == {"pid": doomed, "step": step, "where": where}
     assert pids[victim] != doomed, "the victim's rank finished in the killed process"
@@ -352,18 +353,18 @@ def test_ddp_on_nccl_semantics_kill_in_backward(module_etcd: EmbeddedEtcd, tmp_p
     """The user's DDP groups on the NCCL-semantics backend: the survivors' all-reduce never fails by
     itself when rank 3 dies in backward; ckptless aborts the generation, nobody waits for the watchdog."""
     c = _kill_and_check(module_etcd, tmp_path / "ddp_nccl_r3_bwd", DDP_SCRIPT, (), 3, 5, "backward", ddp_baseline,
-                        **nccl_like.job_env())
+                        env=nccl_like.job_env())
     assert "[nccl_like] watchdog" not in c.log_text() and "[nccl_like] connected lazily" not in c.log_text()
 
 
 def test_fsdp2_on_nccl_semantics_kill_rank0_in_backward(module_etcd: EmbeddedEtcd, tmp_path: Path,
                                                          fsdp_baseline: dict) -> None:
     c = _kill_and_check(module_etcd, tmp_path / "fsdp_nccl_r0_bwd", FSDP_SCRIPT, (), 0, 5, "backward",
-                        fsdp_baseline, **nccl_like.job_env())
+                        fsdp_baseline, env=nccl_like.job_env())
     assert "[nccl_like] watchdog" not in c.log_text() and "[nccl_like] connected lazily" not in c.log_text()
 
 
-@pytest.mark.rotating(0)  # CI budget: tests/harness/rotation.py
+@pytest.mark.slow  # CI budget: the CI DDP kill above runs the same transfer code (a respawn instead of a spare)
 def test_ddp_spare_takes_a_rank_and_gets_its_replicated_state_from_live_replicas(module_etcd: EmbeddedEtcd,
                                                                                  tmp_path: Path,
                                                                                  ddp_baseline: dict) -> None:
@@ -469,12 +470,16 @@ def hsdp_baseline(module_etcd: EmbeddedEtcd, tmp_path_factory: pytest.TempPathFa
 def test_hsdp_lost_rank_is_rebuilt_from_its_replica_peer(module_etcd: EmbeddedEtcd, tmp_path: Path,
                                                          hsdp_baseline: dict) -> None:
     """Rank 1 dies in step 5's backward; its parameter and optimizer shards come from rank 3 (the
-    other replica of that shard, on the other node), only its private rest from its mirror holder."""
+    other replica of that shard, on the other node), only its private rest from its mirror holder.
+    (This test found that a survivor whose shard group had finished a backward the replicate group
+    never reduced kept those gradients on its unsharded parameters: state/fsdp.py clears them.)"""
     c = _kill_and_check(module_etcd, tmp_path / "hsdp_r1", FSDP_SCRIPT, HSDP, 1, 5, "backward", hsdp_baseline,
-                        agent_args=("--no-shm-dir",))
+                        agent_args=("--no-shm-dir",), bitwise=False)
     got = re.search(r"rank 1: resumed at step \d+ in generation 1 \(peers: (\d+) bytes from holders, "
                     r"(\d+) from live replicas\)", c.log_text())
     assert got is not None, c.log_text()[-3000:]
+    assert "silent data corruption" not in c.log_text()  # the replicas agreed at every round after it
+    assert_bitwise_equal(c.finals_with_pids()[0], hsdp_baseline)
 
 
 @pytest.mark.slow
@@ -496,9 +501,9 @@ def test_hsdp_both_replicas_of_a_shard_lost_at_once_are_rebuilt_from_mirrors(mod
     finally:
         c.kill_all()
     finals, pids = c.finals_with_pids()
-    assert_bitwise_equal(finals, hsdp_baseline)
     assert pids[1] not in doomed and pids[3] not in doomed
     text = c.log_text()
     for r in (1, 3):
         got = re.search(rf"rank {r}: resumed at step \d+ in generation 1 \((\w+)\)", text)
         assert got is not None and got.group(1) == "peers", text[-3000:]  # whole images from the holders
+    assert_bitwise_equal(finals, hsdp_baseline)
