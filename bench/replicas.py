@@ -83,6 +83,8 @@ def case(rank: int, world: int, kind: str, mode: str, args: dict[str, Any]) -> d
     from ckptless.state import Capturer, StateRegistry
 
     model, opt = _model(kind, args["mib"], world)
+    reg = StateRegistry()
+    reg.protect(model=model, optimizer=opt)  # before the first step (DDP's reducer state)
     x = torch.randn(8, 1024)
     for _ in range(2):
         _step(model, opt, x)  # the AdamW moments exist
@@ -92,8 +94,6 @@ def case(rank: int, world: int, kind: str, mode: str, args: dict[str, Any]) -> d
         t0 = time.perf_counter()
         _step(model, opt, x)
         base.append(time.perf_counter() - t0)
-    reg = StateRegistry()
-    reg.protect(model=model, optimizer=opt)
     cap = Capturer(reg, "bench", rank, mirror_replicated=(mode == "before"))
     cfg = MirrorConfig.build(replicas=1, timeout_s=600.0)
     engine = MirrorEngine(dist.new_group(backend="gloo"), "bench", cfg)
