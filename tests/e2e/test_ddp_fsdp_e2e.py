@@ -34,7 +34,7 @@ from ckptless.coordinator.embedded import EmbeddedEtcd
 from ckptless.coordinator.keyspace import Keyspace
 
 from ..harness import nccl_like
-from ..harness.cluster import Cluster, assert_bitwise_equal, descendants_with_env, wait_exit
+from ..harness.cluster import Cluster, assert_bitwise_equal, descendants_with_env, independent_pair, wait_exit, wait_membership
 from ..harness.repo import PYTHON, REPO, SCRIPTS, child_env
 from ..harness.waiting import wait_until
 
@@ -349,6 +349,7 @@ def test_porting_guide_ported_script_runs(kind: str, tmp_path: Path) -> None:
 # --- on a backend with NCCL's failure semantics (tests/harness/nccl_like.py) -------------------------
 
 
+@pytest.mark.rotating(1)  # CI budget: tests/harness/rotation.py (the CI DDP kill runs daily on Gloo)
 def test_ddp_on_nccl_semantics_kill_in_backward(module_etcd: EmbeddedEtcd, tmp_path: Path, ddp_baseline: dict) -> None:
     """The user's DDP groups on the NCCL-semantics backend: the survivors' all-reduce never fails by
     itself when rank 3 dies in backward; ckptless aborts the generation, nobody waits for the watchdog."""
@@ -357,6 +358,7 @@ def test_ddp_on_nccl_semantics_kill_in_backward(module_etcd: EmbeddedEtcd, tmp_p
     assert "[nccl_like] watchdog" not in c.log_text() and "[nccl_like] connected lazily" not in c.log_text()
 
 
+@pytest.mark.rotating(0)  # CI budget: tests/harness/rotation.py (NCCL semantics: test_recovery_e2e daily)
 def test_fsdp2_on_nccl_semantics_kill_rank0_in_backward(module_etcd: EmbeddedEtcd, tmp_path: Path,
                                                          fsdp_baseline: dict) -> None:
     c = _kill_and_check(module_etcd, tmp_path / "fsdp_nccl_r0_bwd", FSDP_SCRIPT, (), 0, 5, "backward",
@@ -395,6 +397,40 @@ def test_ddp_spare_takes_a_rank_and_gets_its_replicated_state_from_live_replicas
     assert got is not None and int(got.group(2)) > int(got.group(1)), c.log_text()[-3000:]
 
 
+@pytest.mark.slow  # CI budget: the second failure during a recovery runs in CI on the reference job
+def test_ddp_second_failure_during_recovery_kills_a_replica_source(module_etcd: EmbeddedEtcd, tmp_path: Path,
+                                                                    ddp_baseline: dict) -> None:
+    """Issue 21: rank a is killed at step 5; while that recovery is under way, rank b (one of the live
+    replicas that serve a's parameters and AdamW state, and not a's holder nor held by it) dies too.
+    The next plan rebuilds both, each one's replicated state from the replicas still alive, without
+    the node-local tier; the run ends bitwise, the other two ranks in their first processes."""
+    a, b = independent_pair()
+    out = tmp_path / "ddp_second"
+    c = _run(module_etcd, out, DDP_SCRIPT, (), EXAMPLE_PAUSE=f"{a}:5:start")
+    try:
+        c.start_agent("--no-shm-dir")
+        c.start_agent("--no-shm-dir")
+        doomed = c.paused_pid(a)
+        before = c.worker_pids()
+        os.kill(doomed, signal.SIGKILL)
+        wait_membership(c, 1)  # the first recovery is under way ...
+        os.kill(before[b], signal.SIGKILL)  # ... when a replica source dies
+        c.wait()
+    finally:
+        c.kill_all()
+    finals, pids = c.finals_with_pids()
+    assert_bitwise_equal(finals, ddp_baseline)
+    for r in set(range(WORLD)) - {a, b}:
+        assert pids[r] == before[r], f"survivor rank {r} was restarted"
+    assert pids[a] != doomed and pids[b] != before[b]
+    m = c.membership()
+    assert m is not None and m.generation >= 2
+    text = c.log_text()
+    for r in (a, b):
+        assert re.search(rf"rank {r}: resumed at step \d+ in generation \d+ \(peers: \d+ bytes from holders, "
+                         rf"\d+ from live replicas\)", text), text[-3000:]
+
+
 # --- issue 21: replicas checked against each other (silent data corruption) --------------------------
 
 
@@ -409,6 +445,7 @@ def _flip_cluster(etcd: EmbeddedEtcd, out: Path, policy: str) -> ExampleCluster:
     return c
 
 
+@pytest.mark.rotating(0)  # CI budget: tests/harness/rotation.py (its twin under "replace" runs on the other days)
 def test_a_flipped_bit_in_one_replica_stops_the_job_naming_ranks_tensor_and_step(module_etcd: EmbeddedEtcd,
                                                                                   tmp_path: Path) -> None:
     """Policy ``stop`` (the default): found at the next round, never committed, one clear error naming
@@ -466,7 +503,7 @@ def hsdp_baseline(module_etcd: EmbeddedEtcd, tmp_path_factory: pytest.TempPathFa
     return _baseline(module_etcd, tmp_path_factory.mktemp("hsdp"), FSDP_SCRIPT, HSDP)
 
 
-@pytest.mark.rotating(0)  # CI budget: tests/harness/rotation.py
+@pytest.mark.slow  # CI budget: the DDP kill runs the same replica transfers daily; HSDP differs in detection only
 def test_hsdp_lost_rank_is_rebuilt_from_its_replica_peer(module_etcd: EmbeddedEtcd, tmp_path: Path,
                                                          hsdp_baseline: dict) -> None:
     """Rank 1 dies in step 5's backward; its parameter and optimizer shards come from rank 3 (the
