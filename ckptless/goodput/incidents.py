@@ -23,6 +23,7 @@ report's records. Pure: no clocks, no files.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from ckptless.goodput.ledger import AttrValue, Event, EventKind
@@ -82,6 +83,7 @@ class IncidentEvidence:
     resume: list[int] = field(default_factory=list)
     disk_step: list[int] = field(default_factory=list)
     marks: list[tuple[int | None, str, float]] = field(default_factory=list)
+    restored: dict[int, dict[str, AttrValue]] = field(default_factory=dict)  # rank -> source, bytes, replica_bytes
 
     def signal(self) -> float | None:
         ts = list(self.detect.values()) + self.opened
@@ -138,6 +140,9 @@ def collect_incidents(tl: list[tuple[float, Event]], base: int) -> tuple[dict[in
                 name = next(p for p, k in PHASE_KIND.items() if k is e.kind)
                 i.phase.setdefault(name, []).append(t)
                 i.marks.append((e.rank, name, t))
+                if e.rank is not None and e.kind in (K.ROLLBACK_DONE, K.TRANSFER_DONE):
+                    i.restored.setdefault(e.rank, {}).update(
+                        {k: v for k, v in a.items() if k in ("source", "bytes", "replica_bytes")})
                 if e.kind is K.ROLLBACK_DONE and e.step is not None:
                     i.resume.append(e.step)
                 if e.kind is K.DISK_RESTORE and e.step is not None:
@@ -153,6 +158,30 @@ def collect_incidents(tl: list[tuple[float, Event]], base: int) -> tuple[dict[in
                 i.replaced.add(e.rank)
                 i.marks.append((e.rank, "joined", t))
     return incs, faults
+
+
+def restore_summary(restored: Mapping[int, Mapping[str, AttrValue]]) -> str:
+    """Which tier served each rank's state, ranks grouped: ``1: holders 14.8 KiB + live replicas 4.0 MiB;
+    0, 2, 3: own memory``. Pure; "" when no rank said."""
+    names = {"local": "own memory", "node-local": "node-local copy", "peers": "holders", "disk": "disk snapshot",
+             "initial": "initial state"}
+    groups: dict[str, list[int]] = {}
+    for rank in sorted(restored):
+        r = restored[rank]
+        source = str(r.get("source", "?"))
+        label = names.get(source, source)
+        total, replicas = attr_number(r.get("bytes")) or 0.0, attr_number(r.get("replica_bytes")) or 0.0
+        if source == "peers":
+            label = f"holders {_size(total - replicas)}" + (f" + live replicas {_size(replicas)}" if replicas else "")
+        groups.setdefault(label, []).append(rank)
+    return "; ".join(f"{', '.join(map(str, ranks))}: {label}" for label, ranks in groups.items())
+
+
+def _size(n: float) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{int(n)} B"
 
 
 def assign_faults(incs: list[IncidentEvidence], faults: list[Fault]) -> list[Fault]:

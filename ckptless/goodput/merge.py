@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 from ckptless.goodput.accounting import Category, StepTime, account
 from ckptless.goodput.incidents import (
     PHASE_KIND, Fault, IncidentBounds, assign_faults, attr_number, clamp_in_order, collect_incidents, incident_bounds,
+    restore_summary,
 )
 from ckptless.goodput.ledger import AttrValue, Event, EventKind, Ledger
 
@@ -93,6 +94,7 @@ class IncidentView:
     steps_lost: int
     lost_work_s: float
     interrupted: bool
+    restored_from: str = ""  # which tier served each rank (incidents.restore_summary)
 
     @property
     def downtime_s(self) -> float | None:
@@ -204,7 +206,8 @@ def _freeze(v: IncidentBounds, index: int, steps_lost: int, lost_work_s: float) 
         start_source=v.source, detected_by=tuple(sorted(i.detect.items(), key=lambda p: p[1])),
         ends=dict(v.bounds), phases=phases, marks=tuple(i.marks), resumed_at=v.resumed,
         reprotected_at=max(i.reprotect) if i.reprotect else None, resume_step=resume,
-        steps_lost=steps_lost, lost_work_s=lost_work_s, interrupted=v.interrupted)
+        steps_lost=steps_lost, lost_work_s=lost_work_s, interrupted=v.interrupted,
+        restored_from=restore_summary(i.restored))
 
 
 def _job_ledger(tl: list[tuple[float, Event]], views: list[IncidentBounds], job_start: float,

@@ -143,11 +143,12 @@ def render_html(r: Report) -> str:
                     GOOGLE[c], escape(MEANING[c])] for c in CATEGORIES] + [["<b>wall</b>", _n(a.wall_s), "100.0%", "", ""]],
                   {1, 2})
     head = ["#", "gen", "lost ranks", "fault", "started", "started by", "decision", "resume step", "steps lost",
-            "note"]
+            "note", "restored from"]
     phead = ["#", *[LABELS[p] + " s" for p in PHASES], "downtime s", "kill → first step s",
              "re-protection s (background)"]
     rows = _incident_rows(r)
-    inc_html = (_table(head, [x[:7] + x[-3:] for x in rows], {0, 1, 7, 8})
+    restored = [escape(i.restored_from or "–") for i in a.incidents]
+    inc_html = (_table(head, [x[:7] + x[-3:] + [s] for x, s in zip(rows, restored)], {0, 1, 7, 8})
                 + "<h3>Phases (seconds)</h3>"
                 + _table(phead, [[x[0], *x[7:-3]] for x in rows], set(range(len(phead))))
                 if a.incidents else "<p>No incidents: the generation never changed.</p>")

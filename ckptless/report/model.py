@@ -145,7 +145,7 @@ def incident_to_json(i: IncidentView) -> dict[str, Any]:
         "kill_to_first_step_s": i.kill_to_first_step_s,
         "reprotected_at": i.reprotected_at, "reprotect_s": i.reprotect_s,
         "resume_step": i.resume_step, "steps_lost": i.steps_lost, "lost_work_s": i.lost_work_s,
-        "interrupted": i.interrupted,
+        "interrupted": i.interrupted, "restored_from": i.restored_from,
     }
 
 

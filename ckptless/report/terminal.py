@@ -78,7 +78,8 @@ def _incidents(r: Report) -> list[Table]:
     if not a.incidents:
         return []
     t = _table("Incidents", ["#", "gen", "lost ranks", "started", "started by", "decision", "resume step",
-                             "steps lost", "downtime s", "kill -> first step s", "re-protection s (bg)", "note"],
+                             "steps lost", "downtime s", "kill -> first step s", "re-protection s (bg)",
+                             "restored from", "note"],
                {0, 1, 6, 7, 8, 9, 10})
     for i in a.incidents:
         note = ", ".join(x for x, on in (("interrupted", i.interrupted), ("no first step", i.resumed_at is None
@@ -87,7 +88,7 @@ def _incidents(r: Report) -> list[Table]:
         t.add_row(str(i.index), str(i.generation), ",".join(map(str, i.lost_ranks)) or "-", tf.at(i.started_at),
                   i.start_source + (f" ({faults})" if faults else ""), i.decision or "-",
                   "-" if i.resume_step is None else str(i.resume_step), str(i.steps_lost), _s(i.downtime_s),
-                  _s(i.kill_to_first_step_s), _s(i.reprotect_s), note or "-")
+                  _s(i.kill_to_first_step_s), _s(i.reprotect_s), i.restored_from or "-", note or "-")
     p = _table("Recovery phases (seconds; each ends when the last rank reaches it)",
                ["#", *[LABELS[x] for x in PHASES], "sum = downtime"], set(range(len(PHASES) + 2)))
     for i in a.incidents:

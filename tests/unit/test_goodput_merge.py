@@ -186,3 +186,16 @@ def test_merged_categories_partition_the_wall_time(raw: list, rnd: random.Random
     assert analyze(evs) == a
     e = estimate(a)
     assert all(0 <= f.lost_steps < e.inputs.interval_steps for f in e.failures) and e.wall_s >= 0
+
+
+def test_the_incident_says_which_tier_served_each_rank() -> None:
+    """Issue 21: a replaced rank's bytes from its holders and from live replicas, survivors from memory."""
+    es = [ev(K.JOB_START, 0.0), ev(K.JOB_START, 0.0, 1), *steps(0, 1, 3, 1.0), ev(K.FAILURE_DETECTED, 3.5),
+          ev(K.GROUPS_REFORMED, 4.0, gen=1), ev(K.GROUPS_REFORMED, 4.0, 1, gen=1),
+          ev(K.TRANSFER_DONE, 4.5, 1, gen=1, bytes=(4 << 20) + 15104, replica_bytes=4 << 20),
+          ev(K.ROLLBACK_DONE, 4.6, 1, gen=1, step=2, source="peers"),
+          ev(K.TRANSFER_DONE, 4.1, 0, gen=1, bytes=0, replica_bytes=0),
+          ev(K.ROLLBACK_DONE, 4.2, 0, gen=1, step=2, source="local"),
+          ev(K.FIRST_STEP_AFTER_RECOVERY, 5.5, gen=1, step=3), ev(K.JOB_END, 6.0, gen=1)]
+    (inc,) = analyze(sorted(es, key=lambda e: e.t_monotonic)).incidents
+    assert inc.restored_from == "0: own memory; 1: holders 14.8 KiB + live replicas 4.0 MiB", inc.restored_from
