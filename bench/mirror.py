@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import os
 import shutil
 import statistics
@@ -44,6 +43,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _ranks import run_ranks  # noqa: E402
 
 WORLD = 4
 MIB = 1 << 20
@@ -322,26 +325,7 @@ def worker(rank: int, store_path: str, out_path: str, args: dict[str, Any]) -> N
 
 
 def _run(args: dict[str, Any], timeout: float) -> list[Any] | None:
-    with tempfile.TemporaryDirectory() as tmp:
-        ctx = mp.get_context("spawn")
-        outs = [os.path.join(tmp, f"r{r}.json") for r in range(WORLD)]
-        procs = [ctx.Process(target=worker, args=(r, os.path.join(tmp, "store"), outs[r], args))
-                 for r in range(WORLD)]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(timeout)
-        if any(p.is_alive() or p.exitcode for p in procs):
-            for p in procs:
-                if p.is_alive():
-                    p.kill()
-            print("bench worker failed or hung", file=sys.stderr)
-            return None
-        per_rank = []
-        for o in outs:
-            with open(o) as f:
-                per_rank.append(json.load(f))
-        return per_rank
+    return run_ranks(worker, WORLD, (args,), timeout)
 
 
 # --- tables ----------------------------------------------------------------------------------------------------

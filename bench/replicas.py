@@ -25,11 +25,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import os
 import statistics
 import sys
-import tempfile
 import time
 from datetime import timedelta
 from typing import Any
@@ -39,6 +37,9 @@ import torch.distributed as dist
 from torch import nn
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _ranks import run_ranks  # noqa: E402
 
 MIB = 1 << 20
 
@@ -120,7 +121,8 @@ def case(rank: int, world: int, kind: str, mode: str, args: dict[str, Any]) -> d
     return out
 
 
-def worker(rank: int, world: int, store_path: str, out_path: str, args: dict[str, Any]) -> None:
+def worker(rank: int, store_path: str, out_path: str, args: dict[str, Any]) -> None:
+    world = args["world"]
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world,
                             timeout=timedelta(seconds=600))
@@ -132,26 +134,7 @@ def worker(rank: int, world: int, store_path: str, out_path: str, args: dict[str
 
 
 def run(world: int, args: dict[str, Any]) -> list[dict[str, Any]] | None:
-    with tempfile.TemporaryDirectory() as tmp:
-        ctx = mp.get_context("spawn")
-        outs = [os.path.join(tmp, f"r{r}.json") for r in range(world)]
-        procs = [ctx.Process(target=worker, args=(r, world, os.path.join(tmp, "store"), outs[r], args))
-                 for r in range(world)]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(1800)
-        if any(p.is_alive() or p.exitcode for p in procs):
-            for p in procs:
-                if p.is_alive():
-                    p.kill()
-            print(f"bench worker failed or hung at world {world}", file=sys.stderr)
-            return None
-        per_rank = []
-        for o in outs:
-            with open(o) as f:
-                per_rank.append(json.load(f))
-        return per_rank
+    return run_ranks(worker, world, (args,), 1800)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -169,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     print("|---|---|---|---|---|---|---|")
     raw: dict[str, Any] = {}
     for world in a.worlds:
-        per_rank = run(world, args)
+        per_rank = run(world, dict(args, world=world))
         if per_rank is None:
             return 1
         raw[str(world)] = per_rank
