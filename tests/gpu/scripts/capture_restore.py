@@ -133,7 +133,7 @@ def main() -> None:
         tree = json.dumps(img.manifest.tree)
         assert '"cuda"' in tree and '"cuda:' not in tree, "an image records the device type, never an index"
         # The reference: the same tensors cloned on the compute stream, before the next step runs.
-        _, tensors = cap._collect()
+        tensors = cap._collect()[1]
         ref = [(local_of(x) if is_dtensor(x) else x).detach().clone() for x in tensors]
         order.captured(img.fence)
         todo.put((i + 1, img, [r.cpu() for r in ref], free[b]))
