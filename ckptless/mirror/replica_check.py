@@ -34,7 +34,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -42,6 +41,7 @@ import torch.distributed as dist
 from ckptless.errors import SilentDataCorruption
 from ckptless.mirror.transport import Deadline, wait_all
 from ckptless.state.manifest import Manifest
+from ckptless.state.tree import tensor_paths_of
 from ckptless.state.replication import Region
 
 log = logging.getLogger(__name__)
@@ -101,32 +101,8 @@ def tensor_paths(manifest: Manifest, chunks: Sequence[int]) -> list[str]:
     spans = [(c * manifest.chunk_bytes, (c + 1) * manifest.chunk_bytes) for c in chunks]
     hit = {i for i, e in enumerate(manifest.tensors)
            if any(e.offset < b and e.offset + e.nbytes > a for a, b in spans)}
-    found: dict[int, str] = {}
-    _walk(manifest.tree, "", found, 0)
+    found = tensor_paths_of(manifest.tree)
     return [found.get(i, f"tensor #{i}") for i in sorted(hit)]
-
-
-def _walk(node: Any, path: str, found: dict[int, str], depth: int) -> None:
-    if depth > 128:
-        return
-    if isinstance(node, list):
-        for i, v in enumerate(node):
-            _walk(v, f"{path}.{i}" if path else str(i), found, depth + 1)
-        return
-    if not isinstance(node, dict) or len(node) != 1:
-        return
-    ((tag, val),) = node.items()
-    if tag in ("T", "N") and isinstance(val, int):
-        found.setdefault(val, path)
-    elif tag == "Td" and isinstance(val, list) and val and isinstance(val[0], int):
-        found.setdefault(val[0], path)
-    elif tag in ("d", "o"):
-        items = val[0] if tag == "o" and isinstance(val, list) and val else val
-        for item in items if isinstance(items, list) else ():
-            if isinstance(item, list) and len(item) == 2:
-                _walk(item[1], f"{path}.{item[0]}" if path else str(item[0]), found, depth + 1)
-    elif tag in ("t", "DT") and isinstance(val, list):
-        _walk(val if tag == "t" else val[0], path, found, depth + 1)
 
 
 def exchange(group: dist.ProcessGroup, rank: int, region: Region, mine: Sequence[int],

@@ -104,7 +104,8 @@ class Capturer:
         self.timeout_s = timeout_s
         self.mirror_replicated = mirror_replicated
 
-    def _collect(self) -> tuple[Any, list[torch.Tensor], list[bool] | None, Region | None]:
+    def _collect(self) -> tuple[Any, list[torch.Tensor], list[bool] | None, ReplicaSet | None]:
+        """The state tree, its tensors, which of them are replicated (None: none) and over which ranks."""
         states: dict[str, Any] = {}
         for name, obj in self.registry.items():
             try:
@@ -121,8 +122,7 @@ class Capturer:
         shared = [bool(t.numel()) and (t.device.type, t.data_ptr()) in ptrs for t in tensors]
         if not any(shared):
             return tree, tensors, None, None
-        _, _, prefix = _layout(tensors, shared, self.chunk_bytes)
-        return tree, tensors, shared, Region(prefix, ranks, self.mirror_replicated)
+        return tree, tensors, shared, ranks
 
     def required_bytes(self) -> int:
         """Bytes an image of the current state needs (state sizes may grow,
@@ -156,8 +156,9 @@ class Capturer:
             raise ConfigError("version", version, "must be a non-negative int")
         if type(generation) is not int or generation < 0:
             raise ConfigError("generation", generation, "must be a non-negative int")
-        tree, tensors, shared, region = self._collect()
-        entries, total, _ = _layout(tensors, shared, self.chunk_bytes)
+        tree, tensors, shared, ranks = self._collect()
+        entries, total, prefix = _layout(tensors, shared, self.chunk_bytes)
+        region = None if ranks is None else Region(prefix, ranks, self.mirror_replicated)
         if out is None:
             out = self.allocate(total)
         check_buffer(out, "capture buffer")

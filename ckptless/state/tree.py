@@ -330,3 +330,34 @@ def _dec_npscalar(val: Any, path: str, ctx: _Ctx, depth: int) -> Any:
         return dt.type(raw)
     except (OverflowError, ValueError) as exc:
         raise _bad(path, f"value {raw!r} does not fit numpy {dt.name}") from exc
+
+
+def tensor_paths_of(tree: Any) -> dict[int, str]:
+    """Tensor index -> its path in the state (``model.0.weight``), read from an encoded tree without
+    decoding it (names in error messages, e.g. silent data corruption; unknown tags are skipped)."""
+    found: dict[int, str] = {}
+    _walk(tree, "", found, 0)
+    return found
+
+
+def _walk(node: Any, path: str, found: dict[int, str], depth: int) -> None:
+    if depth > 128:
+        return
+    if isinstance(node, list):
+        for i, v in enumerate(node):
+            _walk(v, f"{path}.{i}" if path else str(i), found, depth + 1)
+        return
+    if not isinstance(node, dict) or len(node) != 1:
+        return
+    ((tag, val),) = node.items()
+    if tag in ("T", "N") and isinstance(val, int):
+        found.setdefault(val, path)
+    elif tag == "Td" and isinstance(val, list) and val and isinstance(val[0], int):
+        found.setdefault(val[0], path)
+    elif tag in ("d", "o"):
+        items = val[0] if tag == "o" and isinstance(val, list) and val else val
+        for item in items if isinstance(items, list) else ():
+            if isinstance(item, list) and len(item) == 2:
+                _walk(item[1], f"{path}.{item[0]}" if path else str(item[0]), found, depth + 1)
+    elif tag in ("t", "DT") and isinstance(val, list):
+        _walk(val if tag == "t" else val[0], path, found, depth + 1)
