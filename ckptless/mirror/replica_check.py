@@ -25,6 +25,12 @@ and the step. What happens then is the job's policy (``MirrorConfig.on_replica_m
   others go on. With no majority (a set of two, or neighbours that disagree)
   it stops as above.
 
+A rank whose prefix was read from live tensors that moved under the read
+(:mod:`ckptless.state.live_prefix`) *abstains*: its checksums prove nothing
+about its replicas, so it neither compares nor is compared (it does not
+acknowledge the round either). Each pair of neighbours swaps vectors only when
+both sent the same size: every pair decides alike from the two sizes it swapped.
+
 Pure decision (:func:`compare`, :func:`tensor_paths`) apart from the one
 exchange (:func:`exchange`), which has the round's deadline.
 """
@@ -48,6 +54,7 @@ log = logging.getLogger(__name__)
 
 # Above the agreement tags (0x7FF00000 + 0..4): a checksum vector to the next rank, and to the previous.
 TAG_TO_NEXT, TAG_TO_PREV = 0x7FF00010, 0x7FF00011
+ABSTAIN = -1  # the size a rank sends when it has no trustworthy checksums this round
 
 
 @dataclass(frozen=True)
@@ -69,13 +76,14 @@ class Divergence:
                 f"{who} in {names or 'padding'}{odd}")
 
 
-def compare(rank: int, region: Region, mine: Sequence[int], prev_sums: Sequence[int], next_sums: Sequence[int],
-            version: int, manifest: Manifest | None = None) -> Divergence | None:
-    """Pure: this rank's verdict from its own and its neighbours' prefix checksums (None: all agree)."""
+def compare(rank: int, region: Region, mine: Sequence[int], prev_sums: Sequence[int] | None,
+            next_sums: Sequence[int] | None, version: int, manifest: Manifest | None = None) -> Divergence | None:
+    """Pure: this rank's verdict from its own and its neighbours' prefix checksums (None: all agree).
+    A neighbour's ``None``: it abstained, nothing is known of it."""
     prev, nxt = region.ranks.neighbours(rank)
     differs: list[tuple[int, tuple[int, ...]]] = []
     for who, theirs in ((prev, prev_sums), (nxt, next_sums)):
-        if who == rank:
+        if who == rank or theirs is None:
             continue
         bad = tuple(i for i, (a, b) in enumerate(zip(mine, theirs)) if a != b)
         if len(mine) != len(theirs):
@@ -85,10 +93,11 @@ def compare(rank: int, region: Region, mine: Sequence[int], prev_sums: Sequence[
     if not differs:
         return None
     odd: int | None = None
-    neighbours_agree = prev != nxt and list(prev_sums) == list(next_sums)
+    both = prev_sums is not None and next_sums is not None and prev != nxt
+    neighbours_agree = both and list(prev_sums or ()) == list(next_sums or ())
     if neighbours_agree and {n for n, _ in differs} == {prev, nxt}:
         odd = rank  # both neighbours hold the same bytes and this rank does not
-    elif len(differs) == 1 and prev != nxt:
+    elif len(differs) == 1 and both:
         odd = differs[0][0]  # one neighbour differs from this rank, the other agrees with it
     chunks = sorted({c for _, cs in differs for c in cs})
     names = tuple(tensor_paths(manifest, chunks)) if manifest is not None else ()
@@ -106,30 +115,42 @@ def tensor_paths(manifest: Manifest, chunks: Sequence[int]) -> list[str]:
 
 
 def exchange(group: dist.ProcessGroup, rank: int, region: Region, mine: Sequence[int],
-             deadline: Deadline) -> tuple[list[int], list[int]]:
-    """Send ``mine`` to both ring neighbours, receive theirs: (previous rank's, next rank's).
+             deadline: Deadline, abstain: bool = False) -> tuple[list[int] | None, list[int] | None]:
+    """Send ``mine`` to both ring neighbours, receive theirs: (previous rank's, next rank's); None for a
+    neighbour that abstained (or when this rank does, ``abstain``).
 
     Collective within the replica set: every member calls it in the same round."""
     prev, nxt = region.ranks.neighbours(rank)
+    mine_n = ABSTAIN if abstain else len(mine)
+    # Sizes first: replicas whose prefixes differ in size (a wrong declaration) must not post receives of
+    # the wrong size. Each pair then swaps vectors only if both sent the same size, which both ends know.
+    size_prev, size_next = torch.empty(1, dtype=torch.int64), torch.empty(1, dtype=torch.int64)
+    out = torch.tensor([mine_n], dtype=torch.int64)
+    wait_all([group.recv([size_prev], prev, TAG_TO_NEXT), group.recv([size_next], nxt, TAG_TO_PREV),
+              group.send([out], nxt, TAG_TO_NEXT), group.send([out], prev, TAG_TO_PREV)],
+             deadline, f"the replica check (sizes) with ranks {prev} and {nxt}")
+    n_prev, n_next = int(size_prev), int(size_next)
+    vec = torch.tensor(list(mine), dtype=torch.int64)
+    from_prev, from_next = torch.empty(max(n_prev, 0), dtype=torch.int64), torch.empty(max(n_next, 0), dtype=torch.int64)
+    works = []
+    if n_prev == mine_n != ABSTAIN:
+        works += [group.recv([from_prev], prev, TAG_TO_NEXT), group.send([vec], prev, TAG_TO_PREV)]
+    if n_next == mine_n != ABSTAIN:
+        works += [group.recv([from_next], nxt, TAG_TO_PREV), group.send([vec], nxt, TAG_TO_NEXT)]
+    wait_all(works, deadline, f"the replica check (checksums) with ranks {prev} and {nxt}")
 
-    def swap(out: torch.Tensor, n_prev: int, n_next: int, what: str) -> tuple[torch.Tensor, torch.Tensor]:
-        from_prev, from_next = torch.empty(n_prev, dtype=torch.int64), torch.empty(n_next, dtype=torch.int64)
-        works = [group.recv([from_prev], prev, TAG_TO_NEXT), group.recv([from_next], nxt, TAG_TO_PREV),
-                 group.send([out], nxt, TAG_TO_NEXT), group.send([out], prev, TAG_TO_PREV)]
-        wait_all(works, deadline, f"the replica check ({what}) with ranks {prev} and {nxt}")
-        return from_prev, from_next
+    def theirs(n: int, got: torch.Tensor) -> list[int] | None:
+        if abstain or n == ABSTAIN:
+            return None
+        return [int(x) for x in got.tolist()] if n == mine_n else [-1] * n  # another size: all differ
 
-    # Lengths first: replicas whose prefixes differ in size (a wrong declaration) must not post
-    # receives of the wrong size; both ends then skip the vectors alike.
-    lp, ln = swap(torch.tensor([len(mine)], dtype=torch.int64), 1, 1, "sizes")
-    if int(lp) != len(mine) or int(ln) != len(mine):
-        return [-1] * int(lp), [-1] * int(ln)
-    vp, vn = swap(torch.tensor(list(mine), dtype=torch.int64), len(mine), len(mine), "checksums")
-    return [int(x) for x in vp.tolist()], [int(x) for x in vn.tolist()]
+    return theirs(n_prev, from_prev), theirs(n_next, from_next)
 
 
-def check(group: dist.ProcessGroup, rank: int, manifest: Manifest, deadline: Deadline) -> Divergence | None:
-    """One round's check for this rank's image (None when it has no replicated prefix, or all agree)."""
+def check(group: dist.ProcessGroup, rank: int, manifest: Manifest, deadline: Deadline,
+          abstain: bool = False) -> Divergence | None:
+    """One round's check for this rank's image (None when it has no replicated prefix, all agree, or this
+    rank ``abstain`` s: its prefix checksums are not trustworthy this round)."""
     from ckptless.state.replication import prefix_chunks, region_of
 
     region = region_of(manifest)
@@ -137,7 +158,9 @@ def check(group: dist.ProcessGroup, rank: int, manifest: Manifest, deadline: Dea
     if region is None or n == 0 or rank not in region.ranks:
         return None
     mine = list(manifest.chunk_checksums[:n])
-    prev_sums, next_sums = exchange(group, rank, region, mine, deadline)
+    prev_sums, next_sums = exchange(group, rank, region, mine, deadline, abstain)
+    if abstain:
+        return None
     return compare(rank, region, mine, prev_sums, next_sums, manifest.version, manifest)
 
 
