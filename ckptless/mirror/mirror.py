@@ -4,28 +4,8 @@ Why a background thread: the training step must only wait for its local copy
 (the capture into a pool buffer); sending to K peers and receiving their
 images run on the dedicated mirror group meanwhile.
 
-Buffer pool lifetime rules (``MirrorConfig.pool_buffers``):
-
-* ``acquire_buffer(n)`` hands out a FREE buffer (>= n bytes) to capture into;
-  it blocks (up to ``timeout_s``) only if all buffers are busy, i.e. when
-  mirroring is slower than ``mirror_every`` steps: that is back-pressure.
-* ``submit(manifest, buffer)`` hands it to the engine; the caller must not
-  write to it afterwards. ``release_buffer`` returns an unused one.
-* The engine keeps the buffer of the newest *committed* version (the owner's
-  own copy, for local rollback: ``local_image()``); it becomes FREE when a
-  newer version commits. An in-flight buffer becomes FREE when its round ends
-  without a commit.
-* ``pool_buffers=2`` (default): committed + in flight. Capturing v+1 waits only while v's round
-  is still running, so a step longer than a round never waits, and a committed local copy always
-  exists (survivors roll back from local memory). ``3`` also lets one capture run ahead of a slow
-  round (absorbs jitter when step < round) for one more S of memory.
-* ``pool_buffers=1`` (memory budget: host memory (2 + 2K) x S with the live
-  state in host memory): capturing v+1 reuses the buffer of committed v once
-  no round is queued or in flight (it blocks while v's round still sends).
-  Trade-off: from then until v+1 commits this rank has *no local copy of the
-  committed version*; if a failure hits in that window and recovery resumes
-  at v, this rank receives v from its holders (the planner does that for any
-  rank that does not report v locally) instead of restoring it in place.
+The owner-side buffer pool (what each capture buffer holds when, and the deferred prefix) is
+:mod:`ckptless.mirror.pool`.
 
 Node-local tier (``config.shm_dir`` set and ``config.node_local``): the pool buffers are files in
 ``shm_dir`` and the committed one carries a manifest file beside it, so a respawn on this node can
@@ -63,29 +43,15 @@ from ckptless.mirror.config import MirrorConfig
 from ckptless.mirror.partial import MISSING, Pair, PairSpec, check_pairs, digest, my_missing_pairs, split
 from ckptless.mirror.ownimage import OwnImageFiles
 from ckptless.mirror.placement import Placement, compute_placement
-from ckptless.mirror.store import PeerStore, StoredImage
+from ckptless.mirror.pool import COMMITTED, FREE, INFLIGHT, QUEUED, OwnerPool, _Buf, _has_checksums
+from ckptless.mirror.store import PeerStore
 from ckptless.mirror.transport import Deadline, MirrorTransport, RoundResult
 from ckptless.state.checksum import chunk_checksums
 from ckptless.state.fence import CopyFence
+from ckptless.state.live_prefix import LivePrefix
 from ckptless.state.manifest import Manifest
 
 log = logging.getLogger(__name__)
-
-FREE, CAPTURING, QUEUED, INFLIGHT, COMMITTED = "free", "capturing", "queued", "inflight", "committed"
-
-
-def _has_checksums(m: Manifest) -> bool:
-    """False for an image captured with ``checksum_now=False`` whose round has not checksummed it yet."""
-    return bool(m.chunk_checksums) or m.total_bytes == 0
-
-
-@dataclass
-class _Buf:
-    tensor: torch.Tensor
-    state: str = FREE
-    manifest: Manifest | None = None
-    path: str | None = None  # its file in shm_dir (node-local tier), None: anonymous memory
-    fence: CopyFence | None = None  # device-to-host copies of its capture still in flight
 
 
 @dataclass(frozen=True)
@@ -101,7 +67,7 @@ class RoundStats:
     missing: tuple[int, ...] = ()  # owners whose kept image this rank lacked (round not committed)
 
 
-class MirrorEngine:
+class MirrorEngine(OwnerPool):
     """Mirrors this rank's images to its holders and holds its owners' images."""
 
     def __init__(
@@ -160,95 +126,9 @@ class MirrorEngine:
     def should_mirror(self, step: int) -> bool:
         return step % self.config.mirror_every == 0
 
-    # --- buffer pool ----------------------------------------------------------------------
-    def acquire_buffer(self, nbytes: int, timeout: float | None = None) -> torch.Tensor:
-        """A 1-D uint8 CPU buffer of >= ``nbytes`` to capture into (see module doc for lifetime)."""
-        deadline = time.monotonic() + (self.config.timeout_s if timeout is None else timeout)
-        with self._cond:
-            while True:
-                self._raise_if_broken()
-                free = [b for b in self._pool if b.state == FREE]
-                fit = [b for b in free if b.tensor.numel() >= nbytes]
-                if fit:
-                    buf = min(fit, key=lambda b: b.tensor.numel())
-                elif free:  # grow one (sizes changed): the only allocation after warm-up
-                    buf = free[0]
-                    self._regrow(buf, nbytes)
-                elif len(self._pool) < self.config.pool_buffers:
-                    tensor, path = self._allocate(nbytes)
-                    buf = _Buf(tensor, path=path)
-                    self._pool.append(buf)
-                elif (reuse := self._reusable_committed()) is not None:
-                    buf = reuse  # pool_buffers=1: the committed local copy is given up (module doc)
-                    if self.own_files is not None:
-                        self.own_files.retract(buf.path)  # before a byte of it is overwritten
-                    if buf.tensor.numel() < nbytes:
-                        self._regrow(buf, nbytes)
-                else:
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        raise MirrorError(f"no free capture buffer within the deadline ({len(self._pool)} busy): "
-                                          "mirroring is slower than mirror_every steps")
-                    self._cond.wait(left)
-                    continue
-                buf.state, buf.manifest = CAPTURING, None
-                return buf.tensor
-
-    def _allocate(self, nbytes: int) -> tuple[torch.Tensor, str | None]:
-        return buffers.allocate(self.own_files, nbytes)  # page-locked when the process uses CUDA
-
-    def _regrow(self, buf: _Buf, nbytes: int) -> None:
-        buffers.drop(buf.tensor, buf.path, buf.fence, self.config.timeout_s)
-        buf.tensor, buf.fence = torch.empty(0, dtype=torch.uint8), None  # free the old one first
-        if self.own_files is not None:
-            self.own_files.release(buf.path)
-        buf.tensor, buf.path = self._allocate(nbytes)
-
-    def _reusable_committed(self) -> _Buf | None:
-        """With one buffer: the committed one, once no round is queued or in flight."""
-        if self.config.pool_buffers > 1 or any(b.state in (QUEUED, INFLIGHT) for b in self._pool):
-            return None
-        return next((b for b in self._pool if b.state == COMMITTED), None)
-
-    def release_buffer(self, tensor: torch.Tensor) -> None:
-        with self._cond:
-            for b in self._pool:
-                if b.tensor.data_ptr() == tensor.data_ptr() and b.state == CAPTURING:
-                    b.state = FREE
-                    self._cond.notify_all()
-
-    def _entry(self, tensor: torch.Tensor) -> _Buf | None:
-        for b in self._pool:
-            if b.tensor.data_ptr() == tensor.data_ptr():
-                return b
-        return None
-
-    def pool_ptrs(self) -> list[int]:
-        return [b.tensor.data_ptr() for b in self._pool]
-
-    def local_image(self, version: int | None = None) -> StoredImage | None:
-        """The owner's own copy of the committed version (default) for local rollback."""
-        with self._cond:
-            for b in self._pool:
-                if b.manifest is not None and b.state == COMMITTED and (version is None or b.manifest.version == version):
-                    return StoredImage(b.manifest, b.tensor[: b.manifest.total_bytes])
-        return None
-
-    def own_images(self) -> list[StoredImage]:
-        """Every image of this rank still intact in the pool (committed, in flight or queued).
-
-        Used for rollback after the engine broke: the resume version chosen by
-        recovery may be the committed one or a newer one whose round did not
-        finish everywhere. Callers verify checksums before restoring.
-        """
-        with self._cond:
-            return [StoredImage(b.manifest, b.tensor[: b.manifest.total_bytes])
-                    for b in self._pool if b.manifest is not None and b.state != CAPTURING
-                    and _has_checksums(b.manifest)]
-
     # --- submission -------------------------------------------------------------------------
     def submit(self, manifest: Manifest, buffer: torch.Tensor, pairs: PairSpec = None,
-               fence: CopyFence | None = None) -> None:
+               fence: CopyFence | None = None, live: LivePrefix | None = None) -> None:
         """Queue one image for the next round; returns at once (background) or after it.
 
         ``pairs``: None = full round (every owner to all its holders). A set of
@@ -264,7 +144,8 @@ class MirrorEngine:
         ``fence``: the capture's device-to-host copies still in flight into
         ``buffer`` (:mod:`ckptless.state.fence`); the round waits for them
         before it reads a byte, and an image the fence calls torn is never
-        mirrored (the engine breaks: a fault, the job rolls back).
+        mirrored (the engine breaks: a fault, the job rolls back). ``live``: a deferred capture, whose
+        ``buffer`` holds the suffix alone (:mod:`ckptless.mirror.pool`).
         """
         if fence is not None:  # before anything can raise: the buffer is not dropped under its copies
             with self._cond:
@@ -274,14 +155,15 @@ class MirrorEngine:
         self._raise_if_broken()
         if pairs is not None and pairs != MISSING:
             pairs = check_pairs(self.placement, pairs)
-        if buffer.dtype != torch.uint8 or buffer.dim() != 1 or not buffer.is_contiguous() or buffer.numel() < manifest.total_bytes:
-            raise MirrorError("image buffer must be a contiguous 1-D uint8 tensor of >= total_bytes")
+        need = manifest.total_bytes - (live.nbytes if live is not None else 0)
+        if buffer.dtype != torch.uint8 or buffer.dim() != 1 or not buffer.is_contiguous() or buffer.numel() < need:
+            raise MirrorError("image buffer must be a contiguous 1-D uint8 tensor of >= total_bytes (less a live prefix)")
         with self._cond:
             entry = self._entry(buffer)
             if entry is None:  # a foreign buffer: adopted into the pool, caller must not reuse it
                 entry = _Buf(buffer)
                 self._pool.append(entry)
-            entry.state, entry.manifest, entry.fence = QUEUED, manifest, fence
+            entry.state, entry.manifest, entry.fence, entry.live = QUEUED, manifest, fence, live
         if self._thread is None:
             self._round(manifest, buffer, pairs)
             self._raise_if_broken()
@@ -337,20 +219,21 @@ class MirrorEngine:
                         entry.manifest = None  # never one of own_images(), whatever its manifest says
                     raise MirrorError(f"image v{manifest.version} of rank {self.rank} is not mirrored: {torn}")
                 entry.fence = None  # done: nothing to wait for, and its source tensors need not stay alive
+            untrusted = None  # why a live prefix's checksums prove nothing this round
             if not _has_checksums(manifest):  # captured with checksum_now=False: checksummed here,
                 # off the training thread (crc32c releases the GIL); nothing writes the buffer now
-                sums = tuple(chunk_checksums(buffer, manifest.chunk_bytes, manifest.total_bytes))
-                manifest = dataclasses.replace(manifest, chunk_checksums=sums)
+                manifest, untrusted = self._checksum(manifest, buffer, entry)
                 with self._cond:
                     entry.manifest = manifest
             deadline = Deadline(self.config.timeout_s)
-            diverged = replica_check.check(self.group, self.rank, manifest, deadline)  # never committed if so
+            diverged = replica_check.check(self.group, self.rank, manifest, deadline,  # never committed if so
+                                           abstain=untrusted is not None)
             pairs = self._missing_pairs(manifest, deadline) if spec == MISSING else spec
             assert pairs is None or isinstance(pairs, frozenset)
             send_to, recv_from = split(pairs, self.rank, self.placement)
-            res = self.transport.exchange(manifest, buffer, self.store, deadline,
-                                          send_to=send_to, recv_from=recv_from)
-            outcome = self._agree(res, deadline, diverged is None)
+            res = self.transport.exchange(manifest, buffer, self.store, deadline, send_to=send_to,
+                                          recv_from=recv_from, buffer_base=entry.live.nbytes if entry.live else 0)
+            outcome = self._agree(res, deadline, diverged is None and untrusted is None)
         except Exception as exc:  # any failure leaves the group in an unknown state
             log.error("mirror round v%d failed on rank %d: %s", manifest.version, self.rank, exc)
             with self._cond:
@@ -358,9 +241,13 @@ class MirrorEngine:
                 entry.state = FREE  # unsealed or torn, it has no checksums: never one of own_images()
                 self._cond.notify_all()
             return
-        files = self.own_files if outcome.advanced and outcome.committed == manifest.version else None
-        if files is not None:
-            files.publish(entry.path, manifest)  # the newer manifest first: one always tells the truth
+        committed_here = outcome.advanced and outcome.committed == manifest.version
+        holder: _Buf | None = entry  # the buffer holding this version whole once committed (None: none)
+        if entry.live is not None:  # the live prefix and the suffix, over the committed buffer
+            holder = self._merge(entry, manifest) if committed_here else None
+        files = self.own_files if committed_here and holder is not None else None
+        if files is not None and holder is not None:
+            files.publish(holder.path, manifest)  # the newer manifest first: one always tells the truth
         with self._cond:
             if outcome.advanced:
                 for b in self._pool:
@@ -368,7 +255,10 @@ class MirrorEngine:
                         if self.own_files is not None:
                             self.own_files.retract(b.path)
                         b.state = FREE
-                entry.state = COMMITTED
+                if holder is not None:
+                    holder.state = COMMITTED
+                if holder is not entry:  # a deferred capture: its suffix buffer is free again
+                    entry.state, entry.manifest, entry.live = FREE, None, None
                 self.committed_version = outcome.committed
                 self.store.pin(outcome.committed)
             else:
@@ -384,11 +274,26 @@ class MirrorEngine:
             if diverged is not None:  # never a restore source where this rank may hold the bad copy
                 self.error, keep = replica_check.settle(diverged, self.config.on_replica_mismatch, self.error)
                 entry.manifest = entry.manifest if keep else None
+            if untrusted is not None and self.live_torn is None:
+                self.live_torn = untrusted
+                log.warning("rank %d: %s; captures copy the whole image from now on", self.rank, untrusted)
             self._cond.notify_all()
         if files is not None:
             files.sweep_others()
         if outcome.advanced and self.on_commit is not None and outcome.committed is not None:
             self.on_commit(outcome.committed)
+
+    def _checksum(self, manifest: Manifest, buffer: torch.Tensor, entry: _Buf) -> tuple[Manifest, str | None]:
+        """The image's chunk checksums, a deferred prefix's read from the live tensors; and why those
+        prove nothing (written under the read, or abandoned for a restore), or None."""
+        live, total = entry.live, manifest.total_bytes
+        if live is None:
+            return dataclasses.replace(manifest, chunk_checksums=tuple(
+                chunk_checksums(buffer, manifest.chunk_bytes, total))), None
+        sums = live.checksums(manifest.chunk_bytes) + chunk_checksums(buffer, manifest.chunk_bytes, total - live.nbytes)
+        untrusted = live.changed() or ("abandoned (a recovery, or an optimizer step that outwaited its round)"
+                                     if entry.abandoned else None)
+        return dataclasses.replace(manifest, chunk_checksums=tuple(sums)), untrusted
 
     def _missing_pairs(self, manifest: Manifest, deadline: Deadline) -> frozenset[Pair]:
         """The pairs of this rank whose holder lacks this round's image (the :data:`MISSING` rule).
@@ -417,24 +322,11 @@ class MirrorEngine:
     # --- shutdown ---------------------------------------------------------------------------------
     def retire(self) -> None:
         """Stop after the current round (which fails once its peers are gone); do not wait."""
+        self.abandon_deferred()  # a restore may write the live tensors next: no merge from them
         self._queue.put(None)
 
     def thread_alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
-
-    def release_pool(self) -> None:
-        """Drop the engine's references to its capture buffers (a retired engine whose thread ended).
-
-        Why it is safe: a Gloo operation still in flight holds its own reference to
-        the tensors it reads or writes, and images handed out by :meth:`own_images`
-        hold theirs; what is dropped here is only the pool's. Without this, every
-        recovery left one to three S-sized buffers per rank alive for the rest of the job.
-        A buffer's copies in flight are waited for and its registration ended first (``buffers.drop``).
-        """
-        with self._cond:
-            pool, self._pool = self._pool, []
-        for b in pool:
-            buffers.drop(b.tensor, b.path, b.fence, self.config.timeout_s)
 
     def release_group(self) -> bool:
         """Drop the engine's references to its mirror group (a retired engine whose thread ended);
@@ -447,39 +339,6 @@ class MirrorEngine:
         self.group = None  # type: ignore[assignment]  # retired: no method of this engine uses it again
         self.transport.group = None  # type: ignore[assignment]
         return held
-
-    def take_pool(self) -> list[torch.Tensor]:
-        """Hand over the pool's plain-memory buffers and forget them (a retired engine whose thread ended).
-
-        File-backed buffers (node-local tier) stay with their files and are not handed out.
-        """
-        with self._cond:
-            pool, self._pool = self._pool, []
-        for b in pool:  # a queued round that never ran may have left its capture's copies in flight
-            buffers.drop(b.tensor, b.path, b.fence, self.config.timeout_s)
-        return [b.tensor for b in pool if b.path is None]
-
-    def donate(self, tensors: Sequence[torch.Tensor]) -> int:
-        """Add FREE buffers to the pool, up to ``pool_buffers``; returns how many were taken.
-
-        Why: buffers of the previous generation's engine are already faulted in;
-        reusing them keeps page faults off the first captures after a recovery.
-        Not for the node-local tier, whose pool buffers are files.
-        """
-        taken = 0
-        with self._cond:
-            if self.own_files is not None:
-                return 0
-            for t in tensors:
-                if len(self._pool) >= self.config.pool_buffers:
-                    break
-                if t.dtype != torch.uint8 or t.dim() != 1 or not t.is_contiguous() or self._entry(t) is not None:
-                    continue
-                self._pool.append(_Buf(t))
-                taken += 1
-            if taken:
-                self._cond.notify_all()
-        return taken
 
     def join(self, timeout: float) -> None:
         if self._thread is not None:

@@ -205,12 +205,17 @@ class MirrorTransport:
         on_check: Callable[[int, Header], None] | None = None,
         send_to: frozenset[int] | None = None,
         recv_from: frozenset[int] | None = None,
+        buffer_base: int = 0,
     ) -> RoundResult:
         """Send ``(manifest, buffer)`` to my holders, receive my owners' images into ``store``.
 
         ``send_to`` / ``recv_from`` (None: all) restrict the payload to a
-        partial round's pairs; the other pairs are kept (module doc).
+        partial round's pairs; the other pairs are kept (module doc). ``buffer_base``:
+        ``buffer`` holds the image from that byte on (a deferred prefix, never
+        sent: it must not exceed where holders' copies begin).
         """
+        if buffer_base > held_from(manifest):
+            raise MirrorError(f"rank {self.rank}'s buffer starts at byte {buffer_base}, past what its holders keep")
         if manifest.owner != self.rank or manifest.job_id != self.job_id:
             raise MirrorError(f"rank {self.rank} asked to mirror owner {manifest.owner} of job {manifest.job_id!r}")
         if manifest.generation != self.generation:
@@ -270,7 +275,7 @@ class MirrorTransport:
                           for i, (off, n) in enumerate(self._spans(m.total_bytes, base[o]))]
                       for o, m in moving.items()}
             psends = self._send_payload(buffer, manifest.total_bytes, [h for h in self.holders if h in send_to],
-                                        res, deadline, held_from(manifest))
+                                        res, deadline, held_from(manifest), buffer_base)
             for o, parts in precvs.items():
                 m = moving[o]
                 bad: list[int] = []
@@ -297,14 +302,14 @@ class MirrorTransport:
         return res
 
     def _send_payload(self, buffer: torch.Tensor, total: int, holders: list[int], res: RoundResult,
-                      deadline: Deadline, start: int = 0) -> list[dist.Work | None]:
-        """Post the payload messages (bytes ``[start, total)``); with a rate cap one at a time, sleeping
-        while ahead of it."""
+                      deadline: Deadline, start: int = 0, base: int = 0) -> list[dist.Work | None]:
+        """Post the payload messages (bytes ``[start, total)``, byte ``b`` at ``buffer[b - base]``); with a
+        rate cap one at a time, sleeping while ahead of it."""
         works: list[dist.Work | None] = []
         t0 = time.monotonic()
         for i, (off, n) in enumerate(self._spans(total, start)):
             for h in holders:
-                w = self._isend(buffer[off:off + n], h, TAG_PAYLOAD + i)
+                w = self._isend(buffer[off - base:off - base + n], h, TAG_PAYLOAD + i)
                 res.bytes_sent += n
                 if self.rate_bytes_s <= 0:
                     works.append(w)

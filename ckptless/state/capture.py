@@ -15,7 +15,9 @@ padding bytes are zeroed so identical states give identical images.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Container
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -25,6 +27,7 @@ from ckptless.state import checksum, host_memory, streams
 from ckptless.state.checksum import DEFAULT_CHUNK_BYTES
 from ckptless.state.fence import CopyFence, late_sources
 from ckptless.state.image import StateImage, check_buffer, slot
+from ckptless.state.live_prefix import LivePrefix, deferrable
 from ckptless.state.manifest import Manifest, TensorEntry, dtype_name
 from ckptless.state.registry import StateRegistry
 from ckptless.state.replication import EXTRA_KEY, Region, ReplicaSet, claim
@@ -33,7 +36,7 @@ from ckptless.state.tree import encode
 
 ALIGN = 64
 
-__all__ = ["ALIGN", "Capturer", "StateImage", "restore"]  # restore and StateImage re-exported: older import paths
+__all__ = ["ALIGN", "Capturer", "Plan", "StateImage", "restore"]  # restore and StateImage re-exported: older import paths
 
 
 def _align(n: int) -> int:
@@ -63,6 +66,31 @@ def _layout(tensors: list[torch.Tensor], shared: list[bool] | None = None,
             prefix = end = -(-end // chunk_bytes) * chunk_bytes
     out = [e for e in entries if e is not None]
     return out, end, prefix
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One capture's state and layout, collected once (``state_dict()`` of every protected object,
+    the replica claim, the layout): :meth:`Capturer.plan` before a buffer is acquired, then
+    :meth:`Capturer.capture` with it, so that a step collects its state once."""
+
+    tree: Any
+    tensors: list[torch.Tensor]
+    ranks: ReplicaSet | None
+    entries: list[TensorEntry]
+    total: int
+    prefix: int  # end of the replicated prefix (0: none)
+
+    def can_defer(self, mirror_replicated: bool) -> bool:
+        """May the capture leave the prefix live (:mod:`ckptless.state.live_prefix`)? Not when the
+        prefix is mirrored (holders need its bytes), nor where a prefix tensor is not a contiguous
+        CPU tensor."""
+        return (self.ranks is not None and not mirror_replicated
+                and deferrable(self.prefix, self.entries, self.tensors))
+
+    def nbytes(self, defer: bool) -> int:
+        """Bytes the capture buffer needs: the whole image, or its suffix alone when deferred."""
+        return self.total - self.prefix if defer else self.total
 
 
 Copy = tuple[int, torch.Tensor, torch.Tensor]  # (tensor index in the image, destination slot, source)
@@ -124,11 +152,16 @@ class Capturer:
             return tree, tensors, None, None
         return tree, tensors, shared, ranks
 
+    def plan(self) -> Plan:
+        """The current state and its layout (state sizes may grow, e.g. optimizer moments appear after
+        the first step: plan every capture anew)."""
+        tree, tensors, shared, ranks = self._collect()
+        entries, total, prefix = _layout(tensors, shared, self.chunk_bytes)
+        return Plan(tree, tensors, ranks, entries, total, prefix)
+
     def required_bytes(self) -> int:
-        """Bytes an image of the current state needs (state sizes may grow,
-        e.g. optimizer moments appear after the first step: ask again)."""
-        _, tensors, shared, _ = self._collect()
-        return _layout(tensors, shared, self.chunk_bytes)[1]
+        """Bytes an image of the current state needs."""
+        return self.plan().total
 
     def allocate(self, nbytes: int | None = None) -> torch.Tensor:
         """A buffer for :meth:`capture`: page-locked when this process uses CUDA, so that the
@@ -137,7 +170,7 @@ class Capturer:
         return host_memory.empty(n)
 
     def capture(self, version: int, generation: int, out: torch.Tensor | None = None,
-                checksum_now: bool = True) -> StateImage:
+                checksum_now: bool = True, plan: Plan | None = None, defer_prefix: bool = False) -> StateImage:
         """Copy the current state into ``out`` (allocated when None) and checksum it.
 
         ``checksum_now=False``: the manifest's ``chunk_checksums`` is left empty
@@ -149,6 +182,11 @@ class Capturer:
         fence and checksummed it. ``checksum_now=True`` waits for the copies
         (with a deadline) and checksums here.
 
+        ``plan``: from :meth:`plan` (collected now when None). ``defer_prefix``: copy the private
+        suffix alone, ``out[0:total - prefix]`` holding image bytes ``[prefix, total)``; the image's
+        ``live`` reads the prefix from the live tensors (:mod:`ckptless.state.live_prefix`;
+        :meth:`Plan.can_defer` must hold, and then ``checksum_now`` must be False).
+
         Raises :class:`StateError` when ``out`` is too small (with both sizes)
         or when some state cannot be represented.
         """
@@ -156,15 +194,19 @@ class Capturer:
             raise ConfigError("version", version, "must be a non-negative int")
         if type(generation) is not int or generation < 0:
             raise ConfigError("generation", generation, "must be a non-negative int")
-        tree, tensors, shared, ranks = self._collect()
-        entries, total, prefix = _layout(tensors, shared, self.chunk_bytes)
+        p = self.plan() if plan is None else plan
+        tree, tensors, ranks, entries, total, prefix = p.tree, p.tensors, p.ranks, p.entries, p.total, p.prefix
         region = None if ranks is None else Region(prefix, ranks, self.mirror_replicated)
+        if defer_prefix and (checksum_now or not p.can_defer(self.mirror_replicated)):
+            raise StateError("a capture may leave its prefix live only unchecksummed, with a readable, unmirrored prefix")
+        base = prefix if defer_prefix else 0
         if out is None:
-            out = self.allocate(total)
+            out = self.allocate(total - base)
         check_buffer(out, "capture buffer")
-        if out.numel() < total:
-            raise StateError(f"capture buffer too small: state needs {total} bytes, buffer has {out.numel()}")
-        fence = self._copy(out, tensors, entries)
+        if out.numel() < total - base:
+            raise StateError(f"capture buffer too small: state needs {total - base} bytes, buffer has {out.numel()}")
+        live = LivePrefix.of(prefix, entries, tensors, self._watch()) if defer_prefix else None
+        fence = self._copy(out, tensors, entries, base)
         if fence is not None and checksum_now:
             fence.wait(self.timeout_s, f"capture of version {version}")
             if fence.seal() is not None:
@@ -183,25 +225,34 @@ class Capturer:
             tree=tree,
             extra={} if region is None else {EXTRA_KEY: region.to_json()},
         )
-        return StateImage(manifest=manifest, buffer=out, fence=fence)
+        return StateImage(manifest=manifest, buffer=out, fence=fence, live=live)
 
-    def _copy(self, out: torch.Tensor, tensors: list[torch.Tensor], entries: list[TensorEntry]) -> CopyFence | None:
-        """CPU tensors are copied here; device tensors are queued on side streams (returns their fence)."""
-        end = 0
+    def _watch(self) -> dict[int, torch.Tensor]:
+        return late_sources(obj for _, obj in self.registry.items())
+
+    def _copy(self, out: torch.Tensor, tensors: list[torch.Tensor], entries: list[TensorEntry],
+              base: int = 0) -> CopyFence | None:
+        """CPU tensors are copied here; device tensors are queued on side streams (returns their fence).
+        ``base``: ``out`` holds the image from that byte on (a deferred prefix); tensors below it are skipped."""
+        end = base
         for e in sorted(entries, key=lambda x: x.offset):  # the gaps, zeroed: equal states, equal images
+            if e.offset < base:
+                continue
             if e.offset > end:
-                out[end : e.offset].zero_()
+                out[end - base : e.offset - base].zero_()
             end = max(end, e.offset + e.nbytes)
         on_device: list[Copy] = []
         for i, (t, e) in enumerate(zip(tensors, entries)):
-            dst = slot(out, e, t.dtype)
+            if e.offset < base:
+                continue
+            dst = slot(out, dataclasses.replace(e, offset=e.offset - base) if base else e, t.dtype)
             if t.device.type == "cpu":
                 dst.copy_(t)
             else:
                 on_device.append((i, dst, t))
         if not on_device:
             return None
-        return self._copy_from_device(on_device, late_sources(obj for _, obj in self.registry.items()))
+        return self._copy_from_device(on_device, self._watch())
 
     def _copy_from_device(self, pairs: list[Copy], late: dict[int, torch.Tensor]) -> CopyFence:
         """Device-to-host copies on one side stream per source device; returns their fence.

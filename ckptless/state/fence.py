@@ -53,7 +53,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -155,6 +155,10 @@ class WriteOrder:
         self._pending: CopyFence | None = None
         self._handles: list[Any] = []
         self._lock = threading.Lock()
+        self.optimizers: list[torch.optim.Optimizer] = []  # those whose step runs the pre-hook
+        # Called first in every protected optimizer's pre-hook: the mirror engine's wait for a deferred
+        # prefix (mirror/pool.py), whose live tensors only this step may overwrite.
+        self.before_optimizer: Callable[[], None] | None = None
 
     def install(self, objects: Iterable[Any]) -> None:
         """A step pre-hook on every protected optimizer (again after new objects were protected). An
@@ -162,11 +166,12 @@ class WriteOrder:
         ordering every copy at the step's start."""
         for h in self._handles:
             h.remove()
-        self._handles = []
+        self._handles, self.optimizers = [], []
         for obj in objects:
             if isinstance(obj, torch.optim.Optimizer):
                 try:
                     self._handles.append(obj.register_step_pre_hook(self._before_optimizer_step))
+                    self.optimizers.append(obj)
                 except AttributeError as exc:
                     self.go_conservative(f"{type(obj).__qualname__} takes no step pre-hook ({exc})")
 
@@ -195,6 +200,8 @@ class WriteOrder:
             f.order_late(at_start=True)
 
     def _before_optimizer_step(self, *_: Any) -> None:
+        if self.before_optimizer is not None:
+            self.before_optimizer()
         f = self._pending
         if f is None:
             return

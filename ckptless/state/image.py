@@ -16,6 +16,7 @@ from ckptless.state.manifest import Manifest, TensorEntry
 
 if TYPE_CHECKING:
     from ckptless.state.fence import CopyFence
+    from ckptless.state.live_prefix import LivePrefix
 
 
 @dataclass
@@ -29,11 +30,16 @@ class StateImage:
     ``fence``: device-to-host copies still in flight into ``buffer`` (an
     asynchronous capture, :mod:`ckptless.state.fence`); None when the bytes
     are final.
+
+    ``live``: a deferred capture's replicated prefix, still in the live tensors
+    (:mod:`ckptless.state.live_prefix`); ``buffer`` then holds the image's bytes
+    from ``live.nbytes`` on. None: ``buffer`` holds the whole image.
     """
 
     manifest: Manifest
     buffer: torch.Tensor
     fence: CopyFence | None = None
+    live: LivePrefix | None = None
 
 
 def check_buffer(buf: torch.Tensor, what: str) -> None:

@@ -41,7 +41,7 @@ from ckptless.snapshot import SnapshotConfig, SnapshotWriter
 from ckptless.state.capture import Capturer, StateImage
 from ckptless.state.fence import WriteOrder
 from ckptless.state.registry import StateRegistry
-from ckptless.worker import exit_guard, groups, rank_reads, reuse
+from ckptless.worker import deferral, exit_guard, groups, rank_reads, reuse
 from ckptless.worker.context import WorkerContext
 from ckptless.worker.control import WorkerControl
 from ckptless.worker.generation import Generation
@@ -129,7 +129,11 @@ class WorkerRuntime:
         self.standby_buffers: list[torch.Tensor] = []
         self._capturer: Capturer | None = None
         # Where the next step waits (on the GPU) for the last capture's device-to-host copies.
-        self.write_order = WriteOrder(always_at_start=environment.current().capture_order == "step")
+        step_order = environment.current().capture_order == "step"
+        self.write_order = WriteOrder(always_at_start=step_order)
+        self.write_order.before_optimizer = self._settle_prefix
+        # Why this process captures whole images from now on, instead of leaving the prefix live.
+        self.defer_off: str | None = "CKPTLESS_CAPTURE_ORDER=step" if step_order else None
         self._store: tuple[tuple[str, int], dist.Store] | None = None
 
     # --- identity (derived from the generation, never copied) ---------------------------------
@@ -229,15 +233,27 @@ class WorkerRuntime:
             return self.capturer.capture(version, self.generation)
         reuse.donate_retired(self.own_images, engine)  # before acquiring: a retired engine's buffer is faulted in
         chaos_hooks.flip_point(f"flip:r{self.rank}:{version}", self.registry, self.rank)  # chaos runs only: a bit flip
-        buf = engine.acquire_buffer(self.capturer.required_bytes())
+        plan = self.capturer.plan()  # the state collected once per capture
+        if engine.live_torn is not None and self.defer_off is None:
+            self.defer_off = engine.live_torn
+        defer = deferral.may_defer(engine, plan, self.write_order.optimizers, self.capturer.mirror_replicated,
+                                   self.defer_off, self.mirror_config.timeout_s)
+        buf = engine.acquire_buffer(plan.nbytes(defer), shrink=defer)
         # The training thread waits for no copy: CPU tensors are copied here, device tensors on side
         # streams (the next step waits for them on the GPU, where it would overwrite them); the engine's
-        # thread waits for them and checksums the image.
-        image = self.capturer.capture(version, self.generation, out=buf, checksum_now=False)
+        # thread waits for them and checksums the image. A deferred capture copies its suffix alone.
+        image = self.capturer.capture(version, self.generation, out=buf, checksum_now=False, plan=plan,
+                                      defer_prefix=defer)
         self.write_order.captured(image.fence)  # first: whatever happens next, a leave drains these copies
         chaos_hooks.pause_point(f"capture:r{self.rank}:{version}", rank=self.rank, version=version)
-        engine.submit(image.manifest, image.buffer, pairs, fence=image.fence)
+        engine.submit(image.manifest, image.buffer, pairs, fence=image.fence, live=image.live)
         return image
+
+    def _settle_prefix(self) -> None:
+        """Before every protected optimizer step: a deferred capture's round must be over (mirror/pool.py)."""
+        engine = self.gen.engine if self.gen is not None else None
+        if engine is not None:
+            engine.settle_prefix(self.mirror_config.timeout_s)
 
     def step_done(self, step: int, generation: int, mirrored: bool = True) -> None:
         """After step ``step`` completed: per-step facts and the heartbeat.
@@ -247,7 +263,8 @@ class WorkerRuntime:
         self.registry.step_done()  # protected objects that track per-step facts (a DDP reducer's phase)
         if mirrored:
             self.heartbeat.beat(step, generation=generation, committed=self.committed_version,
-                                replica_bytes=self.peer_store.bytes_held if self.peer_store is not None else 0)
+                                replica_bytes=self.peer_store.bytes_held if self.peer_store is not None else 0,
+                                own_bytes=self.gen.engine.pool_bytes() if self.gen and self.gen.engine else 0)
         else:
             self.heartbeat.beat(step)
 
