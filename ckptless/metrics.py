@@ -17,7 +17,7 @@ Usage (agent)::
     metrics.record_incident()                            # when a generation fails
     metrics.set_last_recovery({"detection": 0.07, "reformation": 0.86, "total": 1.82})
     metrics.set_committed_version(v); metrics.set_mirror_lag(newest - v)
-    metrics.set_replica_bytes(store.bytes_held()); metrics.set_spares_free(n)
+    metrics.set_replica_bytes(store.bytes_held()); metrics.set_own_image_bytes(pool); metrics.set_spares_free(n)
     metrics.stop()                                       # at exit
 """
 
@@ -85,6 +85,8 @@ class MetricsExporter:
                                 _LABELS, namespace=ns, registry=reg).labels(*self._lv)
         self._bytes = Gauge("replica_bytes_held", "Bytes of peers' images held in this node's peer stores.",
                             _LABELS, namespace=ns, registry=reg).labels(*self._lv)
+        self._own = Gauge("own_image_bytes", "Bytes of this node's ranks' own capture buffers (committed image, "
+                          "the one in flight).", _LABELS, namespace=ns, registry=reg).labels(*self._lv)
         self._spares = Gauge("spares_free", "Warm spares waiting for a rank (job-wide, as seen in etcd).",
                              _LABELS, namespace=ns, registry=reg).labels(*self._lv)
         for phase in RECOVERY_PHASES:  # present from the first scrape, 0 until a recovery happened
@@ -165,6 +167,10 @@ class MetricsExporter:
     @_never_raises
     def set_replica_bytes(self, nbytes: int) -> None:
         self._bytes.set(nbytes)
+
+    @_never_raises
+    def set_own_image_bytes(self, nbytes: int) -> None:
+        self._own.set(nbytes)
 
     @_never_raises
     def set_spares_free(self, n: int) -> None:

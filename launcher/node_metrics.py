@@ -17,8 +17,8 @@ from ckptless.worker.heartbeat import read_progress
 def update_node_metrics(mx: MetricsExporter, slots: Sequence[Slot], membership: Membership | None,
                         incident_t: Mapping[int, float], published_t: Mapping[int, float]) -> None:
     """Set the gauges: committed version (min over this node's ranks), mirror lag, replica bytes held,
-    free spares, and the last recovery's decision time (incident opened -> plan published)."""
-    committed, newest, held = None, None, 0
+    own image bytes, free spares, and the last recovery's decision time (incident opened -> plan published)."""
+    committed, newest, held, own = None, None, 0, 0
     for slot in slots:
         doc = read_progress(slot.heartbeat_file) if slot.alive and slot.rank is not None else None
         if doc is None:
@@ -28,13 +28,15 @@ def update_node_metrics(mx: MetricsExporter, slots: Sequence[Slot], membership: 
             committed = c if committed is None else min(committed, c)
         if isinstance(s, int):
             newest = s if newest is None else max(newest, s)
-        b = doc.get("replica_bytes")
+        b, o = doc.get("replica_bytes"), doc.get("own_bytes")
         held += b if isinstance(b, int) else 0
+        own += o if isinstance(o, int) else 0
     if committed is not None:
         mx.set_committed_version(committed)
         if newest is not None:
             mx.set_mirror_lag(max(0, newest - committed))
     mx.set_replica_bytes(held)
+    mx.set_own_image_bytes(own)
     mx.set_spares_free(sum(1 for s in slots if s.spare and s.alive))
     m = membership
     if m is not None and m.decision is not None and m.generation - 1 in incident_t:
