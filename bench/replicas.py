@@ -9,14 +9,19 @@ model with AdamW, capturing and mirroring every step through ckptless's own ``Ca
 
 * **before**: the replicated state mirrored like everything else (``mirror_replicated=True``: what
   every version of ckptless did before issue 21, and what ``--mirror-replicated`` still does);
-* **after**: the default: a holder receives and keeps only what no replica holds.
+* **two copies**: a holder receives and keeps only what no replica holds, and every capture copies
+  the whole image (each rank keeps the prefix twice: the committed version and the one in flight);
+* **after**: the default: as *two copies*, and a capture after the first leaves the replicated prefix
+  in the live tensors until its round commits (``ckptless/state/live_prefix.py``), through the
+  product's own rule (``worker/deferral.py``) and optimizer pre-hook (``WriteOrder``): one copy.
 
 DDP: ``DistributedDataParallel`` over the world, every rank's image holds the whole model and
 optimizer. HSDP: FSDP2 on a (2, W / 2) mesh, replicate x shard: each shard is held by 2 ranks.
 
 Per rank (mean over ranks): state bytes S (the image), bytes a round sends, bytes its peer store
 keeps, peak host memory over the run's start (``VmHWM`` after the rounds minus ``VmRSS`` before the
-first capture, so it counts the capture pool and the store), and the mean step time with mirroring
+first capture, so it counts the capture pool and the store, and whatever the steps themselves allocate
+anew), the bytes of the rank's own capture buffers at the end (``MirrorEngine.pool_bytes``), and the mean step time with mirroring
 against the same steps without (overhead). On 2 cores with W processes the step times are noisy:
 compare bytes and memory, and the ratios in one run.
 """
@@ -42,6 +47,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _ranks import run_ranks  # noqa: E402
 
 MIB = 1 << 20
+MODES = ("before", "two copies", "after")
 
 
 def _status() -> dict[str, int]:
@@ -82,6 +88,8 @@ def _step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor) -> None
 def case(rank: int, world: int, kind: str, mode: str, args: dict[str, Any]) -> dict[str, Any]:
     from ckptless.mirror import MirrorConfig, MirrorEngine
     from ckptless.state import Capturer, StateRegistry
+    from ckptless.state.fence import WriteOrder
+    from ckptless.worker import deferral
 
     model, opt = _model(kind, args["mib"], world)
     reg = StateRegistry()
@@ -98,6 +106,14 @@ def case(rank: int, world: int, kind: str, mode: str, args: dict[str, Any]) -> d
     cap = Capturer(reg, "bench", rank, mirror_replicated=(mode == "before"))
     cfg = MirrorConfig.build(replicas=1, timeout_s=600.0)
     engine = MirrorEngine(dist.new_group(backend="gloo"), "bench", cfg)
+    order = WriteOrder()  # the optimizer's pre-hook waits for a deferred capture's round, as in a job
+    order.install([opt])
+
+    def settle() -> None:
+        engine.settle_prefix(600.0)
+
+    order.before_optimizer = settle
+    deferred = 0
     dist.barrier()
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # VmHWM := VmRSS: the peak from here on
@@ -107,16 +123,22 @@ def case(rank: int, world: int, kind: str, mode: str, args: dict[str, Any]) -> d
         dist.barrier()
         t0 = time.perf_counter()
         _step(model, opt, x)
-        buf = engine.acquire_buffer(cap.required_bytes())
-        img = cap.capture(v, 0, out=buf, checksum_now=False)
-        engine.submit(img.manifest, img.buffer)
+        plan = cap.plan()
+        defer = mode == "after" and deferral.may_defer(engine, plan, order.optimizers, cap.mirror_replicated,
+                                                       None, 600.0)
+        deferred += defer
+        buf = engine.acquire_buffer(plan.nbytes(defer), shrink=defer)
+        img = cap.capture(v, 0, out=buf, checksum_now=False, plan=plan, defer_prefix=defer)
+        engine.submit(img.manifest, img.buffer, live=img.live)
         timed.append(time.perf_counter() - t0)
-    assert engine.wait_committed(args["steps"], timeout=600)
+    assert engine.wait_committed(args["steps"], timeout=600) and engine.settle_prefix(600.0)
+    pool = engine.pool_bytes()
+    order.install([])
     after = _status()
     sent = [r.bytes_sent for r in engine.history]
     out = {"state": img.manifest.total_bytes, "sent": statistics.mean(sent), "held": engine.store.bytes_held,
            "peak_over_start": after["VmHWM"] - before, "step_base": statistics.median(base),
-           "step_mirror": statistics.median(timed)}
+           "step_mirror": statistics.median(timed), "deferred": deferred, "pool": pool}
     engine.close()
     return out
 
@@ -126,7 +148,7 @@ def worker(rank: int, store_path: str, out_path: str, args: dict[str, Any]) -> N
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world,
                             timeout=timedelta(seconds=600))
-    res = {f"{kind}/{mode}": case(rank, world, kind, mode, args) for kind in args["kinds"] for mode in ("before", "after")}
+    res = {f"{kind}/{mode}": case(rank, world, kind, mode, args) for kind in args["kinds"] for mode in MODES}
     with open(out_path, "w") as f:
         json.dump(res, f)
     dist.barrier()
@@ -148,8 +170,9 @@ def main(argv: list[str] | None = None) -> int:
     args = {"kinds": a.kinds, "mib": a.mib, "steps": a.steps}
     print(f"load average at start: {os.getloadavg()[0]:.2f}", flush=True)
     print("| W | kind | S per rank MiB | sent per round MiB (before -> after, ratio) | store keeps MiB "
-          "(before -> after) | peak host memory / S (before -> after) | step overhead (before -> after) |")
-    print("|---|---|---|---|---|---|---|")
+          "(before -> after) | peak host memory / S (before -> two copies -> after) | captures deferred | "
+          "own images / S (before -> two copies -> after) | step overhead (before -> two copies -> after) |")
+    print("|---|---|---|---|---|---|---|---|---|")
     raw: dict[str, Any] = {}
     for world in a.worlds:
         per_rank = run(world, dict(args, world=world))
@@ -162,12 +185,13 @@ def main(argv: list[str] | None = None) -> int:
 
             s = mean("after", "state")
             sent_b, sent_a = mean("before", "sent"), mean("after", "sent")
-            over = {m: mean(m, "step_mirror") / mean(m, "step_base") - 1 for m in ("before", "after")}
+            over = {m: mean(m, "step_mirror") / mean(m, "step_base") - 1 for m in MODES}
+            peak = " -> ".join(f"{mean(m, 'peak_over_start') / s:.2f}" for m in MODES)
             print(f"| {world} | {kind} | {s / MIB:.1f} | {sent_b / MIB:.2f} -> {sent_a / MIB:.3f} "
                   f"({sent_a / sent_b * 100:.2f} %) | {mean('before', 'held') / MIB:.1f} -> "
-                  f"{mean('after', 'held') / MIB:.3f} | {mean('before', 'peak_over_start') / s:.2f} -> "
-                  f"{mean('after', 'peak_over_start') / s:.2f} | {over['before'] * 100:+.0f} % -> "
-                  f"{over['after'] * 100:+.0f} % |", flush=True)
+                  f"{mean('after', 'held') / MIB:.3f} | {peak} | {mean('after', 'deferred'):.0f} of {args['steps']} | "
+                  + " -> ".join(f"{mean(m, 'pool') / s:.2f}" for m in MODES) + " | "
+                  + " -> ".join(f"{over[m] * 100:+.0f} %" for m in MODES) + " |", flush=True)
     print(f"load average at end: {os.getloadavg()[0]:.2f}")
     if a.json:
         with open(a.json, "w") as f:
