@@ -59,7 +59,8 @@ def partition_scenarios() -> list[Scenario]:
         Scenario("partition-etcd-long",
                  f"cut node 1 from etcd at step 5 for {PARTITION_LONG_S:g}s (drop), --node-grace {LONG_GRACE_S:g}",
                  "node given up after the grace: ranks 2-3 re-planned (bitwise equal) or a clear end",
-                 ClusterSpec(steps=PSTEPS, netns=True, node_grace=LONG_GRACE_S),
+                 ClusterSpec(steps=PSTEPS, netns=True, node_grace=LONG_GRACE_S,
+                             agent_args=("--replacement-timeout", "60")),  # the default (600 s) outlasts a run
                  explicit_schedule(cfg, [Fault(5, FaultKind.PARTITION_NODE_ETCD, (2,), PARTITION_LONG_S, "drop")]),
                  generation=(1, None), end_causes=("lost their lease", "no replacement")),
         Scenario("partition-etcd-permanent",

@@ -93,6 +93,7 @@ class LaunchConfig:
     hang_timeout: float | None = None
     lease_ttl: float = 2.0
     node_grace: float = 10.0
+    replacement_timeout: float = 600.0
     metrics_port: int | None = None
     shm_dir: str | None = None
     warm_respawn: bool = True
@@ -254,6 +255,11 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
     add("--lease-ttl", action=env, type=float, default=2.0, help="etcd lease TTL in seconds (liveness).")
     add("--node-grace", action=env, type=float, default=10.0,
         help="Seconds a node may lose its lease (a paused or partitioned agent) before its ranks are re-planned.")
+    add("--replacement-timeout", action=env, type=float, default=600.0,
+        help="Seconds the job holds, survivors paused with their state and mirrors, when a lost rank has no "
+             "live spare and no node to respawn on, waiting for one: a spare, or a new agent started with the "
+             "same --rdzv-id (a scheduler's replacement node, admitted as spares). Then it ends, naming the "
+             "ranks (default 600).")
     add("--metrics-port", action=env, type=int, default=None,
         help="Serve Prometheus metrics on this port (0: any free port; default: off).")
     add("--shm-dir", action=env, type=str, default=None,
@@ -375,6 +381,7 @@ def config_from_namespace(ns: argparse.Namespace, environ: Mapping[str, str] | N
     _check(ns.hang_timeout is None or ns.hang_timeout > 0, "hang_timeout", ns.hang_timeout, "must be > 0")
     _check(ns.lease_ttl > 0, "lease_ttl", ns.lease_ttl, "must be > 0")
     _check(ns.node_grace > 0, "node_grace", ns.node_grace, "must be > 0")
+    _check(ns.replacement_timeout > 0, "replacement_timeout", ns.replacement_timeout, "must be > 0 seconds")
     _check(ns.metrics_port is None or 0 <= ns.metrics_port < 65536, "metrics_port", ns.metrics_port,
            "must be a port number (0: any free port)")
     embedded = endpoint is None

@@ -120,6 +120,13 @@ def collect_incidents(tl: list[tuple[float, Event]], base: int) -> tuple[dict[in
             i.opened.append(t)
             i.lost.update(_lost(a.get("lost")))
             i.marks.append((None, "incident opened", t))
+        elif e.kind is K.REPLACEMENT_WAITING:  # the incident's time from here to its plan: waiting for a node
+            ag = a.get("generation")
+            failed = min(e.generation, ag) if isinstance(ag, int) and not isinstance(ag, bool) else e.generation
+            if failed + 1 > base:
+                i = inc(failed + 1)
+                i.any_t.append(t)
+                i.marks.append((None, "waiting for a replacement", t))
         elif e.kind is K.PLAN_PUBLISHED:
             ag = a.get("generation")
             new = max(e.generation, ag) if isinstance(ag, int) and not isinstance(ag, bool) else e.generation

@@ -51,6 +51,8 @@ class EventKind(str, Enum):
     INCIDENT_OPENED = "incident_opened"
     # The leader published a plan (job-level); attrs: decision memory/disk, generation, resume step.
     PLAN_PUBLISHED = "plan_published"
+    # The leader found no replacement for lost ranks and waits for one (job-level); attrs: lost, generation.
+    REPLACEMENT_WAITING = "replacement_waiting"
 
 
 class LedgerFormatError(ConfigError):

@@ -46,6 +46,7 @@ from ckptless.recovery.leader_machine import (
     Event,
     LeaderConfig,
     Log,
+    NoteWaiting,
     Observed,
     OpenIncident,
     Planned,
@@ -210,6 +211,8 @@ class RecoveryLeader:
                              json.dumps({"lost": list(action.lost), "reason": action.reason[:1000], "t": time.time()}))
             self._on_event("incident_opened", {"generation": action.generation,
                                                "lost": ",".join(map(str, action.lost))})
+        elif isinstance(action, NoteWaiting):
+            self._note_waiting(action)
         elif isinstance(action, RequestPlan):
             return self._plan(action)
         elif isinstance(action, Publish):
@@ -223,6 +226,21 @@ class RecoveryLeader:
             except CoordinatorError:
                 log.info("resign failed; our key expires with our lease", exc_info=True)
         return None
+
+    def _note_waiting(self, action: NoteWaiting) -> None:
+        """The incident record says the job waits for a replacement, since when and until when (read by
+        ``ckptless status``); one etcd write per incident that waits."""
+        key, now = self._ks.incident(action.generation), time.time()
+        kv = self._client.get(key)
+        try:
+            record = json.loads(kv.value) if kv is not None else {}
+        except ValueError:
+            record = {}
+        record["waiting"] = {"since": now, "until": now + action.deadline_in_s, "ranks": list(action.lost),
+                             "reason": action.reason[:500]}
+        self._client.put(key, json.dumps(record))
+        self._on_event("replacement_waiting", {"generation": action.generation,
+                                               "lost": ",".join(map(str, action.lost))})
 
     def _plan(self, action: RequestPlan) -> Event:
         view = self._view

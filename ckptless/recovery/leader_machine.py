@@ -74,6 +74,7 @@ class Planning:
     lost: frozenset[int]
     opened_at: float
     reason: str = ""
+    wait_deadline: float | None = None  # re-planning while waiting for a replacement: the wait's first deadline
 
 
 @dataclass(frozen=True)
@@ -191,7 +192,17 @@ class Resign:
     reason: str
 
 
-Action = Union[OpenIncident, RequestPlan, Publish, EndJob, Log, Resign]
+@dataclass(frozen=True)
+class NoteWaiting:
+    """Record on the incident that the job waits for a replacement (``ckptless status``, the ledger)."""
+
+    generation: int
+    lost: tuple[int, ...]
+    deadline_in_s: float  # from now
+    reason: str
+
+
+Action = Union[OpenIncident, RequestPlan, Publish, EndJob, Log, Resign, NoteWaiting]
 Step = tuple[State, tuple[Action, ...]]
 
 INITIAL: State = Watching(-1)
@@ -383,9 +394,17 @@ def _planned(state: State, event: Planned, cfg: LeaderConfig) -> Step:
         st, acts = _end("failed", f"unrecoverable: {d.reason}")
         return st, notes + acts
     if isinstance(d, WaitForReplacement):
-        return (WaitingForReplacement(state.generation, state.lost, state.opened_at,
-                                      event.now + cfg.replacement_timeout_s, d.reason),
-                notes + (Log("warning", f"waiting for a replacement: {d.reason}"),))
+        # One deadline for the whole wait: a re-plan (a spare came and went, a node joined, another rank
+        # was lost) never extends it, so nothing waits longer than --replacement-timeout.
+        first = state.wait_deadline is None
+        deadline = event.now + cfg.replacement_timeout_s if first else state.wait_deadline
+        assert deadline is not None
+        said: tuple[Action, ...] = (Log("warning", f"waiting for a replacement (up to {deadline - event.now:.0f}s more): "
+                                                   f"{d.reason}; a spare, or a new agent with --rdzv-id {cfg.job_id}, "
+                                                   "is admitted"),)
+        if first:
+            said += (NoteWaiting(state.generation, tuple(sorted(state.lost)), deadline - event.now, d.reason),)
+        return WaitingForReplacement(state.generation, state.lost, state.opened_at, deadline, d.reason), notes + said
     if d.generation > cfg.max_recoveries:
         st, acts = _end("failed", f"gave up after {state.generation} recoveries (limit {cfg.max_recoveries}): "
                                   f"failures keep recurring; the last: {state.reason[:300]}")
@@ -402,10 +421,13 @@ def _wait_replacement(state: WaitingForReplacement, view: JobView, now: float, c
     lost = state.lost | view.faulted
     if state.seen is None:  # the first look after planning: only a *change* triggers a re-plan
         state = replace(state, seen=key)
-    if key != state.seen or lost != state.lost:
-        return Planning(state.generation, lost, state.opened_at, state.reason), (RequestPlan(state.generation, lost),)
     if now >= state.deadline:
-        return _end("failed", f"no replacement within {cfg.replacement_timeout_s:.0f}s: {state.reason}")
+        return _end("failed", f"no replacement within {cfg.replacement_timeout_s:.0f}s (--replacement-timeout): "
+                              f"{state.reason}; waited for a live spare, a node to respawn them on, or a new agent "
+                              f"with --rdzv-id {cfg.job_id}")
+    if key != state.seen or lost != state.lost:
+        return (Planning(state.generation, lost, state.opened_at, state.reason, wait_deadline=state.deadline),
+                (RequestPlan(state.generation, lost),))
     return state, ()
 
 

@@ -16,6 +16,7 @@ that figure is shown with its generation, clearly as a past value.
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass, field, replace
 from typing import IO, Any
 
@@ -58,6 +59,7 @@ class JobStatus:
     committed_step: int | None = None
     committed_note: str = "not stored in etcd"
     problems: tuple[str, ...] = field(default=())
+    waiting: str = ""  # the job holds for a replacement (the leader's note on the open incident), or ""
 
 
 def _config(endpoint: str, timeout_s: float) -> EtcdConfig:
@@ -122,13 +124,16 @@ def _read(c: EtcdClient, ks: Keyspace, endpoint: str) -> JobStatus:
         except (ValueError, TypeError, AttributeError):
             problems.append(f"malformed {ks.status}")
     incidents = []
+    waiting = ""
     for i in c.get_prefix(ks.incident_prefix)[0]:
+        g = ks.incident_generation(i.key)
         try:
             doc = json.loads(i.value)
             lost = ",".join(str(r) for r in doc.get("lost", []))
+            if g is not None and g == gen and isinstance(doc.get("waiting"), dict):  # still the open incident
+                waiting = _waiting(doc["waiting"])
         except (ValueError, TypeError, AttributeError):
             lost = "?"
-        g = ks.incident_generation(i.key)
         if g is not None:
             incidents.append((g, lost))
     incidents.sort()
@@ -150,7 +155,17 @@ def _read(c: EtcdClient, ks: Keyspace, endpoint: str) -> JobStatus:
                      tuple(sorted(spares)), None if leader is None else leader.value.decode(errors="replace"),
                      None if leader is None else leader.key.rsplit("/", 1)[-1], len(contenders),
                      tuple(sorted(nodes, key=lambda d: str(d.get("node_id", "")))), decision, tuple(incidents),
-                     None, note, tuple(problems))
+                     None, note, tuple(problems), waiting)
+
+
+def _waiting(w: dict[str, Any]) -> str:
+    """The leader's note that the job waits for a replacement, in words."""
+    def at(t: Any) -> str:
+        return time.strftime("%H:%M:%S UTC", time.gmtime(float(t))) if isinstance(t, (int, float)) else "?"
+
+    ranks = w.get("ranks", [])
+    return (f"waiting for a replacement for ranks {ranks} since {at(w.get('since'))}, until {at(w.get('until'))} "
+            f"(--replacement-timeout): {w.get('reason', '')}")
 
 
 def status_to_json(s: JobStatus) -> dict[str, Any]:
@@ -165,6 +180,7 @@ def status_to_json(s: JobStatus) -> dict[str, Any]:
         "nodes": list(s.nodes), "last_decision": s.last_decision,
         "incidents": [{"generation": g, "lost": lost} for g, lost in s.incidents],
         "committed_step": s.committed_step, "committed_note": s.committed_note, "problems": list(s.problems),
+        "waiting": s.waiting,
     }
 
 
@@ -188,6 +204,8 @@ def render_status(s: JobStatus, file: IO[str] | None = None) -> None:
         head.append(f" ({s.committed_note})", style="dim")
     if s.incidents:
         head.append("\nincidents: " + ", ".join(f"generation {g} failed (lost {lost or '?'})" for g, lost in s.incidents))
+    if s.waiting:
+        head.append("\n" + s.waiting, style="yellow")
     console.print(head)
     t = Table(title="members", title_justify="left", header_style="bold", show_edge=False)
     for h in ("rank", "worker id", "node", "source"):

@@ -76,6 +76,7 @@ class WorkerContext:
     worker_id: str
     role: str  # member (started with the job), replacement (respawned), spare (waits for a rank)
     recovery_timeout_s: float
+    replacement_timeout_s: float = 600.0  # the leader's wait for a replacement (--replacement-timeout)
     snapshot_dir: str | None = None
     snapshot_every: int = 0
     standby_rank: int | None = None  # a spare that builds the script's objects as this rank while it waits
@@ -120,6 +121,7 @@ class WorkerContext:
             worker_id=e.get("CKPTLESS_WORKER_ID") or f"{node_id}/w{local_rank}",
             role=role,
             recovery_timeout_s=_float(e, "CKPTLESS_RECOVERY_TIMEOUT", 120.0),
+            replacement_timeout_s=_float(e, "CKPTLESS_REPLACEMENT_TIMEOUT", 600.0),
             snapshot_dir=e.get("CKPTLESS_SNAPSHOT_DIR") or None,
             snapshot_every=_int(e, "CKPTLESS_SNAPSHOT_EVERY", 0),
             standby_rank=_standby(e, role, world),

@@ -78,8 +78,10 @@ class WorkerDriver:
         if self.rt.recovery:
             _check_nccl_error_mode(environment.current().nccl_error_handling)
             abort.install()  # a collective that fails ends its generation's communicators at once
+        # A survivor awaits the next generation while the leader may wait for a replacement node
+        # (--replacement-timeout) and then plans it: it must not give up first.
         self.cfg = WorkerConfig(join_timeout_s=ctx.recovery_timeout_s, form_timeout_s=max(600.0, ctx.recovery_timeout_s),
-                                await_timeout_s=max(600.0, ctx.recovery_timeout_s))
+                                await_timeout_s=max(600.0, ctx.recovery_timeout_s + ctx.replacement_timeout_s))
         self.state: State = Joining(0.0)
         self._pending: deque[Action] = deque()
         self._closed = False

@@ -94,6 +94,9 @@ ROWS: tuple[FlagRow, ...] = (
     FlagRow("--hang-timeout", ("--hang-timeout", "20"), job="snapshot"),
     FlagRow("--lease-ttl", ("--lease-ttl", "1.5"), job="snapshot"),
     FlagRow("--node-grace", ("--node-grace", "4"), job="snapshot"),
+    FlagRow("--replacement-timeout", ("--replacement-timeout", "120"), job="snapshot",
+            note="the kill is respawned at once (no wait); a node lost with no spare waits for a new agent: "
+                 "tests/e2e/test_replacement_node_e2e.py, and its deadline there"),
     FlagRow("--metrics-port", ("--metrics-port", "0"), job="telemetry"),
     FlagRow("--no-warm-respawn", ("--no-warm-respawn",), job="snapshot"),
     FlagRow("--replicas=0", ("--replicas", "0"), outcome=ENDS, job="no-recovery",

@@ -17,6 +17,7 @@ from ckptless.recovery.leader_machine import (
     Ended,
     Observed,
     OpenIncident,
+    NoteWaiting,
     Planned,
     PlanFailed,
     Planning,
@@ -288,6 +289,32 @@ def test_no_replacement_before_the_deadline_ends_the_job_naming_the_ranks() -> N
     ld.observe(CFG.replacement_timeout_s + 1)
     assert isinstance(ld.state, Ended) and ld.state.state == "failed"
     assert "[2, 3]" in ld.state.reason and "no replacement" in ld.state.reason
+
+
+def test_a_wait_for_a_replacement_has_one_deadline_whatever_comes_and_goes() -> None:
+    """Issue 22: a node that joins and leaves (or a spare that flaps) re-plans, but never extends the
+    wait: nothing waits longer than --replacement-timeout; the wait is noted on the incident once."""
+    ld = fresh_leader()
+    ld.world.lose_node("n1")
+    ld.world.report(0)
+    ld.world.report(1)
+    ld.observe(0.1)
+    ld.observe(1.5)
+    assert isinstance(ld.state, WaitingForReplacement)
+    deadline = ld.state.deadline
+    notes = [a for a in ld.log if isinstance(a, NoteWaiting)]
+    assert [(n.lost, n.deadline_in_s) for n in notes] == [((2, 3), CFG.replacement_timeout_s)]
+    for k in range(3):  # a node appears (no spares, not the ranks' node) and vanishes: re-plans, same deadline
+        ld.world.nodes.add(f"late{k}")
+        ld.observe(CFG.replacement_timeout_s / 8)
+        assert isinstance(ld.state, WaitingForReplacement) and ld.state.deadline == deadline
+        ld.world.nodes.discard(f"late{k}")
+        ld.observe(0.1)
+    assert len([a for a in ld.log if isinstance(a, NoteWaiting)]) == 1
+    ld.observe(deadline - ld.now + 0.1)
+    assert isinstance(ld.state, Ended) and ld.state.state == "failed"
+    assert "[2, 3]" in ld.state.reason and "--replacement-timeout" in ld.state.reason
+    assert f"--rdzv-id {CFG.job_id}" in ld.state.reason  # what it waited for, and how to give it
 
 
 def test_slow_but_alive_replacement_gets_extensions_then_a_replan() -> None:
