@@ -77,6 +77,10 @@ class RendezvousClosed(RendezvousError):
     """The job's rendezvous was closed; no new nodes are admitted."""
 
 
+class RendezvousLate(RendezvousClosed):
+    """This node arrived after the job formed (or beyond --nnodes' maximum): it may serve as spares."""
+
+
 class StaleGeneration(CkptlessError):
     """A message or record belongs to an older generation (or another job)."""
 

@@ -29,6 +29,7 @@ memberships (launcher/follower.py), respawns and re-execs
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import shutil
@@ -53,6 +54,7 @@ from ckptless.coordinator.session import Session
 from ckptless.errors import ConfigError, CoordinatorError
 from ckptless.launcher import completion, devices, follower, refill
 from ckptless.launcher.args import LaunchConfig, Std
+from ckptless.launcher.spares import SparePool
 from ckptless.launcher.completion import AgentOutcome
 from ckptless.launcher.exit_records import record_exit
 from ckptless.launcher.joining import join
@@ -140,13 +142,39 @@ class NodeAgent:
             self._leader = self._start_leader(session)
         log.warning("lease renewed after it was lost; this node is registered again")
 
+    def _orphaned_ranks(self) -> list[int]:
+        """Ranks of the current membership whose node is gone (no live node key): what a spare started
+        now is most likely to take, so it pre-builds as one of them. One etcd read."""
+        st = self.state
+        m = st.membership
+        if m is None or st.client is None:
+            return []
+        kvs, _ = st.client.get_prefix(st.keyspace.nodes_prefix)
+        live = {kv.key[len(st.keyspace.nodes_prefix):] for kv in kvs}
+        return sorted(a.rank for a in m.ranks if a.node_id not in live)
+
+    def _serve_as_spares(self) -> LaunchConfig:
+        """This node arrived after the job formed: from now on it is a spare-only node whose spares are
+        its --nproc-per-node workers (and its --spares), pre-built as the ranks whose node is gone."""
+        st = self.state
+        old = self.cfg
+        cfg = dataclasses.replace(old, nproc_per_node=0, spares=old.nproc_per_node + old.spares,
+                                  spare_any_rank=old.spare_prebuild)
+        self.cfg = st.cfg = cfg
+        st.spares = SparePool(st.keyspace, self.node_id, lambda: st.client, any_rank=cfg.spare_any_rank,
+                              refill=cfg.spare_refill)
+        if self._me is not None:  # re-registered after a lease renewal: as the spare-only node it is now
+            self._me = dataclasses.replace(self._me, nproc=0)
+        return cfg
+
     def _start_leader(self, session: Session) -> RecoveryLeader:
         cfg, st = self.cfg, self.state
         assert st.client is not None  # connected before any leader starts
         collective = environment.current().collective_timeout_s or 60.0
         leader = RecoveryLeader(st.client, st.keyspace, session, st.host, st.store_port,
                                 LeaderConfig(cfg.run_id, cfg.replicas, cfg.placement, node_grace_s=cfg.node_grace,
-                                             alive_report_timeout_s=collective + 10.0),
+                                             alive_report_timeout_s=collective + 10.0,
+                                             replacement_timeout_s=cfg.replacement_timeout),
                                 snapshot_step=self._snapshot_step, on_event=leader_sink(cfg.goodput_dir))
         leader.start()
         return leader
@@ -180,6 +208,8 @@ class NodeAgent:
             self._prepare_shm(stack)
             result, st.membership = join(client, st.keyspace, st.session, me, cfg, recovery=st.recovery,
                                          timeout_s=self.rendezvous_timeout_s, stopping=st.stopping)
+            if result.late:
+                cfg = self._serve_as_spares()
             st.result = result
             if result.world_size < 2 or cfg.replicas == 0:
                 self._without_recovery(result.world_size)
@@ -342,7 +372,7 @@ class NodeAgent:
             common["CKPTLESS_CUDA_BACKEND"] = "none"
         preload = environment.current().preload or "ckptless.job"
         envs = []
-        standby = st.spares.standby_ranks(result.world_size, cfg.spares)
+        standby = st.spares.standby_ranks(result.world_size, cfg.spares, prefer=self._orphaned_ranks())
         standby_of: dict[int, int | None] = {}  # a spare's local rank -> the rank it pre-builds as
         gpu_of = devices.initial_gpus(st.slots.gpus, cfg.nproc_per_node, cfg.spares)
         for lr in range(cfg.nproc_per_node + cfg.spares):

@@ -21,7 +21,7 @@ from ckptless.coordinator.client import Compare, EtcdClient, Put
 from ckptless.coordinator.keyspace import Keyspace
 from ckptless.coordinator.rendezvous import NodeInfo, Rendezvous, RendezvousResult, RoundState
 from ckptless.coordinator.session import Session
-from ckptless.errors import ConfigError, RendezvousError, RendezvousTimeout
+from ckptless.errors import ConfigError, RendezvousError, RendezvousLate, RendezvousTimeout
 from ckptless.launcher.args import LaunchConfig
 from ckptless.recovery.decision import Assignment, DiskFallback
 from ckptless.recovery.wire import Membership, membership_from_json
@@ -37,14 +37,16 @@ def join(client: EtcdClient, keyspace: Keyspace, session: Session, me: NodeInfo,
     """Join the job: the rendezvous (a spare-only node only registers and waits for the job to exist),
     then generation 0's membership (written by node rank 0 when it is recovered, else this node's own)."""
     if cfg.nproc_per_node == 0:
-        # A spare-only node: not a rendezvous participant; it waits for the job to exist.
-        Rendezvous(client, keyspace, session).register(me)
-        m = _await_membership(client, keyspace, cfg.run_id, timeout_s, stopping)
-        check_fingerprint(client, keyspace, cfg)
-        log.info("spare node %s joined job %s (world %d)", me.node_id, cfg.run_id, m.world_size)
-        return RendezvousResult(0, 0, 1, (), 0, m.world_size, NodeInfo("", m.store_host, 1, m.store_port)), m
-    result = Rendezvous(client, keyspace, session).join(
-        me, cfg.min_nodes, cfg.max_nodes, timeout_s=timeout_s, stop=stopping)
+        return _as_spares(client, keyspace, session, me, cfg, timeout_s, stopping)
+    try:
+        result = Rendezvous(client, keyspace, session).join(
+            me, cfg.min_nodes, cfg.max_nodes, timeout_s=timeout_s, stop=stopping)
+    except RendezvousLate as exc:
+        # The job formed without this node (a scheduler's replacement for a lost node, or one more than
+        # --nnodes allows): it serves as spares for whatever rank is or will be lost, never ends the job.
+        log.warning("%s: this node serves the job as %d spare(s) (its ranks come from peers when a rank "
+                    "is lost, or at once if the job waits for a replacement)", exc, cfg.nproc_per_node + cfg.spares)
+        return _as_spares(client, keyspace, session, me, cfg, timeout_s, stopping, late=True)
     client.txn([Compare(keyspace.fingerprint(result.round), "create", "==", 0)],
                [Put(keyspace.fingerprint(result.round), script_fingerprint(cfg))])
     log.info("node %s joined round %d as node rank %d of %d (ranks %d..%d of %d)",
@@ -61,6 +63,16 @@ def join(client: EtcdClient, keyspace: Keyspace, session: Session, me: NodeInfo,
             client, keyspace, initial, result.round, writer=result.node_rank == 0,
             deadline=time.monotonic() + timeout_s)
     return result, initial
+
+
+def _as_spares(client: EtcdClient, keyspace: Keyspace, session: Session, me: NodeInfo, cfg: LaunchConfig,
+               timeout_s: float, stopping: threading.Event, late: bool = False) -> tuple[RendezvousResult, Membership]:
+    """A spare-only node (or a late one): not a rendezvous participant; it waits for the job to exist."""
+    Rendezvous(client, keyspace, session).register(me)
+    m = _await_membership(client, keyspace, cfg.run_id, timeout_s, stopping)
+    check_fingerprint(client, keyspace, cfg)
+    log.info("spare node %s joined job %s (world %d)", me.node_id, cfg.run_id, m.world_size)
+    return RendezvousResult(0, 0, 1, (), 0, m.world_size, NodeInfo("", m.store_host, 1, m.store_port), late=late), m
 
 
 def _await_membership(client: EtcdClient, keyspace: Keyspace, run_id: str, timeout_s: float,

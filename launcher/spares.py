@@ -39,8 +39,9 @@ class SparePool:
     def key(self, worker_id: str) -> str:
         return f"{self._keyspace.spares_prefix}{worker_id.replace('/', ':')}"
 
-    def standby_ranks(self, world_size: int, n: int) -> list[int]:
-        """Ranks for ``n`` new spares to pre-build as: those no other spare covers yet, lowest first."""
+    def standby_ranks(self, world_size: int, n: int, prefer: Iterable[int] = ()) -> list[int]:
+        """Ranks for ``n`` new spares to pre-build as: those no other spare covers yet, those in
+        ``prefer`` first (ranks whose node is gone: what a spare is about to take), then lowest first."""
         client = self._client()
         if n == 0 or client is None:
             return []
@@ -54,6 +55,8 @@ class SparePool:
             if w.standby_rank is not None:
                 covered.add(w.standby_rank)
         free = [r for r in range(world_size) if r not in covered] or list(range(world_size))
+        first = {r for r in prefer if 0 <= r < world_size}
+        free.sort(key=lambda r: (r not in first, r))
         return [free[i % len(free)] for i in range(n)]
 
     def offer(self, worker_id: str, standby: int | None, lease_id: int) -> None:

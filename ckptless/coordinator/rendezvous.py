@@ -26,7 +26,7 @@ from typing import Any
 from ckptless.coordinator.client import Compare, EtcdClient, Put
 from ckptless.coordinator.keyspace import Keyspace
 from ckptless.coordinator.session import Session
-from ckptless.errors import ConfigError, RendezvousClosed, RendezvousError, RendezvousTimeout
+from ckptless.errors import ConfigError, RendezvousError, RendezvousLate, RendezvousTimeout
 
 
 @dataclass(frozen=True)
@@ -95,6 +95,7 @@ class RendezvousResult:
     rank_offset: int
     world_size: int
     master: NodeInfo = field(repr=False, default=NodeInfo("", "", 0))
+    late: bool = False  # the node arrived after the job formed and serves as spares (launcher/joining.py)
 
 
 # --- pure decisions --------------------------------------------------------
@@ -106,16 +107,16 @@ def decide_join(state: RoundState | None, me: NodeInfo, min_nodes: int, max_node
     if me.node_id in state.ids():
         return None
     if state.state == "closed":
-        raise RendezvousClosed(
+        raise RendezvousLate(
             f"rendezvous round {state.round} is closed with {len(state.participants)} node(s); "
-            "this agent arrived late (start it as a spare, or use a new --rdzv-id)"
+            "this agent arrived late"
         )
     if (state.min_nodes, state.max_nodes) != (min_nodes, max_nodes):
         raise ConfigError("nnodes", f"{min_nodes}:{max_nodes}", f"other agents of this job use {state.min_nodes}:{state.max_nodes}")
     # Drop joiners whose agents died while the round was open.
     alive = tuple(p for p in state.participants if p.node_id in live_ids)
     if len(alive) >= max_nodes:
-        raise RendezvousClosed(f"rendezvous round {state.round} is full ({max_nodes} nodes)")
+        raise RendezvousLate(f"rendezvous round {state.round} is full ({max_nodes} nodes)")
     return RoundState(state.round, "joining", alive + (me,), min_nodes, max_nodes)
 
 

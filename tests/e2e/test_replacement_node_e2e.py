@@ -1,0 +1,87 @@
+"""A node lost with no spare anywhere (issue 22): the job holds for a replacement node, or ends clearly.
+
+Real etcd, real agents and workers on localhost, real SIGKILL of a whole node (its agent, and its
+workers by PDEATHSIG). No spares: before issue 22 the survivors' node ended the job after 60 s, and a
+new agent started with the same ``--rdzv-id`` was refused as late. Now the leader notes on the
+incident that the job waits (``ckptless status``), the survivors wait in memory with their state
+and mirrors, and a new agent of the job serves as spares, pre-built as the lost ranks, and takes
+them: the run ends bitwise equal to the fault-free one, survivors in their first processes. The
+tests synchronise on the leader's note in etcd, never on a sleep.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+
+import pytest
+
+from ckptless.coordinator.embedded import EmbeddedEtcd
+from ckptless.coordinator.keyspace import Keyspace
+from ckptless.report.status import read_status
+
+from ..harness.cluster import Cluster, FaultFree, assert_recovered, new_cluster
+from ..harness.waiting import wait_until
+
+
+def _waiting(c: Cluster) -> dict[str, object] | None:
+    """The leader's note that the job waits for a replacement (on the open incident), if any."""
+    with c.client() as client:
+        for kv in client.get_prefix(Keyspace(c.job_id).incident_prefix)[0]:
+            doc = json.loads(kv.value)
+            if isinstance(doc.get("waiting"), dict):
+                return dict(doc["waiting"])
+    return None
+
+
+def _lose_node_1(c: Cluster) -> tuple[object, set[int]]:
+    """Agent 0 leads (ranks 0-1); the other node (ranks 2-3), paused at rank 2's pause point, is killed whole."""
+    c.start_leader_then_others()
+    c.paused_pid(2)
+    victim = c.agent_of_rank(2)
+    assert victim is not c.leader_agent()
+    lost = {r for r in range(4) if c.agent_of_rank(r) is victim}
+    os.kill(victim.pid, signal.SIGKILL)
+    return victim, lost
+
+
+def test_node_lost_without_spares_a_new_agent_takes_its_ranks(module_etcd: EmbeddedEtcd, tmp_path: Path,
+                                                               baseline: FaultFree) -> None:
+    c = new_cluster(module_etcd.endpoint, tmp_path, "newnode", REF_PAUSE_RANK="2", REF_PAUSE_STEP="6")
+    try:
+        victim, lost = _lose_node_1(c)
+        wait_until(lambda: _waiting(c) is not None, 120, "the leader noting that the job waits for a replacement")
+        status = read_status(c.endpoint, c.job_id)
+        assert "waiting for a replacement for ranks [2, 3]" in status.waiting, status
+        newcomer = c.start_agent()  # the lost node's own command, as a scheduler would start it again
+        c.wait(expect_fail=[victim])  # every other agent, the newcomer included, exits 0
+    finally:
+        c.kill_all()
+    assert_recovered(c, baseline, lost)
+    assert all(c.pids(r)[-1]["role"] == "spare" for r in lost)
+    log = c.logs[c.agents.index(newcomer)].read_text()
+    assert "arrived late: this node serves the job as 2 spare(s)" in log, log[-3000:]
+
+
+@pytest.mark.rotating(1)  # CI budget: tests/harness/rotation.py
+def test_no_replacement_within_the_timeout_ends_the_job_naming_the_ranks(module_etcd: EmbeddedEtcd,
+                                                                         tmp_path: Path) -> None:
+    c = new_cluster(module_etcd.endpoint, tmp_path, "nonode", REF_PAUSE_RANK="2", REF_PAUSE_STEP="4")
+    try:
+        c.start_agent("--replacement-timeout", "4")
+        with c.client() as client:
+            wait_until(lambda: bool(client.get_prefix(Keyspace(c.job_id).election_prefix)[0]), 120, "a leader")
+        c.start_agent("--replacement-timeout", "4")
+        c.paused_pid(2)
+        victim = c.agent_of_rank(2)
+        os.kill(victim.pid, signal.SIGKILL)
+        survivor = next(a for a in c.agents if a is not victim)
+        code = survivor.wait(timeout=120)
+    finally:
+        c.kill_all()
+    assert code == 1
+    text = c.tail(100000)
+    assert "no replacement within 4s (--replacement-timeout)" in text, text[-3000:]
+    assert "ranks [2, 3]" in text and f"--rdzv-id {c.job_id}" in text
