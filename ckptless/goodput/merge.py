@@ -24,6 +24,8 @@ where its categories apply (see :data:`GOOGLE`):
 
 * ``startup``: the first step's excess over the median step (PROGRAM_STARTUP);
 * ``checkpoint_save``: the blocking part of disk snapshots (``block_s``);
+* ``replacement_wait``: the part of *reformation* the job spent waiting for a replacement node
+  (``--replacement-timeout``): from the leader's ``replacement_waiting`` to its next plan;
 * ``reprotection``: excess over the median step of every step that overlaps
   an incident's re-protection window, from the resume to the last
   ``reprotect_done`` (only the first step when no rank wrote that marker).
@@ -51,7 +53,7 @@ from ckptless.goodput.ledger import AttrValue, Event, EventKind, Ledger
 K = EventKind
 
 # Job-level categories, in the order reports show them.
-CATEGORIES = ("productive", "startup", "checkpoint_save", "detection", "reformation", "transfer",
+CATEGORIES = ("productive", "startup", "checkpoint_save", "detection", "replacement_wait", "reformation", "transfer",
               "disk_restore", "rollback", "wasted_progress", "reprotection", "idle")
 BADPUT_CATEGORIES = CATEGORIES[1:]
 # The ml-goodput-measurement BadputType each category corresponds to.
@@ -61,6 +63,7 @@ GOOGLE = {
     "checkpoint_save": "UNPRODUCTIVE_CHECKPOINT_SAVE_TIME",
     "detection": "INFRASTRUCTURE_RECOVERY_FROM_DISRUPTION",
     "reformation": "INFRASTRUCTURE_RECOVERY_FROM_DISRUPTION",
+    "replacement_wait": "INFRASTRUCTURE_RECOVERY_FROM_DISRUPTION",
     "transfer": "UNPRODUCTIVE_CHECKPOINT_RESTORE_TIME",
     "disk_restore": "UNPRODUCTIVE_CHECKPOINT_RESTORE_TIME",
     "rollback": "UNPRODUCTIVE_CHECKPOINT_RESTORE_TIME",
@@ -275,11 +278,31 @@ def analyze(events: Iterable[Event]) -> JobAnalysis:
             walked.pop(0)
         acc = walked.pop(0) if walked and walked[0].detected_at == det else None
         incidents.append(_freeze(v, n, acc.steps_lost if acc else 0, acc.lost_work_s if acc else 0.0))
+    _replacement_waits(seconds, views)
     median = _refine(seconds, rep.steps, incidents, tl)
     snaps = tuple(sorted({e.step for _, e in tl if e.kind is K.SNAPSHOT_SAVED and e.step is not None}))
     return JobAnalysis(clock, note, rep.start, rep.end, seconds, rep.steps_done, rep.steps_lost, median,
                        tuple(incidents), tuple(unmatched), _tracks(tl), snaps,
                        tuple(x for x in (note,) if x))
+
+
+def _replacement_waits(seconds: dict[str, float], views: Sequence[IncidentBounds]) -> None:
+    """Move each incident's wait for a replacement node out of *reformation*: from the leader's first
+    ``replacement_waiting`` to its first plan after it, within the incident's re-formation phase."""
+    for v in views:
+        waits = [t for _, name, t in v.inc.marks if name == "waiting for a replacement"]
+        if not waits:
+            continue
+        w0 = min(waits)
+        plans = [t for _, name, t in v.inc.marks if name == "plan published" and t >= w0]
+        end = v.bounds.get("reformation")
+        hi = min(plans) if plans else end
+        if end is not None and hi is not None:
+            hi = min(hi, end)
+        lo = max(w0, v.bounds.get("detection", v.started))
+        d = max(0.0, min((hi if hi is not None else lo) - lo, seconds["reformation"]))
+        seconds["reformation"] -= d
+        seconds["replacement_wait"] += d
 
 
 def _refine(seconds: dict[str, float], kept: Sequence[StepTime], incidents: Sequence[IncidentView],

@@ -30,11 +30,12 @@ from ckptless.report.loader import LoadedRun
 
 LABELS = {
     "productive": "productive", "startup": "startup", "checkpoint_save": "checkpoint save",
-    "detection": "detection", "reformation": "re-formation", "transfer": "transfer",
+    "detection": "detection", "replacement_wait": "waiting for a node", "reformation": "re-formation",
+    "transfer": "transfer",
     "disk_restore": "disk restore", "rollback": "rollback", "wasted_progress": "wasted progress",
     "reprotection": "re-protection", "idle": "idle", "first_step": "first step",
     "joined": "replacement joined", "incident opened": "leader: incident opened",
-    "plan published": "leader: plan published",
+    "plan published": "leader: plan published", "waiting for a replacement": "leader: waiting for a replacement",
 }
 # What each category means, for the terminal legend and the page.
 MEANING = {
@@ -42,6 +43,7 @@ MEANING = {
     "startup": "first step beyond a median step (process start, warm-up)",
     "checkpoint_save": "blocking part of disk snapshots",
     "detection": "fault until every survivor knew",
+    "replacement_wait": "no spare and no node for a lost rank: held until one came (--replacement-timeout)",
     "reformation": "report, plan, replacement joins, new groups",
     "transfer": "replacement pulls its image from peers",
     "disk_restore": "restore from a disk snapshot",

@@ -14,7 +14,7 @@ from ckptless.report.model import LABELS, Report, nice_ticks
 
 COLOURS = {
     "productive": "#3b8f5a", "startup": "#a3a3a3", "checkpoint_save": "#00838f", "detection": "#d62728",
-    "reformation": "#f28e2b", "transfer": "#4e79a7", "disk_restore": "#8c564b", "rollback": "#9467bd",
+    "reformation": "#f28e2b", "replacement_wait": "#ffbe7d", "transfer": "#4e79a7", "disk_restore": "#8c564b", "rollback": "#9467bd",
     "wasted_progress": "#e377c2", "reprotection": "#17becf", "idle": "#d4d4d4", "first_step": "#e0b000",
 }
 RANKS = ["#1f3b73", "#4e79a7", "#59a14f", "#b07aa1", "#9c755f", "#76b7b2", "#edc948", "#ff9da7", "#bab0ac",

@@ -19,7 +19,7 @@ from ckptless.goodput import CATEGORIES, GOOGLE, PHASES
 from ckptless.report.model import LABELS, MEANING, Report
 
 COLOURS = {"productive": "green", "startup": "grey62", "checkpoint_save": "cyan", "detection": "red",
-           "reformation": "dark_orange", "transfer": "blue", "disk_restore": "magenta", "rollback": "purple",
+           "reformation": "dark_orange", "replacement_wait": "orange3", "transfer": "blue", "disk_restore": "magenta", "rollback": "purple",
            "wasted_progress": "bright_red", "reprotection": "dark_green", "idle": "grey50",
            "first_step": "yellow"}
 

@@ -199,3 +199,21 @@ def test_the_incident_says_which_tier_served_each_rank() -> None:
           ev(K.FIRST_STEP_AFTER_RECOVERY, 5.5, gen=1, step=3), ev(K.JOB_END, 6.0, gen=1)]
     (inc,) = analyze(sorted(es, key=lambda e: e.t_monotonic)).incidents
     assert inc.restored_from == "0: own memory; 1: holders 14.8 KiB + live replicas 4.0 MiB", inc.restored_from
+
+
+def test_a_wait_for_a_replacement_node_is_its_own_badput() -> None:
+    """Issue 22: from the leader's replacement_waiting to its plan, the job waited for a node; the rest
+    of re-formation stays re-formation, and the categories still partition the wall time."""
+    es = [ev(K.JOB_START, 0.0), ev(K.JOB_START, 0.0, 1), *steps(0, 1, 3, 1.0), ev(K.FAILURE_DETECTED, 3.5),
+          ev(K.FAILURE_DETECTED, 3.5, 1), ev(K.INCIDENT_OPENED, 3.6, None, lost="2,3", generation=0),
+          ev(K.REPLACEMENT_WAITING, 4.0, None, lost="2,3", generation=0),
+          ev(K.PLAN_PUBLISHED, 24.0, None, gen=1, decision="memory", generation=1),
+          ev(K.GROUPS_REFORMED, 25.0, gen=1), ev(K.GROUPS_REFORMED, 25.0, 1, gen=1),
+          ev(K.ROLLBACK_DONE, 25.2, 0, gen=1, step=2, source="local"),
+          ev(K.ROLLBACK_DONE, 25.2, 1, gen=1, step=2, source="local"),
+          ev(K.FIRST_STEP_AFTER_RECOVERY, 26.0, gen=1, step=3), ev(K.JOB_END, 26.5, gen=1)]
+    a = analyze(sorted(es, key=lambda e: e.t_monotonic))
+    assert a.seconds["replacement_wait"] == pytest.approx(20.0, abs=1e-6)
+    # Re-formation ran from the incident's opening (3.6) to the groups (25.0): 21.4 s, of which 20 s waited.
+    assert a.seconds["reformation"] == pytest.approx(1.4, abs=1e-5)
+    assert math.fsum(a.seconds.values()) == pytest.approx(a.end - a.start, abs=1e-6)
