@@ -22,7 +22,7 @@ from ckptless.coordinator.embedded import EmbeddedEtcd
 from ckptless.coordinator.keyspace import Keyspace
 from ckptless.report.status import read_status
 
-from ..harness.cluster import Cluster, FaultFree, assert_recovered, new_cluster
+from ..harness.cluster import Cluster, FaultFree, assert_recovered, new_cluster, wait_membership
 from ..harness.waiting import wait_until
 
 
@@ -85,3 +85,30 @@ def test_no_replacement_within_the_timeout_ends_the_job_naming_the_ranks(module_
     text = c.tail(100000)
     assert "no replacement within 4s (--replacement-timeout)" in text, text[-3000:]
     assert "ranks [2, 3]" in text and f"--rdzv-id {c.job_id}" in text
+
+
+@pytest.mark.rotating(0)  # CI budget: tests/harness/rotation.py
+def test_an_agent_more_than_the_job_needs_serves_as_spares_and_takes_a_lost_node(module_etcd: EmbeddedEtcd,
+                                                                                 tmp_path: Path,
+                                                                                 baseline: FaultFree) -> None:
+    """A third agent with --nnodes 2 (the job formed without it) neither ends nor re-forms the job: it
+    serves as spares, and when node 1 is lost it takes ranks 2-3 at once (nobody waits)."""
+    c = new_cluster(module_etcd.endpoint, tmp_path, "extra", REF_PAUSE_RANK="2", REF_PAUSE_STEP="6")
+    try:
+        c.start_leader_then_others()
+        wait_membership(c, 0)
+        extra = c.start_agent()
+        with c.client() as client:
+            spares = Keyspace(c.job_id).spares_prefix
+            wait_until(lambda: len(client.get_prefix(spares)[0]) == 2, 120, "the extra agent's two spares")
+        c.paused_pid(2)
+        victim = c.agent_of_rank(2)
+        lost = {r for r in range(4) if c.agent_of_rank(r) is victim}
+        os.kill(victim.pid, signal.SIGKILL)
+        c.wait(expect_fail=[victim])
+    finally:
+        c.kill_all()
+    assert_recovered(c, baseline, lost)
+    assert all(c.pids(r)[-1]["role"] == "spare" for r in lost)
+    assert "waiting for a replacement" not in c.tail(100000)
+    assert "arrived late" in c.logs[c.agents.index(extra)].read_text()
