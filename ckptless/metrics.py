@@ -85,6 +85,9 @@ class MetricsExporter:
                                 _LABELS, namespace=ns, registry=reg).labels(*self._lv)
         self._bytes = Gauge("replica_bytes_held", "Bytes of peers' images held in this node's peer stores.",
                             _LABELS, namespace=ns, registry=reg).labels(*self._lv)
+        self._waiting = Gauge("replacement_waiting_since", "Unix time since which the job waits for a replacement "
+                              "node for lost ranks (0: not waiting; --replacement-timeout).", _LABELS, namespace=ns,
+                              registry=reg).labels(*self._lv)
         self._own = Gauge("own_image_bytes", "Bytes of this node's ranks' own capture buffers (committed image, "
                           "the one in flight).", _LABELS, namespace=ns, registry=reg).labels(*self._lv)
         self._spares = Gauge("spares_free", "Warm spares waiting for a rank (job-wide, as seen in etcd).",
@@ -167,6 +170,10 @@ class MetricsExporter:
     @_never_raises
     def set_replica_bytes(self, nbytes: int) -> None:
         self._bytes.set(nbytes)
+
+    @_never_raises
+    def set_replacement_waiting(self, since_unix: float) -> None:
+        self._waiting.set(since_unix)
 
     @_never_raises
     def set_own_image_bytes(self, nbytes: int) -> None:

@@ -11,6 +11,7 @@ see launcher/completion.py) and each incident's opening (for the metrics).
 
 from __future__ import annotations
 
+import json
 import logging
 import signal
 import threading
@@ -42,7 +43,19 @@ def on_events(st: NodeState, events: list[WatchEvent]) -> None:
                 st.incident_t[g] = time.monotonic()
                 if st.metrics is not None:
                     st.metrics.record_incident()
+            since = _waiting_since(ev.value)
+            if since is not None and st.metrics is not None:  # the leader noted that the job waits for a node
+                st.metrics.set_replacement_waiting(since)
     st.wake.set()
+
+
+def _waiting_since(raw: bytes) -> float | None:
+    """When the job started waiting for a replacement, from an incident record (None: it does not wait)."""
+    try:
+        w = json.loads(raw).get("waiting")
+        return float(w["since"]) if isinstance(w, dict) else None
+    except (ValueError, TypeError, KeyError, AttributeError):
+        return None
 
 
 def apply_membership(st: NodeState, m: Membership) -> None:
@@ -54,6 +67,7 @@ def apply_membership(st: NodeState, m: Membership) -> None:
         st.published_t.setdefault(m.generation, time.monotonic())
         if st.metrics is not None:
             st.metrics.set_generation(m.generation)
+            st.metrics.set_replacement_waiting(0.0)  # a new generation: nothing waits any more
         group = st.group
         if group is None:
             return

@@ -13,10 +13,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
+import urllib.request
 from pathlib import Path
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from ckptless.coordinator.embedded import EmbeddedEtcd
 from ckptless.coordinator.keyspace import Keyspace
@@ -36,9 +39,18 @@ def _waiting(c: Cluster) -> dict[str, object] | None:
     return None
 
 
-def _lose_node_1(c: Cluster) -> tuple[object, set[int]]:
+def _scrape(c: Cluster, agent: int) -> dict[str, float]:
+    """Agent ``agent``'s Prometheus samples (it printed its URL: started with ``--metrics-port 0``)."""
+    found = re.search(r"metrics at (http://\S+/metrics)", c.logs[agent].read_text())
+    assert found is not None, c.logs[agent].read_text()[-2000:]
+    with urllib.request.urlopen(found.group(1), timeout=10) as resp:
+        text = resp.read().decode()
+    return {s.name: s.value for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+def _lose_node_1(c: Cluster, *flags: str) -> tuple[object, set[int]]:
     """Agent 0 leads (ranks 0-1); the other node (ranks 2-3), paused at rank 2's pause point, is killed whole."""
-    c.start_leader_then_others()
+    c.start_leader_then_others(*flags)
     c.paused_pid(2)
     victim = c.agent_of_rank(2)
     assert victim is not c.leader_agent()
@@ -51,10 +63,13 @@ def test_node_lost_without_spares_a_new_agent_takes_its_ranks(module_etcd: Embed
                                                                baseline: FaultFree) -> None:
     c = new_cluster(module_etcd.endpoint, tmp_path, "newnode", REF_PAUSE_RANK="2", REF_PAUSE_STEP="6")
     try:
-        victim, lost = _lose_node_1(c)
+        victim, lost = _lose_node_1(c, "--metrics-port", "0")
         wait_until(lambda: _waiting(c) is not None, 120, "the leader noting that the job waits for a replacement")
         status = read_status(c.endpoint, c.job_id)
         assert "waiting for a replacement for ranks [2, 3]" in status.waiting, status
+        since = float(_waiting(c)["since"])  # type: ignore[index, arg-type]
+        wait_until(lambda: _scrape(c, 0).get("ckptless_replacement_waiting_since") == since, 30,
+                   "the surviving node's metrics saying since when the job waits")
         newcomer = c.start_agent()  # the lost node's own command, as a scheduler would start it again
         c.wait(expect_fail=[victim])  # every other agent, the newcomer included, exits 0
     finally:

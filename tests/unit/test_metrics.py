@@ -38,6 +38,7 @@ def test_scrape_over_http_on_a_free_port() -> None:
         m.set_mirror_lag(1)
         m.set_replica_bytes(3 << 20)
         m.set_own_image_bytes(5 << 20)
+        m.set_replacement_waiting(1_700_000_000.0)
         m.set_spares_free(1)
         m.record_recovery(analyze(fx.all_events()).incidents[0])
         got = scrape(m.url)
@@ -47,6 +48,7 @@ def test_scrape_over_http_on_a_free_port() -> None:
         assert got[("ckptless_mirror_lag_versions", lab)] == 1.0
         assert got[("ckptless_replica_bytes_held", lab)] == float(3 << 20)
         assert got[("ckptless_own_image_bytes", lab)] == float(5 << 20)
+        assert got[("ckptless_replacement_waiting_since", lab)] == 1_700_000_000.0
         assert got[("ckptless_spares_free", lab)] == 1.0
         rec = {p: got[("ckptless_last_recovery_seconds", (*lab, ("phase", p)))] for p in RECOVERY_PHASES}
         assert rec["reformation"] == pytest.approx(0.86, abs=1e-5)
