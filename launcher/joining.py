@@ -72,7 +72,10 @@ def _as_spares(client: EtcdClient, keyspace: Keyspace, session: Session, me: Nod
     m = _await_membership(client, keyspace, cfg.run_id, timeout_s, stopping)
     check_fingerprint(client, keyspace, cfg)
     log.info("spare node %s joined job %s (world %d)", me.node_id, cfg.run_id, m.world_size)
-    return RendezvousResult(0, 0, 1, (), 0, m.world_size, NodeInfo("", m.store_host, 1, m.store_port), late=late), m
+    # Its spares' placeholder groups (unbound until a rank is assigned) use this node's own store: the
+    # membership's may be a lost node's (a late node arrives while the job waits because that node is
+    # gone). An assigned spare connects to its generation's store, named by the membership.
+    return RendezvousResult(0, 0, 1, (), 0, m.world_size, NodeInfo("", me.host, 1, me.store_port), late=late), m
 
 
 def _await_membership(client: EtcdClient, keyspace: Keyspace, run_id: str, timeout_s: float,

@@ -127,3 +127,26 @@ def test_an_agent_more_than_the_job_needs_serves_as_spares_and_takes_a_lost_node
     assert all(c.pids(r)[-1]["role"] == "spare" for r in lost)
     assert "waiting for a replacement" not in c.tail(100000)
     assert "arrived late" in c.logs[c.agents.index(extra)].read_text()
+
+
+@pytest.mark.slow  # the leader's own node lost with no spare; CI runs the other node's case above
+def test_the_leaders_node_lost_without_spares_a_new_agent_takes_its_ranks(module_etcd: EmbeddedEtcd,
+                                                                         tmp_path: Path,
+                                                                         baseline: FaultFree) -> None:
+    """Node 0 (the leader, ranks 0-1, generation 0's store) is lost with no spare: the other node's agent
+    wins the election, waits for a replacement, and a new agent of the job takes ranks 0-1, bitwise."""
+    c = new_cluster(module_etcd.endpoint, tmp_path, "newleader", REF_PAUSE_RANK="0", REF_PAUSE_STEP="6")
+    try:
+        c.start_leader_then_others()
+        c.paused_pid(0)
+        victim = c.leader_agent()
+        assert c.agent_of_rank(0) is victim
+        lost = {r for r in range(4) if c.agent_of_rank(r) is victim}
+        os.kill(victim.pid, signal.SIGKILL)
+        wait_until(lambda: _waiting(c) is not None, 120, "the new leader noting that the job waits")
+        c.start_agent()
+        c.wait(expect_fail=[victim])
+    finally:
+        c.kill_all()
+    assert_recovered(c, baseline, lost)
+    assert all(c.pids(r)[-1]["role"] == "spare" for r in lost)
