@@ -11,6 +11,7 @@ module builds those inputs from the runtime and records the outcome.
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import time
 
@@ -146,9 +147,16 @@ def _restore_locally(registry: StateRegistry, image: StateImage, verify: bool = 
         restore(registry, image, verify=verify)
 
 
+# A rank that has not reported this long after leaving a generation is stuck somewhere it should
+# not be (the leader gives a live rank the collective timeout + 10 s): its threads' stacks go to its
+# log once, so the hang can be read afterwards instead of guessed (the report cancels the dump).
+STUCK_DUMP_S = 30.0
+
+
 def leave(rt: WorkerRuntime, a: LeaveGroups) -> Event:
     rt.ledger.emit(EventKind.FAILURE_DETECTED, generation=a.generation, reason=a.reason[:200])
     log.warning("rank %d: leaving generation %d: %s", rt.rank, a.generation, a.reason)
+    faulthandler.dump_traceback_later(STUCK_DUMP_S, exit=False)
     rt.heartbeat.recovering()
     gen = rt.gen
     if gen is not None:
@@ -178,4 +186,5 @@ def report(rt: WorkerRuntime, a: Report) -> Event:
         rt.control.report(a.generation, rt.rank, rep, a.reason, rt.notes.bad_snapshot)
     except CoordinatorUnavailable as exc:
         return CoordinatorLost(str(exc))
+    faulthandler.cancel_dump_traceback_later()
     return Reported(time.monotonic())
