@@ -212,12 +212,16 @@ class WorkerControl:
     # --- writes, tolerant of a bounded etcd outage ---------------------------------------------------
     def _persist(self, what: str, fn: Callable[[], T]) -> T:
         deadline = time.monotonic() + self.outage_timeout_s
+        said = False
         while True:
             try:
                 return fn()
             except CoordinatorUnavailable as exc:
                 if time.monotonic() >= deadline:
                     raise CoordinatorUnavailable(f"{what}: etcd unreachable for {self.outage_timeout_s:.0f}s") from exc
+                if not said:  # a write that waits must say so once: a silent retry reads as a hang
+                    said = True
+                    log.warning("%s: etcd unreachable (%s); retrying for up to %.0fs", what, exc, self.outage_timeout_s)
                 self._changed.wait(1.0)
 
     def _put(self, key: str, value: bytes | str) -> None:
