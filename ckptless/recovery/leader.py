@@ -57,6 +57,7 @@ from ckptless.recovery.leader_machine import (
     RequestPlan,
     Resign,
     State,
+    replacement_key,
     step,
 )
 from ckptless.recovery.decision import DiskFallback, RecoveryPlan
@@ -251,7 +252,7 @@ class RecoveryLeader:
                                              self.config.placement, snap)
         except CkptlessError as exc:
             return PlanFailed(f"{type(exc).__name__}: {exc}", self._now())
-        return Planned(decision, tuple(notes), self._now())
+        return Planned(decision, tuple(notes), self._now(), replacement_key(view))
 
     def _publish(self, decision: RecoveryPlan | DiskFallback, from_generation: int) -> Event:
         view = self._view

@@ -128,6 +128,9 @@ class Planned:
     decision: Decision
     notes: tuple[str, ...]
     now: float
+    # The (usable spares, live nodes) of the view the plan was made from: a wait for a replacement
+    # re-plans on any change from *these*, so a spare that appeared while planning is not missed.
+    seen: tuple[tuple[str, ...], frozenset[str]] | None = None
 
 
 @dataclass(frozen=True)
@@ -404,7 +407,8 @@ def _planned(state: State, event: Planned, cfg: LeaderConfig) -> Step:
                                                    "is admitted"),)
         if first:
             said += (NoteWaiting(state.generation, tuple(sorted(state.lost)), deadline - event.now, d.reason),)
-        return WaitingForReplacement(state.generation, state.lost, state.opened_at, deadline, d.reason), notes + said
+        return (WaitingForReplacement(state.generation, state.lost, state.opened_at, deadline, d.reason, event.seen),
+                notes + said)
     if d.generation > cfg.max_recoveries:
         st, acts = _end("failed", f"gave up after {state.generation} recoveries (limit {cfg.max_recoveries}): "
                                   f"failures keep recurring; the last: {state.reason[:300]}")
@@ -412,14 +416,15 @@ def _planned(state: State, event: Planned, cfg: LeaderConfig) -> Step:
     return Publishing(state.generation, d, state.opened_at), notes + (Publish(d, state.generation),)
 
 
-def _replacement_key(view: JobView) -> tuple[tuple[str, ...], frozenset[str]]:
+def replacement_key(view: JobView) -> tuple[tuple[str, ...], frozenset[str]]:
+    """What a wait for a replacement watches: the usable spares and the live nodes."""
     return tuple(w.worker_id for w in view.usable_spares()), view.live_nodes
 
 
 def _wait_replacement(state: WaitingForReplacement, view: JobView, now: float, cfg: LeaderConfig) -> Step:
-    key = _replacement_key(view)
+    key = replacement_key(view)
     lost = state.lost | view.faulted
-    if state.seen is None:  # the first look after planning: only a *change* triggers a re-plan
+    if state.seen is None:  # no key from the plan: the first look after it is the reference
         state = replace(state, seen=key)
     if now >= state.deadline:
         return _end("failed", f"no replacement within {cfg.replacement_timeout_s:.0f}s (--replacement-timeout): "

@@ -30,6 +30,7 @@ from ckptless.recovery.leader_machine import (
     PublishRejected,
     RequestPlan,
     State,
+    replacement_key,
     step,
 )
 from ckptless.recovery.view import ExitRecord, JobStatus, JobView, ReportRecord
@@ -128,7 +129,7 @@ class World:
             try:
                 decision, notes = plan_from_view(self.view(), JOB, action.lost, CFG.replicas, CFG.placement,
                                                  self.snapshot_step)
-                return Planned(decision, tuple(notes), now)
+                return Planned(decision, tuple(notes), now, replacement_key(self.view()))
             except CkptlessError as exc:
                 return PlanFailed(str(exc), now)
         elif isinstance(action, Publish):

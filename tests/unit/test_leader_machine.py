@@ -291,6 +291,28 @@ def test_no_replacement_before_the_deadline_ends_the_job_naming_the_ranks() -> N
     assert "[2, 3]" in ld.state.reason and "no replacement" in ld.state.reason
 
 
+def test_a_spare_that_appears_while_the_plan_is_made_is_not_missed() -> None:
+    """A new node offers its two spares one after the other: the plan sees one (still waiting for the
+    other rank), the second appears before the leader's next look. The wait compares with what the plan
+    saw, so it re-plans at once (was: the first look's key was taken as the reference, the second
+    spare was never a change, and the job waited out --replacement-timeout with a spare at hand)."""
+    ld = fresh_leader()
+    ld.world.lose_node("n1")
+    ld.world.report(0)
+    ld.world.report(1)
+    ld.observe(0.1)
+    ld.observe(1.5)
+    assert isinstance(ld.state, WaitingForReplacement)
+    ld.world.nodes.add("s")
+    ld.world.spares = [Worker("s/a", "s")]
+    ld.observe(0.1)  # one spare: rank 2 could be served, rank 3 not: still waiting
+    assert isinstance(ld.state, WaitingForReplacement) and "[3]" in ld.state.reason
+    ld.world.spares = [Worker("s/a", "s"), Worker("s/b", "s")]  # the second spare, before the next look
+    ld.observe(0.1)
+    assert isinstance(ld.state, AwaitingFormation), ld.state
+    assert {a.rank: a.source for a in ld.world.published[0].assignments}[3] == "spare"
+
+
 def test_a_wait_for_a_replacement_has_one_deadline_whatever_comes_and_goes() -> None:
     """Issue 22: a node that joins and leaves (or a spare that flaps) re-plans, but never extends the
     wait: nothing waits longer than --replacement-timeout; the wait is noted on the incident once."""
