@@ -32,7 +32,7 @@ from ckptless.recovery.decision import Assignment
 from ckptless.recovery.wire import Membership
 from ckptless.state import host_memory
 from ckptless.state.digest import write_digest
-from ckptless.worker import abort, actions, ahead, exit_file, exit_guard, groups, rank_reads, training
+from ckptless.worker import abort, actions, ahead, deferral, exit_file, exit_guard, groups, rank_reads, training
 from ckptless.worker.context import WorkerContext
 from ckptless.worker.faults import device_failure, is_fault
 from ckptless.worker.generation import Generation
@@ -231,8 +231,12 @@ class WorkerDriver:
             # While it waits for a rank, a warm spare faults in the buffers of its future capture pool
             # (the first one receives its image, which is then mirrored from it): the first-touch page
             # faults of S bytes each are taken off the recovery's critical path and its first steps.
+            plan = rt.capturer.plan()
             n = max(1, rt.mirror_config.pool_buffers)
-            rt.standby_buffers = [host_memory.empty(rt.capturer.required_bytes()).zero_() for _ in range(n)]
+            if (n == 2 and plan.can_defer(rt.capturer.mirror_replicated)
+                    and deferral.covered(plan, rt.write_order.optimizers)):
+                n = 1  # its captures will leave the replicated prefix live: the second buffer holds a suffix
+            rt.standby_buffers = [host_memory.empty(plan.total).zero_() for _ in range(n)]
 
     def write_digest(self, name: str = "digest") -> None:
         """The protected state's digest, only when a chaos runner asked (``CKPTLESS_DIGEST_DIR``)."""
