@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import os
+import threading
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
@@ -53,6 +54,26 @@ def fill(engine: MirrorEngine, version: int, nbytes: int, *, job: str, generatio
     if corrupt:
         buf[nbytes // 2] ^= 0x5A  # flipped after checksumming: the replica must catch it
     return m, buf
+
+
+def engine_pair(job: str, timeout_s: float, **kw: Any) -> list[MirrorEngine]:
+    """Two engines of one job on a real Gloo pair in this process (one thread builds each rank's group),
+    configured by ``mirror_config(timeout_s=timeout_s, **kw)``."""
+    master = dist.TCPStore("127.0.0.1", 0, 2, True, timeout=timedelta(seconds=20), wait_for_workers=False)
+    out: list[Any] = [None, None]
+
+    def make(rank: int) -> None:
+        store = master if rank == 0 else dist.TCPStore("127.0.0.1", master.port, 2, False,
+                                                         timeout=timedelta(seconds=20))
+        pg = dist.ProcessGroupGloo(store, rank, 2, timedelta(seconds=timeout_s))
+        out[rank] = MirrorEngine(pg, job, mirror_config(timeout_s=timeout_s, **kw), generation=0)
+
+    threads = [threading.Thread(target=make, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    return out
 
 
 def rss_bytes() -> int:

@@ -8,18 +8,14 @@ and the torn buffer is not offered as an own image for a rollback.
 from __future__ import annotations
 
 import threading
-from datetime import timedelta
-from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from ckptless.errors import MirrorError
-from ckptless.mirror import MirrorEngine
 from ckptless.state.fence import CopyFence
 
-from ..harness.mirror import fill, mirror_config
+from ..harness.mirror import engine_pair, fill
 
 
 class SlowMarker:
@@ -35,26 +31,8 @@ class SlowMarker:
         pass
 
 
-def _pair(job: str, timeout_s: float) -> list[MirrorEngine]:
-    master = dist.TCPStore("127.0.0.1", 0, 2, True, timeout=timedelta(seconds=20), wait_for_workers=False)
-    out: list[Any] = [None, None]
-
-    def make(rank: int) -> None:
-        store = master if rank == 0 else dist.TCPStore("127.0.0.1", master.port, 2, False,
-                                                         timeout=timedelta(seconds=20))
-        pg = dist.ProcessGroupGloo(store, rank, 2, timedelta(seconds=timeout_s))
-        out[rank] = MirrorEngine(pg, job, mirror_config(timeout_s=timeout_s), generation=0)
-
-    threads = [threading.Thread(target=make, args=(r,)) for r in (0, 1)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
-    return out
-
-
 def test_a_round_waits_for_the_copies_and_a_torn_image_breaks_the_engine() -> None:
-    e0, e1 = _pair("fence", timeout_s=5.0)
+    e0, e1 = engine_pair("fence", 5.0)
     try:
         release = threading.Event()
         source = torch.zeros(4)

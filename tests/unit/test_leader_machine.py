@@ -219,6 +219,17 @@ def test_four_failures_in_a_row_in_different_states() -> None:
     assert published_generations(ld) == [1, 2, 3]
 
 
+def _waiting_for_node_1() -> Leader:
+    """Node n1 (ranks 2, 3) lost, the others reported, the gone-node grace over: no spare, no node."""
+    ld = fresh_leader()
+    ld.world.lose_node("n1")
+    ld.world.report(0)
+    ld.world.report(1)
+    ld.observe(0.1)
+    ld.observe(1.5)
+    return ld
+
+
 def test_second_failure_while_waiting_for_a_replacement_replans() -> None:
     ld = fresh_leader()
     ld.world.lose_node("n1")
@@ -280,12 +291,7 @@ def test_silent_rank_is_lost_at_the_report_deadline() -> None:
 
 
 def test_no_replacement_before_the_deadline_ends_the_job_naming_the_ranks() -> None:
-    ld = fresh_leader()
-    ld.world.lose_node("n1")
-    ld.world.report(0)
-    ld.world.report(1)
-    ld.observe(0.1)
-    ld.observe(1.5)
+    ld = _waiting_for_node_1()
     ld.observe(CFG.replacement_timeout_s + 1)
     assert isinstance(ld.state, Ended) and ld.state.state == "failed"
     assert "[2, 3]" in ld.state.reason and "no replacement" in ld.state.reason
@@ -296,12 +302,7 @@ def test_a_spare_that_appears_while_the_plan_is_made_is_not_missed() -> None:
     other rank), the second appears before the leader's next look. The wait compares with what the plan
     saw, so it re-plans at once (was: the first look's key was taken as the reference, the second
     spare was never a change, and the job waited out --replacement-timeout with a spare at hand)."""
-    ld = fresh_leader()
-    ld.world.lose_node("n1")
-    ld.world.report(0)
-    ld.world.report(1)
-    ld.observe(0.1)
-    ld.observe(1.5)
+    ld = _waiting_for_node_1()
     assert isinstance(ld.state, WaitingForReplacement)
     ld.world.nodes.add("s")
     ld.world.spares = [Worker("s/a", "s")]
@@ -316,12 +317,7 @@ def test_a_spare_that_appears_while_the_plan_is_made_is_not_missed() -> None:
 def test_a_wait_for_a_replacement_has_one_deadline_whatever_comes_and_goes() -> None:
     """Issue 22: a node that joins and leaves (or a spare that flaps) re-plans, but never extends the
     wait: nothing waits longer than --replacement-timeout; the wait is noted on the incident once."""
-    ld = fresh_leader()
-    ld.world.lose_node("n1")
-    ld.world.report(0)
-    ld.world.report(1)
-    ld.observe(0.1)
-    ld.observe(1.5)
+    ld = _waiting_for_node_1()
     assert isinstance(ld.state, WaitingForReplacement)
     deadline = ld.state.deadline
     notes = [a for a in ld.log if isinstance(a, NoteWaiting)]

@@ -8,12 +8,9 @@ Engines run on a real Gloo pair in one process (as tests/unit/test_engine_fence.
 
 from __future__ import annotations
 
-import threading
-from datetime import timedelta
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
@@ -27,7 +24,7 @@ from ckptless.state.live_prefix import LivePrefix
 from ckptless.state.replication import Region, ReplicaSet, held_from
 from ckptless.worker.deferral import covered
 
-from ..harness.mirror import mirror_config
+from ..harness.mirror import engine_pair
 
 CHUNK = 4096
 DTYPES = [torch.float32, torch.float64, torch.int64, torch.bool, torch.bfloat16, torch.int8]
@@ -103,22 +100,16 @@ def test_a_deferred_capture_holds_the_suffix_and_reads_the_prefix_live() -> None
     assert torch.equal(merged, whole.buffer[: plan.total])
 
 
-def _pair(job: str) -> list[MirrorEngine]:
-    master = dist.TCPStore("127.0.0.1", 0, 2, True, timeout=timedelta(seconds=20), wait_for_workers=False)
-    out: list[Any] = [None, None]
-
-    def make(rank: int) -> None:
-        store = master if rank == 0 else dist.TCPStore("127.0.0.1", master.port, 2, False,
-                                                         timeout=timedelta(seconds=20))
-        pg = dist.ProcessGroupGloo(store, rank, 2, timedelta(seconds=10))
-        out[rank] = MirrorEngine(pg, job, mirror_config(timeout_s=10.0), generation=0)
-
-    threads = [threading.Thread(target=make, args=(r,)) for r in (0, 1)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
-    return out
+def _replicas_committed_once(job: str) -> tuple[list[MirrorEngine], list[Any], list[Capturer]]:
+    """Two replicas on an engine pair, each stepped once and its first (whole) capture committed as v1."""
+    engines = engine_pair(job, 10.0)
+    ranks = [_replica(r) for r in (0, 1)]
+    caps = [Capturer(reg, job, r, chunk_bytes=CHUNK) for r, (reg, *_) in enumerate(ranks)]
+    for r, (_, model, opt, counter) in enumerate(ranks):
+        _step(model, opt, counter, 0)
+        _capture(engines[r], caps[r], 1, defer=False)  # the first capture of an engine is whole
+    assert all(e.wait_committed(1, 20) for e in engines)
+    return engines, ranks, caps
 
 
 def _capture(engine: MirrorEngine, cap: Capturer, version: int, defer: bool) -> Any:
@@ -130,14 +121,8 @@ def _capture(engine: MirrorEngine, cap: Capturer, version: int, defer: bool) -> 
 
 
 def test_a_deferred_round_commits_and_merges_one_whole_image_into_one_s() -> None:
-    engines = _pair("live")
-    ranks = [_replica(r) for r in (0, 1)]
-    caps = [Capturer(reg, "live", r, chunk_bytes=CHUNK) for r, (reg, *_) in enumerate(ranks)]
+    engines, ranks, caps = _replicas_committed_once("live")
     try:
-        for r, (reg, model, opt, counter) in enumerate(ranks):
-            _step(model, opt, counter, 0)
-            _capture(engines[r], caps[r], 1, defer=False)  # the first capture of an engine is whole
-        assert all(e.wait_committed(1, 20) for e in engines)
         size = caps[0].plan().total
         assert all(e.committed_room() >= size for e in engines)
         for version in (2, 3):
@@ -165,14 +150,8 @@ def test_a_deferred_round_commits_and_merges_one_whole_image_into_one_s() -> Non
 
 
 def test_a_write_under_a_deferred_capture_is_never_committed_nor_called_corruption() -> None:
-    engines = _pair("torn")
-    ranks = [_replica(r) for r in (0, 1)]
-    caps = [Capturer(reg, "torn", r, chunk_bytes=CHUNK) for r, (reg, *_) in enumerate(ranks)]
+    engines, ranks, caps = _replicas_committed_once("torn")
     try:
-        for r, (reg, model, opt, counter) in enumerate(ranks):
-            _step(model, opt, counter, 0)
-            _capture(engines[r], caps[r], 1, defer=False)
-        assert all(e.wait_committed(1, 20) for e in engines)
         for r, (reg, model, opt, counter) in enumerate(ranks):
             _step(model, opt, counter, 2)
             if r == 0:
@@ -201,14 +180,8 @@ def test_an_abstaining_neighbour_is_not_compared() -> None:
 
 
 def test_an_optimizer_step_that_outwaits_the_round_abandons_the_merge_and_nothing_is_torn() -> None:
-    engines = _pair("abandon")
-    ranks = [_replica(r) for r in (0, 1)]
-    caps = [Capturer(reg, "abandon", r, chunk_bytes=CHUNK) for r, (reg, *_) in enumerate(ranks)]
+    engines, ranks, caps = _replicas_committed_once("abandon")
     try:
-        for r, (reg, model, opt, counter) in enumerate(ranks):
-            _step(model, opt, counter, 0)
-            _capture(engines[r], caps[r], 1, defer=False)
-        assert all(e.wait_committed(1, 20) for e in engines)
         for r, (reg, model, opt, counter) in enumerate(ranks):
             _step(model, opt, counter, 2)
         _capture(engines[0], caps[0], 2, defer=True)  # rank 1 has not submitted: the round cannot end
