@@ -310,19 +310,25 @@ class RebindableGroup(dist.ProcessGroup):
             backends = [b for b in self._backends if not isinstance(b, dist.ProcessGroupGloo)]
         return sum(_abort_async(b, generation) for b in backends)
 
-    def build(self, store: dist.Store, generation: int) -> tuple[dist.ProcessGroup, list[Any]]:
-        """The generation's communicator (blocks until every member of the group built it)."""
+    def build(self, store: dist.Store, generation: int,
+              physical: tuple[int, int] | None = None) -> tuple[dist.ProcessGroup, list[Any]]:
+        """The generation's communicator (blocks until every member of the group built it).
+
+        ``physical`` (a generation with fewer ranks, :mod:`ckptless.worker.hosted`): this process's
+        index among the survivors and their number. The communicator then spans the survivors while
+        the group keeps its logical rank and size, which is what DDP's reducer divides by."""
+        rank, size = physical if physical is not None else (self.rank(), self.size())
         prefix = dist.PrefixStore(f"ckptless/gen{generation}/pg/{self._name}/", store)
         what = f"group {self._name!r} (generation {generation})"
         cpu_backend = environment.current().cpu_backend
         if cpu_backend != "gloo":
-            group = self._build_plugin(cpu_backend, prefix)
+            group = self._build_plugin(cpu_backend, prefix, rank, size)
             _forming_add(generation, group)
             nccl.connect(group, torch.device("cpu"))  # a lazy backend connects here, not in the first step
-            nccl.check_members(group, torch.device("cpu"), self.size(), what, self.timeout.total_seconds())
+            nccl.check_members(group, torch.device("cpu"), size, what, self.timeout.total_seconds())
             return group, [group]
-        inner = dist.ProcessGroup(prefix, self.rank(), self.size())
-        gloo = new_user_gloo(prefix, generation, self.rank(), self.size(), self.timeout)
+        inner = dist.ProcessGroup(prefix, rank, size)
+        gloo = new_user_gloo(prefix, generation, rank, size, self.timeout)
         gloo.options.group_name = self._name
         gloo.options.global_ranks_in_group = self.global_ranks
         inner._set_default_backend(GLOO)
@@ -330,16 +336,16 @@ class RebindableGroup(dist.ProcessGroup):
         backends: list[Any] = [gloo]
         gpu, mode = device.bound(), device.bound_backend()
         if gpu is not None and mode == "nccl":  # not run on several GPUs (docs/architecture.md, "GPU path")
-            backend = nccl.build(prefix, self.rank(), self.size(), self.timeout, self._name, self.global_ranks,
+            backend = nccl.build(prefix, rank, size, self.timeout, self._name, self.global_ranks,
                                  gpu, on_created=lambda b: _forming_add(generation, b))
-            nccl.check_members(backend, gpu, self.size(), what, self.timeout.total_seconds())
+            nccl.check_members(backend, gpu, size, what, self.timeout.total_seconds())
             inner._register_backend(torch.device("cuda"), nccl.NCCL, backend)
             backends.append(backend)
         elif gpu is not None and mode == "gloo":  # ranks share a GPU (tests on one GPU): Gloo copies via the host
             inner._register_backend(torch.device("cuda"), GLOO, gloo)
         return inner, backends
 
-    def _build_plugin(self, name: str, store: dist.Store) -> Any:
+    def _build_plugin(self, name: str, store: dist.Store, rank: int, size: int) -> Any:
         """The CPU communicator from a backend registered under ``name`` (``CKPTLESS_CPU_BACKEND``):
         its creator must return a group. Used by the tests' NCCL-semantics backend
         (``tests/harness/nccl_like.py``), which CI runs the recovery tests on."""
@@ -348,7 +354,7 @@ class RebindableGroup(dist.ProcessGroup):
             raise ConfigError("CKPTLESS_CPU_BACKEND", name, "no such backend was registered (dist.Backend."
                                                             "register_backend) in this process before ckptless.init()")
         opts = dist.distributed_c10d._DistributedBackendOptions()
-        opts.store, opts.group_rank, opts.group_size = store, self.rank(), self.size()
+        opts.store, opts.group_rank, opts.group_size = store, rank, size
         opts.timeout, opts.group_id, opts.global_ranks_in_group = self.timeout, self._name, self.global_ranks
         return plugin.creator_fn(opts, None)
 
