@@ -92,6 +92,15 @@ class Job:
         return self._rt.prebuilt
 
     @property
+    def hosted_rank(self) -> int | None:
+        """Inside a lost rank's micro-batch (the job goes on with fewer ranks, ``--lost-node shrink``): that
+        rank; None in this rank's own step. The step body runs once per hosted rank with the optimizer step,
+        ``zero_grad``, the LR schedule's step and collectives held back; work the body does besides (an EMA
+        update, a log line, a counter) can be skipped when this is not None."""
+        micro = self._rt.micro
+        return micro.current if micro is not None else None
+
+    @property
     def spec(self) -> RunSpec | None:
         return self._rt.spec
 

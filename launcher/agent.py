@@ -174,7 +174,8 @@ class NodeAgent:
         leader = RecoveryLeader(st.client, st.keyspace, session, st.host, st.store_port,
                                 LeaderConfig(cfg.run_id, cfg.replicas, cfg.placement, node_grace_s=cfg.node_grace,
                                              alive_report_timeout_s=collective + 10.0,
-                                             replacement_timeout_s=cfg.replacement_timeout),
+                                             replacement_timeout_s=cfg.replacement_timeout,
+                                             lost_node=cfg.lost_node, min_nodes=cfg.min_nodes),
                                 snapshot_step=self._snapshot_step, on_event=leader_sink(cfg.goodput_dir))
         leader.start()
         return leader

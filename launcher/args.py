@@ -94,6 +94,7 @@ class LaunchConfig:
     lease_ttl: float = 2.0
     node_grace: float = 10.0
     replacement_timeout: float = 600.0
+    lost_node: str = "wait"
     metrics_port: int | None = None
     shm_dir: str | None = None
     warm_respawn: bool = True
@@ -260,6 +261,11 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
              "live spare and no node to respawn on, waiting for one: a spare, or a new agent started with the "
              "same --rdzv-id (a scheduler's replacement node, admitted as spares). Then it ends, naming the "
              "ranks (default 600).")
+    add("--lost-node", action=env, type=str, default="wait", choices=("wait", "shrink"),
+        help="When a lost rank has no spare and no node to respawn on: 'wait' for one (--replacement-timeout), "
+             "or 'shrink': go on at once with fewer processes, each survivor also running a lost rank's "
+             "micro-batch of every step (same global batch; DDP jobs; needs --nnodes MIN:MAX with MIN below "
+             "MAX, and keeps at least MIN nodes). Default: wait.")
     add("--metrics-port", action=env, type=int, default=None,
         help="Serve Prometheus metrics on this port (0: any free port; default: off).")
     add("--shm-dir", action=env, type=str, default=None,
@@ -382,6 +388,9 @@ def config_from_namespace(ns: argparse.Namespace, environ: Mapping[str, str] | N
     _check(ns.lease_ttl > 0, "lease_ttl", ns.lease_ttl, "must be > 0")
     _check(ns.node_grace > 0, "node_grace", ns.node_grace, "must be > 0")
     _check(ns.replacement_timeout > 0, "replacement_timeout", ns.replacement_timeout, "must be > 0 seconds")
+    _check(ns.lost_node != "shrink" or min_nodes < max_nodes, "lost_node", ns.lost_node,
+           f"going on with fewer nodes needs --nnodes MIN:MAX with MIN < MAX (got {ns.nnodes}): MIN is the "
+           "fewest nodes the job may run on")
     _check(ns.metrics_port is None or 0 <= ns.metrics_port < 65536, "metrics_port", ns.metrics_port,
            "must be a port number (0: any free port)")
     embedded = endpoint is None

@@ -40,7 +40,8 @@ def join(client: EtcdClient, keyspace: Keyspace, session: Session, me: NodeInfo,
         return _as_spares(client, keyspace, session, me, cfg, timeout_s, stopping)
     try:
         result = Rendezvous(client, keyspace, session).join(
-            me, cfg.min_nodes, cfg.max_nodes, timeout_s=timeout_s, stop=stopping)
+            me, cfg.min_nodes, cfg.max_nodes, timeout_s=timeout_s, stop=stopping,
+            last_call_s=float(cfg.rdzv_configs.get("last_call_timeout", 1.0)))
     except RendezvousLate as exc:
         # The job formed without this node (a scheduler's replacement for a lost node, or one more than
         # --nnodes allows): it serves as spares for whatever rank is or will be lost, never ends the job.

@@ -17,7 +17,9 @@ from typing import Literal, NoReturn, Union
 
 from ckptless.errors import UnrecoverableError
 
-Source = Literal["survivor", "spare", "respawn"]
+Source = Literal["survivor", "spare", "respawn", "hosted"]
+"""Where a rank's worker came from; ``hosted``: no process of its own, a survivor (the assignment's
+worker) runs its micro-batches in a generation with fewer ranks (:mod:`ckptless.recovery.shrink`)."""
 
 
 @dataclass(frozen=True)
@@ -116,6 +118,11 @@ class RecoveryPlan:
     @property
     def rank_to_worker(self) -> dict[int, str]:
         return {a.rank: a.worker_id for a in self.assignments}
+
+    @property
+    def hosted(self) -> dict[int, str]:
+        """Lost rank -> the survivor worker that runs its micro-batches (fewer ranks; empty otherwise)."""
+        return {a.rank: a.worker_id for a in self.assignments if a.source == "hosted"}
 
 
 @dataclass(frozen=True)

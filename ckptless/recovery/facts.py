@@ -26,6 +26,7 @@ from ckptless.state.replication import ReplicaSet
 MAX_VERSIONS_PER_OWNER = 2
 
 Preference = Literal["spare", "respawn"]
+LostNode = Literal["wait", "shrink"]
 
 
 @dataclass(frozen=True)
@@ -131,6 +132,8 @@ class WorkerReport:
     its own images (:mod:`ckptless.state.layout`); with the replicas' keys they
     tell the planner which pre-built spares fit which rank, also for a rank
     whose only holder is the one that died.
+    ``can_host``: its state can run another rank's micro-batches (a DDP job, checked by the worker:
+    :func:`ckptless.worker.hosted.why_not_shrinkable`), so it may host a lost rank (fewer ranks).
     """
 
     worker_id: str
@@ -139,6 +142,7 @@ class WorkerReport:
     local_versions: frozenset[int] = frozenset()
     replicas: tuple[ReplicaFact, ...] = ()
     own_layouts: tuple[tuple[int, str], ...] = ()
+    can_host: bool = False
 
     def __post_init__(self) -> None:
         where = f"report[{self.worker_id}]"
@@ -180,14 +184,24 @@ class PlanPolicy:
     commit may be resumed from when the facts show it complete for every
     rank. The commit record only *announces* completeness and can lag; when
     False the planner never resumes past the newest reported commit.
+    ``lost_node``: what to do when a lost rank has no spare and no node to
+    respawn on: ``wait`` for one, or ``shrink`` (go on with fewer ranks, the
+    survivors hosting the lost ranks' micro-batches, :mod:`ckptless.recovery.shrink`)
+    while at least ``min_nodes`` nodes run ranks (``--nnodes MIN:MAX``).
     """
 
     prefer: Preference = "spare"
     resume_beyond_committed: bool = True
+    lost_node: LostNode = "wait"
+    min_nodes: int = 1
 
     def __post_init__(self) -> None:
         if self.prefer not in ("spare", "respawn"):
             raise ConfigError("policy.prefer", self.prefer, "must be 'spare' or 'respawn'")
+        if self.lost_node not in ("wait", "shrink"):
+            raise ConfigError("policy.lost_node", self.lost_node, "must be 'wait' or 'shrink'")
+        if self.min_nodes < 1:
+            raise ConfigError("policy.min_nodes", self.min_nodes, "must be >= 1")
 
 
 @dataclass(frozen=True)

@@ -85,7 +85,8 @@ def sanitize_reports(
         rep = rec.report
         replicas = _clean_replicas(rep, a.rank, world, notes)
         out[a.rank] = WorkerReport(rep.worker_id, rep.newest_captured, rep.committed, rep.local_versions, replicas,
-                                   tuple((v, k) for v, k in rep.own_layouts if v in rep.local_versions))
+                                   tuple((v, k) for v, k in rep.own_layouts if v in rep.local_versions),
+                                   rep.can_host)
     # Holders must agree on an image's size; a disagreement means one of them is wrong: trust neither.
     sizes: dict[tuple[int, int], set[int]] = {}
     for rep in out.values():
@@ -151,8 +152,9 @@ def build_facts(
     assert m is not None, "no membership: nothing to plan"
     notes: list[str] = []
     dead_nodes = view.missing_nodes
-    # A rank on a missing node is lost or it reported (its workers outlived the agent's lease).
-    lost = frozenset(lost | {r for r in view.ranks_on(dead_nodes) if r not in view.reports})
+    # A rank on a missing node is lost or it reported (its workers outlived the agent's lease). A hosted
+    # rank (fewer ranks) is lost to any further incident: no process of its own reports or holds it.
+    lost = frozenset(lost | {r for r in view.ranks_on(dead_nodes) if r not in view.reports} | set(m.hosted))
     reports = sanitize_reports(view, lost, notes)
     node_of = [m.worker_of(r).node_id for r in range(m.world_size)]
     k = min(replicas, m.world_size - 1)
@@ -167,7 +169,7 @@ def build_facts(
         job_id=job_id,
         generation=m.generation,
         world_size=m.world_size,
-        members=tuple(RankSlot(a.rank, Worker(a.worker_id, a.node_id), a.rank not in lost) for a in m.ranks),
+        members=tuple(RankSlot(a.rank, Worker(_slot_worker(a), a.node_id), a.rank not in lost) for a in m.ranks),
         reports=tuple(reports[r] for r in sorted(reports)),
         spares=spares,
         placement=holders,
@@ -179,6 +181,11 @@ def build_facts(
         no_respawn=no_respawn_ranks(view, lost),
     )
     return facts, notes
+
+
+def _slot_worker(a: Assignment) -> str:
+    """The worker id of a rank's slot: a hosted rank's names its host and itself (ids are unique per slot)."""
+    return f"{a.worker_id}#hosted{a.rank}" if a.source == "hosted" else a.worker_id
 
 
 def _last_resume(decision: object) -> int | None:

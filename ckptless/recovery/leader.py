@@ -36,6 +36,7 @@ from ckptless.coordinator.election import Election
 from ckptless.coordinator.keyspace import Keyspace
 from ckptless.coordinator.session import Session
 from ckptless.errors import CkptlessError, CoordinatorError, CoordinatorUnavailable
+from ckptless.recovery.facts import PlanPolicy
 from ckptless.recovery.gather import plan_from_view
 from ckptless.recovery.leader_machine import (
     INITIAL,
@@ -248,8 +249,10 @@ class RecoveryLeader:
         assert view is not None and view.membership is not None
         try:
             snap = self._snapshot_step(view.membership.world_size, frozenset(self._bad_snapshots))
+            policy = PlanPolicy(lost_node="shrink" if self.config.lost_node == "shrink" else "wait",
+                                min_nodes=self.config.min_nodes)
             decision, notes = plan_from_view(view, self._ks.job_id, action.lost, self.config.replicas,
-                                             self.config.placement, snap)
+                                             self.config.placement, snap, policy)
         except CkptlessError as exc:
             return PlanFailed(f"{type(exc).__name__}: {exc}", self._now())
         return Planned(decision, tuple(notes), self._now(), replacement_key(view))

@@ -49,6 +49,8 @@ class LeaderConfig:
     formation_extensions: int = 4
     node_grace_s: float = 10.0
     max_recoveries: int = 50
+    lost_node: str = "wait"  # --lost-node: wait for a replacement, or shrink (go on with fewer ranks)
+    min_nodes: int = 1  # --nnodes MIN: the fewest nodes a shrunk job runs on
 
 
 # --- states ------------------------------------------------------------------------------
@@ -341,7 +343,7 @@ def _watch(state: Watching, view: JobView, now: float, cfg: LeaderConfig) -> Ste
 
 def _open(generation: int, view: JobView, now: float, cfg: LeaderConfig, reason: str,
           lost: frozenset[int] = frozenset()) -> Step:
-    lost = lost | view.faulted
+    lost = lost | view.faulted | view.hosted  # a hosted rank has no process to report: lost to any incident
     opened = Collecting(generation, lost, now, now + cfg.report_timeout_s, reason=reason)
     nxt, actions = _collect(opened, view, now, cfg)
     return nxt, (OpenIncident(generation, tuple(sorted(lost)), reason),

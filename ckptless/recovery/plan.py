@@ -39,6 +39,10 @@ R9  Node-local tier: a lost rank assigned a respawn on its own node, whose
     agent verified a node-local copy of its own image at R (``facts.node_local``),
     restores R from that copy (a ``LocalRestore``); its holders send nothing
     for it. A spare, or a worker on another node, never uses it.
+R10 Fewer ranks (``policy.lost_node == "shrink"``): when R2 cannot place
+    every lost rank, all lost ranks are *hosted* by survivors holding their
+    image of R (:mod:`ckptless.recovery.shrink`); nothing is transferred for
+    them, and the generation's processes are the survivors.
 
 What a decision looks like (:class:`RecoveryPlan`, :class:`DiskFallback`, ...)
 is :mod:`ckptless.recovery.decision`; this module holds only the rules that
@@ -60,6 +64,7 @@ from ckptless.recovery.decision import (
     WaitForReplacement,
 )
 from ckptless.recovery.facts import NodeLocalImage, PlanningFacts, Worker
+from ckptless.recovery.shrink import host_lost_ranks
 from ckptless.state.replication import ReplicaSet
 
 
@@ -355,6 +360,16 @@ def plan_recovery(facts: PlanningFacts) -> Decision:
                                  "no version is available for every rank in memory and no disk "
                                  f"snapshot exists; ranks without a usable image: {list(missing)}",
                                  missing)
+    if unassigned and version is not None and facts.policy.lost_node == "shrink":
+        # R10: go on with fewer ranks. Every lost rank is hosted (a spare or respawn that covers only some
+        # of them waits as a spare): the generation's processes are exactly the survivors.
+        hosted, why_not = host_lost_ranks(facts, facts.lost_ranks, version)
+        if hosted:
+            survivors = [a for a in assignments if a.source == "survivor"]
+            return _memory_plan(facts, new_gen, sorted(survivors + hosted, key=lambda a: a.rank), version,
+                                newest_seen)
+        return WaitForReplacement(facts.job_id, facts.generation, tuple(sorted(unassigned)), "memory",
+                                  f"{_why_waiting(facts, unassigned)}; not going on with fewer ranks: {why_not}")
     if unassigned:
         return WaitForReplacement(
             facts.job_id, facts.generation, tuple(sorted(unassigned)),
@@ -390,7 +405,10 @@ def _memory_plan(facts: PlanningFacts, new_gen: int, assignments: list[Assignmen
     rollbacks: list[Rollback] = []
     transfers: list[Transfer] = []
     node_local: list[LocalRestore] = []
+    hosted = {a.rank for a in assignments if a.source == "hosted"}
     for rank in range(facts.world_size):
+        if rank in hosted:  # R10: its host reads the rank's own state from the copy it holds
+            continue
         slot = facts.slot(rank)
         rep = facts.report_of(slot.worker.worker_id) if slot.alive else None
         if rep is not None and version in rep.local_versions:

@@ -24,7 +24,7 @@ from typing import Any
 from ckptless.errors import RecoveryError
 from ckptless.recovery.decision import Assignment, Rollback
 
-SOURCES = ("survivor", "spare", "respawn")
+SOURCES = ("survivor", "spare", "respawn", "hosted")
 
 
 def _member_index(a: Assignment) -> int | None:

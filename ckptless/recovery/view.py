@@ -306,6 +306,11 @@ class JobView:
         return frozenset(a.rank for a in self.membership.ranks if a.node_id in nodes)
 
     @property
+    def hosted(self) -> frozenset[int]:
+        """Ranks a survivor runs as micro-batches in this generation (fewer ranks): no process of their own."""
+        return frozenset(self.membership.hosted) if self.membership is not None else frozenset()
+
+    @property
     def fresh(self) -> frozenset[int]:
         """Replacements admitted by the current plan that have not resumed yet: they hold nothing.
 
@@ -372,6 +377,8 @@ def parse_records(
             ready_ranks.add(int(key.rsplit("/", 1)[1]))
         except ValueError:
             bad.append(key)
+    if membership is not None:  # a hosted rank (fewer ranks) resumed when its host did
+        ready_ranks |= {r for r, w in membership.hosted.items() if membership.rank_of(w) in ready_ranks}
     spare_workers = []
     for key, raw in spares:
         try:

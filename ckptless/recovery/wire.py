@@ -40,7 +40,29 @@ class Membership:
 
     @cached_property
     def _by_worker(self) -> dict[str, int]:
-        return {a.worker_id: a.rank for a in self.ranks}
+        """A worker's own rank (a hosted rank's assignment names its host, who is not that rank)."""
+        return {a.worker_id: a.rank for a in self.ranks if a.source != "hosted"}
+
+    @cached_property
+    def hosted(self) -> dict[int, str]:
+        """Rank -> its host's worker id, for the ranks run as micro-batches by a survivor (fewer ranks)."""
+        return {a.rank: a.worker_id for a in self.ranks if a.source == "hosted"}
+
+    @cached_property
+    def _processes(self) -> list[str]:
+        """The workers of this generation, one per process, in the order of their own ranks."""
+        return [a.worker_id for a in sorted(self.ranks, key=lambda x: x.rank) if a.source != "hosted"]
+
+    def hosted_by(self, worker_id: str) -> list[int]:
+        """The ranks ``worker_id`` runs as micro-batches besides its own, ascending."""
+        return sorted(r for r, w in self.hosted.items() if w == worker_id)
+
+    def physical(self, worker_id: str) -> tuple[int, int] | None:
+        """``(index, count)`` of ``worker_id`` among this generation's processes when some rank is hosted
+        (its communicators span the processes only); None when every rank has a process of its own."""
+        if not self.hosted:
+            return None
+        return self._processes.index(worker_id), len(self._processes)
 
     def worker_of(self, rank: int) -> Assignment:
         """O(1) after the first call (a lookup per rank over W ranks was O(W^2) per generation)."""
@@ -76,6 +98,7 @@ def report_to_json(r: WorkerReport) -> bytes:
         "replicas": [[f.owner, f.version, f.n_chunks, f.layout]
                      + ([f.first_chunk, f.peers.to_json()] if f.peers is not None else []) for f in r.replicas],
         "own_layouts": [[v, k] for v, k in r.own_layouts],
+        **({"can_host": True} if r.can_host else {}),
     }).encode()
 
 
@@ -90,6 +113,7 @@ def report_from_json(raw: bytes) -> WorkerReport:
             local_versions=frozenset(int(v) for v in _get(doc, "local_versions", list, what)),
             replicas=tuple(_replica_fact(f) for f in _get(doc, "replicas", list, what)),
             own_layouts=tuple((int(v), str(k)) for v, k in doc.get("own_layouts", ())),
+            can_host=doc.get("can_host") is True,
         )
     except (ValueError, TypeError, ManifestError) as exc:
         raise RecoveryError(f"{what} is malformed: {raw[:200]!r}") from exc

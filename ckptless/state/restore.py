@@ -125,19 +125,19 @@ class _Overlay(Sequence[torch.Tensor]):
         return self._base[i] if t is None else t
 
 
-def _object_subtrees(tree: Any) -> dict[str, Any]:
+def object_subtrees(tree: Any) -> dict[str, Any]:
     """``name -> subtree`` of the (validated) root node."""
     ((tag, val),) = tree.items()
     items = val if tag == "d" else val[0]
     return {k: v for k, v in items}
 
 
-def _tensor_indices(node: Any, out: list[int], devices_only: bool = False) -> list[int]:
+def tensor_indices(node: Any, out: list[int], devices_only: bool = False) -> list[int]:
     """Indices of the tensors under ``node``; ``devices_only``: those the tree places on a device
     (``{"Td": ...}``, also as a DTensor's shard)."""
     if type(node) is list:
         for v in node:
-            _tensor_indices(v, out, devices_only)
+            tensor_indices(v, out, devices_only)
     elif type(node) is dict and len(node) == 1:
         ((tag, val),) = node.items()
         if tag in ("T", "N"):
@@ -146,12 +146,12 @@ def _tensor_indices(node: Any, out: list[int], devices_only: bool = False) -> li
         elif tag == "Td":
             out.append(val[0])
         elif tag == "DT":
-            _tensor_indices(val[0], out, devices_only)
+            tensor_indices(val[0], out, devices_only)
         elif tag == "d":
             for _, v in val:
-                _tensor_indices(v, out, devices_only)
+                tensor_indices(v, out, devices_only)
         elif tag in ("o", "t"):
-            _tensor_indices(val, out, devices_only)
+            tensor_indices(val, out, devices_only)
     return out
 
 
@@ -199,9 +199,9 @@ def restore(registry: StateRegistry, image: StateImage, verify: bool = True, in_
             f"image objects {sorted(have)} do not match protected objects {sorted(want)}"
             f" (missing from image: {sorted(want - have)}, unknown: {sorted(have - want)})"
         )
-    subtrees = _object_subtrees(m.tree)
+    subtrees = object_subtrees(m.tree)
     t1 = time.perf_counter()
-    clones = _Clones(views, frozenset(_tensor_indices(m.tree, [], devices_only=True)))
+    clones = _Clones(views, frozenset(tensor_indices(m.tree, [], devices_only=True)))
     done: list[ObjectRestore] = []
     touched: set[torch.device] = set()
     try:
@@ -222,7 +222,7 @@ def _load_one(name: str, obj: Any, sub: Any, m: Any, buf: torch.Tensor, views: l
               clones: _Clones, meshes: Meshes, in_place: bool, touched: set[torch.device]) -> ObjectRestore:
     """Load one protected object, in place where a plan exists, else from clones; ``touched`` collects
     the devices written asynchronously (the caller waits for them)."""
-    idx = _tensor_indices(sub, [])
+    idx = tensor_indices(sub, [])
     nbytes = sum(m.tensors[i].nbytes for i in idx)
     plan: inplace.InPlacePlan | None = None
     reason = "in_place=False" if not in_place else "no tensors"

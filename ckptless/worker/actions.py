@@ -125,10 +125,13 @@ def _form(rt: WorkerRuntime, a: FormGroups) -> Event:
     reason = ""
     try:
         ahead.run_or_collect(rt, gen, a.deadline)
+        physical = gen.physical  # fewer ranks: the communicators span this generation's processes
         gen.mirror_group = groups.bind_all(gen.store, m.generation, gen.rank, gen.world_size,  # type: ignore[arg-type]
                                            rt.ctx.collective_timeout_s, a.deadline,
                                            lambda: ahead.abort_reason(rt, m.generation),
-                                           mirror_peers(m, gen.rank, rt.replicas, rt.mirror_config.placement))
+                                           () if physical is not None else
+                                           mirror_peers(m, gen.rank, rt.replicas, rt.mirror_config.placement),
+                                           physical=physical)
     except TransportError as exc:
         reason = str(exc)
     except (IntegrityError, RecoveryError) as exc:  # from the transfers run ahead

@@ -108,6 +108,17 @@ class Generation:
         return self.membership.world_size
 
     @property
+    def physical(self) -> tuple[int, int] | None:
+        """This process's ``(index, count)`` among the processes of a generation with fewer ranks (some
+        rank hosted by a survivor), whose communicators span the processes only; None otherwise."""
+        return self.membership.physical(self.worker_id)
+
+    @property
+    def hosted(self) -> list[int]:
+        """The lost ranks this process runs micro-batches for in this generation (fewer ranks)."""
+        return self.membership.hosted_by(self.worker_id)
+
+    @property
     def decision(self) -> Decision | None:
         return self.membership.decision
 

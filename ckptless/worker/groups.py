@@ -272,12 +272,17 @@ def form_mirror_group(store: dist.Store, generation: int, rank: int, world_size:
 
 
 def bind_all(store: dist.Store, generation: int, rank: int, world_size: int, timeout_s: float, deadline: float,
-             abort: Abort | None = None, mirror_peers: Sequence[int] = ()) -> dist.ProcessGroup:
+             abort: Abort | None = None, mirror_peers: Sequence[int] = (),
+             physical: tuple[int, int] | None = None) -> dist.ProcessGroup:
     """Bind every group of this process to ``generation`` and build its mirror group (collective).
 
     Returns the generation's mirror group (see :func:`mirror_group`); one formed
     ahead by :func:`form_mirror_group` for this generation is taken as it is.
+    ``physical``: this process's ``(index, count)`` in a generation with fewer ranks; every
+    communicator then spans the processes (the groups keep their logical ranks and sizes).
     """
+    if physical is not None:
+        rank, world_size = physical
     arrive(store, generation, world_size, deadline, abort)
     todo = groups()
     with _lock:
@@ -286,7 +291,7 @@ def bind_all(store: dist.Store, generation: int, rank: int, world_size: int, tim
     def build() -> tuple[list[tuple[RebindableGroup, Any, list[Any]]], dist.ProcessGroup]:
         built = []
         for g in todo:  # creation order: the same on every rank
-            inner, backends = g.build(store, generation)
+            inner, backends = g.build(store, generation, physical)
             built.append((g, inner, backends))
         mirror = early if early is not None else mirror_group(store, generation, rank, world_size, timeout_s,
                                                               mirror_peers, deadline)

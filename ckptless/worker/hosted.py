@@ -47,15 +47,20 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from ckptless.errors import ConfigError
+from ckptless.errors import ConfigError, StateError
+from ckptless.state.image import slot
+from ckptless.state.manifest import Manifest, dtype_from_name
 from ckptless.state.registry import StateRegistry, is_hidden
+from ckptless.state.replication import held_from
+from ckptless.state.restore import object_subtrees, tensor_indices
+from ckptless.state.tree import decode
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +81,41 @@ def rank_bound(registry: StateRegistry) -> list[str]:
     replicated = registry.replicated()
     return [name for name, obj in registry.items()
             if not is_hidden(name) and name not in replicated and not isinstance(obj, _COMMON)]
+
+
+def ddp_modules(registry: StateRegistry) -> list[DistributedDataParallel]:
+    """The protected DDP models (their reducers' hidden state objects name them)."""
+    out = []
+    for name, obj in registry.items():
+        ddp = getattr(obj, "_ddp", None) if is_hidden(name) else None
+        if isinstance(ddp, DistributedDataParallel):
+            out.append(ddp)
+    return out
+
+
+def from_image(manifest: Manifest, buffer: torch.Tensor, names: list[str]) -> HostedRank:
+    """A lost rank's rank-bound state, decoded from the copy of its image this holder keeps.
+
+    ``buffer`` starts at ``held_from(manifest)`` (a holder keeps no replicated prefix); the rank-bound
+    entries are never in that prefix. Every tensor is cloned: the holder's slot is reused."""
+    base = held_from(manifest)
+    subtrees = object_subtrees(manifest.tree)
+    states: dict[str, Any] = {}
+    for name in names:
+        sub = subtrees.get(name)
+        if sub is None:
+            raise StateError(f"rank {manifest.owner}'s image v{manifest.version} has no {name!r} to host it with")
+        wanted = set(tensor_indices(sub, []))
+        views: list[torch.Tensor] = []
+        for i, e in enumerate(manifest.tensors):
+            if i not in wanted:
+                views.append(torch.empty(0))
+                continue
+            if e.offset < base:
+                raise StateError(f"rank {manifest.owner}'s {name!r} lies in its replicated prefix")
+            views.append(slot(buffer, replace(e, offset=e.offset - base), dtype_from_name(e.dtype)).clone())
+        states[name] = decode(sub, views)
+    return HostedRank(manifest.owner, states)
 
 
 def why_not_shrinkable(registry: StateRegistry, ddp_modules: list[DistributedDataParallel]) -> str | None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import faulthandler
 import logging
 import time
+from dataclasses import replace
 
 from ckptless.errors import (
     CoordinatorUnavailable,
@@ -32,7 +33,7 @@ from ckptless.recovery.executor import (RestoreInputs, SnapshotLoadFailed, apply
 from ckptless.recovery.decision import DiskFallback
 from ckptless.state.capture import StateImage, restore
 from ckptless.state.registry import StateRegistry
-from ckptless.worker import groups, reuse
+from ckptless.worker import groups, hosted, reuse
 from ckptless.worker.generation import Generation
 from ckptless.worker.machine import (
     CoordinatorLost,
@@ -75,6 +76,26 @@ def roll_back_early(rt: WorkerRuntime, gen: Generation) -> None:
         log.info("rank %d: early rollback skipped (%s); restoring after the formation", rt.rank, exc)
 
 
+def _start_hosting(rt: WorkerRuntime, gen: Generation, version: int) -> Event | None:
+    """Take over the lost ranks this process hosts: their rank-bound state of ``version`` from the copies
+    of their images it holds (the plan chose it for that: recovery/shrink.py)."""
+    ranks = []
+    names = hosted.rank_bound(rt.registry)
+    for r in gen.hosted:
+        held = rt.peer_store.get(r, version) if rt.peer_store is not None else None
+        if held is None:
+            return RestoreFailed(f"rank {r}'s image of version {version}, which this rank was to host it from, "
+                                 "is no longer held")
+        try:
+            ranks.append(hosted.from_image(held.manifest, held.buffer, names))
+        except StateError as exc:
+            return Internal(f"cannot host rank {r}: {exc}")
+    if ranks:
+        rt.micro = hosted.MicroBatches(rt.registry, rt.rank, gen.world_size, ranks, hosted.ddp_modules(rt.registry),
+                                       groups.local_only)
+    return None
+
+
 def restore_state(rt: WorkerRuntime, a: RestoreState) -> Event:
     gen = rt.gen
     assert gen is not None and gen.decision is not None
@@ -114,6 +135,14 @@ def restore_state(rt: WorkerRuntime, a: RestoreState) -> Event:
                        replica_bytes=out.bytes_from_replicas)
         rt.ledger.emit(EventKind.ROLLBACK_DONE, step=out.resume_step, generation=g, source=out.source)
     rt.recoveries += 1
+    if gen.physical is not None:  # fewer ranks: no mirroring in this generation; host the lost ranks
+        failed_hosting = _start_hosting(rt, gen, out.resume_step)
+        if failed_hosting is not None:
+            return failed_hosting
+        log.warning("rank %d: resumed at step %d in generation %d with %d processes for %d ranks%s", rt.rank,
+                    out.resume_step, g, gen.physical[1], gen.world_size,
+                    f", hosting ranks {gen.hosted}" if gen.hosted else "")
+        return Restored(out.resume_step)
     # Re-protect the resume version under the new membership, in the background, moving only
     # the images a holder lacks (the replacement's own, and those the lost rank held): until it
     # commits, a further failure is planned from the replicas the previous generation left.
@@ -158,6 +187,9 @@ def leave(rt: WorkerRuntime, a: LeaveGroups) -> Event:
     log.warning("rank %d: leaving generation %d: %s", rt.rank, a.generation, a.reason)
     faulthandler.dump_traceback_later(STUCK_DUMP_S, exit=False)
     rt.heartbeat.recovering()
+    if rt.micro is not None:  # the hosted ranks go with this generation (a further incident plans them lost)
+        rt.micro.close()
+        rt.micro = None
     gen = rt.gen
     if gen is not None:
         if gen.engine is not None:
@@ -182,6 +214,8 @@ def leave(rt: WorkerRuntime, a: LeaveGroups) -> Event:
 def report(rt: WorkerRuntime, a: Report) -> Event:
     assert rt.control is not None and rt.seen is not None
     rep = build_report(rt.worker_id, rt.own_images, rt.peer_store, rt.committed, recheck=rt.notes.recheck)
+    if not groups.user_groups() and hosted.why_not_shrinkable(rt.registry, hosted.ddp_modules(rt.registry)) is None:
+        rep = replace(rep, can_host=True)  # its state can run a lost rank's micro-batches (--lost-node shrink)
     try:
         rt.control.report(a.generation, rt.rank, rep, a.reason, rt.notes.bad_snapshot)
     except CoordinatorUnavailable as exc:

@@ -46,6 +46,7 @@ from ckptless.worker.context import WorkerContext
 from ckptless.worker.control import WorkerControl
 from ckptless.worker.generation import Generation
 from ckptless.worker.heartbeat import Heartbeat
+from ckptless.worker.hosted import MicroBatches
 from ckptless.worker.ledger import WorkerLedger
 
 log = logging.getLogger(__name__)
@@ -135,6 +136,8 @@ class WorkerRuntime:
         # Why this process captures whole images from now on, instead of leaving the prefix live.
         self.defer_off: str | None = "CKPTLESS_CAPTURE_ORDER=step" if step_order else None
         self._store: tuple[tuple[str, int], dist.Store] | None = None
+        # A generation with fewer ranks: the lost ranks this process runs micro-batches for (worker/hosted.py).
+        self.micro: MicroBatches | None = None
 
     # --- identity (derived from the generation, never copied) ---------------------------------
     @property
@@ -213,8 +216,8 @@ class WorkerRuntime:
     def engine(self) -> MirrorEngine | None:
         """This generation's mirror engine (created on first use)."""
         gen = self.gen
-        if self.replicas == 0 or gen is None or gen.mirror_group is None:
-            return None
+        if self.replicas == 0 or gen is None or gen.mirror_group is None or gen.physical is not None:
+            return None  # (a generation with fewer ranks is not mirrored: docs/failure-model.md, "Fewer ranks")
         if gen.engine is None:
             gen.engine = MirrorEngine(gen.mirror_group, self.ctx.job_id, self.mirror_config, generation=gen.number,
                                       node_of=gen.node_of, store=self.open_peer_store())

@@ -118,7 +118,7 @@ def train_steps(rt: WorkerRuntime, generation: int, from_step: int,
                 return Fault(f"the coordinator declared generation {generation} failed")
         chaos_hooks.pause_point(f"step:r{rt.rank}:{step}", rank=rt.rank, step=step)
         rt.write_order.before_step()  # the step must not overwrite what the last capture still copies
-        failed = yield step
+        failed = yield from _one_step(rt, step)
         if failed is None and groups.collective_failed(generation, settle_s=0.0):
             # The step returned, but a collective of it failed: with NCCL an aborted all-reduce's
             # future completes anyway (at enqueue), so the step may have applied garbage. Never
@@ -128,7 +128,8 @@ def train_steps(rt: WorkerRuntime, generation: int, from_step: int,
             return failed
         done = step + 1
         rt.step_done(done, generation)
-        if rt.replicas > 0 and (done % every == 0 or done == spec.steps):
+        mirrored = rt.gen is None or rt.gen.physical is None  # a generation with fewer ranks is not mirrored
+        if mirrored and rt.replicas > 0 and (done % every == 0 or done == spec.steps):
             failed = protect(rt, done)
             if failed is not None:
                 return failed
@@ -140,6 +141,22 @@ def train_steps(rt: WorkerRuntime, generation: int, from_step: int,
         if until_reprotected and _reprotected(rt, from_step):
             return Reprotected(step)
     return Stepped(step, done=True)
+
+
+def _one_step(rt: WorkerRuntime, step: int) -> Generator[int, Event | None, Event | None]:
+    """Run step ``step``: once, or (fewer ranks) once per hosted rank's micro-batch, then as this rank."""
+    micro = rt.micro
+    if micro is None:
+        return (yield step)
+    for r in [*micro.order(), None]:
+        micro.enter(r)
+        try:
+            failed = yield step
+        finally:
+            micro.leave(r)
+        if failed is not None:
+            return failed
+    return None
 
 
 def _reprotected(rt: WorkerRuntime, resume_version: int) -> bool:

@@ -1,0 +1,98 @@
+"""R10, going on with fewer ranks: which survivor hosts which lost rank (pure; issue 22).
+
+Over the planner's random worlds (tests/harness/plan_worlds.py), with every
+survivor able to host: the ``shrink`` policy changes a plan only where ``wait``
+would wait with every rank's image in memory, and then either hosts every lost
+rank (the processes are the survivors), each by a live holder of its image at the resume
+version, the load spread within one rank, or waits saying why not. The membership
+record of such a plan round-trips, and it names each process's place among the
+processes (what the worker's communicators are built over).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import replace
+
+from hypothesis import event, given
+
+from ckptless.recovery import PlanPolicy, RecoveryPlan, WaitForReplacement, plan_recovery
+from ckptless.recovery.shrink import host_lost_ranks
+from ckptless.recovery.wire import Membership, membership_from_json, membership_to_json
+
+from ..harness.plan_worlds import SETTINGS, World, example_facts, worlds
+
+
+def _shrinking(world: World, min_nodes: int = 1, can_host: bool = True):
+    f = world.facts
+    reports = tuple(replace(r, can_host=can_host) for r in f.reports)
+    return replace(f, reports=reports, policy=replace(f.policy, lost_node="shrink", min_nodes=min_nodes))
+
+
+@SETTINGS
+@given(worlds())
+def test_shrink_hosts_exactly_the_ranks_a_wait_would_wait_for(world: World) -> None:
+    waiting = plan_recovery(world.facts)
+    f = _shrinking(world)
+    d = plan_recovery(f)
+    if not (isinstance(waiting, WaitForReplacement) and waiting.then == "memory"):
+        assert d == waiting, "shrink changes nothing but a wait with every image in memory"
+        return
+    event(type(d).__name__)
+    if isinstance(d, WaitForReplacement):
+        assert "not going on with fewer ranks" in d.reason
+        return
+    assert isinstance(d, RecoveryPlan)
+    hosted = {a.rank: a for a in d.assignments if a.source == "hosted"}
+    assert sorted(hosted) == sorted(f.lost_ranks), "every lost rank: the processes are the survivors"
+    assert all(a.source in ("survivor", "hosted") for a in d.assignments)
+    assert [a.rank for a in d.assignments] == list(range(f.world_size))
+    live = {s.worker.worker_id: s.rank for s in f.members if s.alive}
+    for rank, a in hosted.items():
+        assert a.worker_id in live, "a host is a survivor"
+        rep = f.report_of(a.worker_id)
+        assert rep is not None and d.resume_version in rep.local_versions
+        assert any(x.owner == rank and x.version == d.resume_version for x in rep.replicas), \
+            "the host holds the rank's image of the resume version"
+        assert all(t.owner != rank for t in d.transfers), "nothing moves for a hosted rank"
+    load = Counter(a.worker_id for a in hosted.values())
+    for rank, a in hosted.items():  # no other holder of this rank was left with fewer ranks to host
+        holders = [w for w, r in live.items()
+                   if any(x.owner == rank and x.version == d.resume_version
+                          for x in (f.report_of(w).replicas if f.report_of(w) else ()))
+                   and d.resume_version in f.report_of(w).local_versions]  # type: ignore[union-attr]
+        assert load[a.worker_id] <= min(load[w] for w in holders) + 1
+    m = Membership(d.generation, f.world_size, "h", 1, d.assignments, d)
+    back = membership_from_json(membership_to_json(m))
+    assert back.hosted == {r: a.worker_id for r, a in hosted.items()}
+    processes = sorted(live, key=lambda w: live[w])
+    for i, w in enumerate(processes):
+        assert back.rank_of(w) == live[w], "a host's rank is its own, never a hosted one"
+        assert back.physical(w) == (i, len(processes))
+        assert back.hosted_by(w) == sorted(r for r, a in hosted.items() if a.worker_id == w)
+
+
+@SETTINGS
+@given(worlds())
+def test_no_shrink_below_min_nodes_or_without_hosts(world: World) -> None:
+    waiting = plan_recovery(world.facts)
+    if not (isinstance(waiting, WaitForReplacement) and waiting.then == "memory"):
+        return
+    nodes = {s.worker.node_id for s in world.facts.members if s.alive}
+    too_few = plan_recovery(_shrinking(world, min_nodes=len(nodes) + 1))
+    assert isinstance(too_few, WaitForReplacement) and "--nnodes minimum" in too_few.reason
+    not_ddp = plan_recovery(_shrinking(world, can_host=False))
+    assert isinstance(not_ddp, WaitForReplacement) and "cannot run another rank's micro-batches" in not_ddp.reason
+
+
+def test_worked_example_rank_that_cannot_respawn() -> None:
+    """docs/recovery.md's example: rank 1 lost, no spare, its node cannot start it again (its GPU failed).
+    ``wait`` waits; ``shrink`` has rank 2, the holder of rank 1's image of v100, host it."""
+    f = replace(example_facts(snapshot=None), no_respawn=frozenset({1}))
+    assert isinstance(plan_recovery(f), WaitForReplacement)
+    f = replace(f, reports=tuple(replace(r, can_host=True) for r in f.reports), policy=PlanPolicy(lost_node="shrink"))
+    d = plan_recovery(f)
+    assert isinstance(d, RecoveryPlan), d
+    assert d.hosted == {1: "b/w2"} and d.resume_version == 100 and d.transfers == ()
+    assert host_lost_ranks(replace(f, policy=PlanPolicy()), [1], 100) == ([], "the job waits for a replacement "
+                                                                           "(--lost-node wait)")
