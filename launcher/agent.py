@@ -143,15 +143,16 @@ class NodeAgent:
         log.warning("lease renewed after it was lost; this node is registered again")
 
     def _orphaned_ranks(self) -> list[int]:
-        """Ranks of the current membership whose node is gone (no live node key): what a spare started
-        now is most likely to take, so it pre-builds as one of them. One etcd read."""
+        """Ranks of the current membership whose node is gone (no live node key), and ranks a survivor
+        hosts (fewer ranks): what a spare started now is most likely to take, so it pre-builds as one
+        of them. One etcd read."""
         st = self.state
         m = st.membership
         if m is None or st.client is None:
             return []
         kvs, _ = st.client.get_prefix(st.keyspace.nodes_prefix)
         live = {kv.key[len(st.keyspace.nodes_prefix):] for kv in kvs}
-        return sorted(a.rank for a in m.ranks if a.node_id not in live)
+        return sorted(a.rank for a in m.ranks if a.node_id not in live or a.source == "hosted")
 
     def _serve_as_spares(self) -> LaunchConfig:
         """This node arrived after the job formed: from now on it is a spare-only node whose spares are
@@ -263,12 +264,16 @@ class NodeAgent:
         this node wrote a heartbeat, which ``ckptless.init()`` starts, within ``CKPTLESS_UNPORTED_WARN_S``,
         read when it is needed), or at the end of a job shorter than that."""
         warn_s = environment.current().unported_warn_s
-        if self._unported_warned or not self.state.recovery or (
-                not at_end and time.monotonic() - spawned_at < warn_s):
+        if self._unported_warned or not self.state.recovery:
             return
         ranked = [s for s in self.state.slots.all() if s.rank is not None]
+        # Looked at every time, not only once the warning is due: a worker that finishes removes its
+        # heartbeat file, so a job shorter than the delay was warned about at its end (seen in every
+        # short e2e job's log).
         if not ranked or any(read_progress(s.heartbeat_file) is not None for s in ranked):
             self._unported_warned = True  # ported (or nothing to say)
+            return
+        if not at_end and time.monotonic() - spawned_at < warn_s:
             return
         if not at_end and not all(s.alive for s in ranked):
             return

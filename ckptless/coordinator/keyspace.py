@@ -151,6 +151,21 @@ class Keyspace:
         except ValueError:
             return None
 
+    def grow(self, generation: int) -> str:
+        """``job/grow/g<G>``: set by the leader when a generation with fewer ranks can have its hosted ranks
+        back (spares are at hand): its processes leave together at their next step boundary."""
+        return f"{self.job_prefix}grow/g{generation}"
+
+    def grow_generation(self, key: str) -> int | None:
+        """The G of a ``grow/g<G>`` key (None for any other key)."""
+        head = f"{self.job_prefix}grow/g"
+        if not key.startswith(head):
+            return None
+        try:
+            return int(key[len(head):])
+        except ValueError:
+            return None
+
     @property
     def status(self) -> str:
         """Job status: {state: succeeded | failed, reason, root_cause}; written once, by the leader, at the end."""

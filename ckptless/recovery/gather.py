@@ -178,7 +178,8 @@ def build_facts(
         policy=policy or PlanPolicy(),
         node_local=node_local_images(view, lost, notes),
         last_resume=_last_resume(m.decision),
-        no_respawn=no_respawn_ranks(view, lost),
+        # A hosted rank's "node" is its host's, which runs a rank already (no device is free there).
+        no_respawn=no_respawn_ranks(view, lost) | frozenset(m.hosted),
     )
     return facts, notes
 

@@ -41,6 +41,7 @@ from ckptless.recovery.gather import plan_from_view
 from ckptless.recovery.leader_machine import (
     INITIAL,
     Action,
+    AskGrow,
     Deposed,
     EndJob,
     Ended,
@@ -215,6 +216,9 @@ class RecoveryLeader:
                                                "lost": ",".join(map(str, action.lost))})
         elif isinstance(action, NoteWaiting):
             self._note_waiting(action)
+        elif isinstance(action, AskGrow):
+            self._client.put(self._ks.grow(action.generation), json.dumps({"hosted": list(action.hosted),
+                                                                          "t": time.time()}))
         elif isinstance(action, RequestPlan):
             return self._plan(action)
         elif isinstance(action, Publish):

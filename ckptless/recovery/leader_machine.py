@@ -58,6 +58,7 @@ class LeaderConfig:
 class Watching:
     generation: int
     missing_since: tuple[tuple[str, float], ...] = ()  # node -> when its lease key vanished
+    grow_asked: bool = False  # fewer ranks: this generation was asked to hand its hosted ranks to spares
 
 
 @dataclass(frozen=True)
@@ -207,7 +208,16 @@ class NoteWaiting:
     reason: str
 
 
-Action = Union[OpenIncident, RequestPlan, Publish, EndJob, Log, Resign, NoteWaiting]
+@dataclass(frozen=True)
+class AskGrow:
+    """Ask a generation with fewer ranks to grow back: its processes leave together at a step boundary
+    (the hosted ranks' state handed to images there) and the next plan gives those ranks to spares."""
+
+    generation: int
+    hosted: tuple[int, ...]
+
+
+Action = Union[OpenIncident, RequestPlan, Publish, EndJob, Log, Resign, NoteWaiting, AskGrow]
 Step = tuple[State, tuple[Action, ...]]
 
 INITIAL: State = Watching(-1)
@@ -337,7 +347,15 @@ def _watch(state: Watching, view: JobView, now: float, cfg: LeaderConfig) -> Ste
     missing = _missing(state.missing_since, view, now)
     reasons = _failure_symptoms(view, missing, now, cfg)
     if not reasons:
-        return Watching(view.generation, tuple(sorted(missing.items()))), ()
+        watching = Watching(view.generation, tuple(sorted(missing.items())), state.grow_asked)
+        hosted = view.hosted
+        if hosted and not state.grow_asked and len(view.usable_spares()) >= len(hosted):
+            # Fewer ranks, and a spare for every hosted rank (a scheduler's new node, admitted as spares).
+            return replace(watching, grow_asked=True), (
+                Log("warning", f"generation {view.generation}: spares for hosted ranks {sorted(hosted)} are at "
+                               "hand: growing back to full width at the next step boundary"),
+                AskGrow(view.generation, tuple(sorted(hosted))))
+        return watching, ()
     return _open(view.generation, view, now, cfg, "; ".join(reasons))
 
 

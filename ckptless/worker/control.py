@@ -77,6 +77,7 @@ class WorkerControl:
         self._client: EtcdClient | None = None  # made on first need (a relayed worker may never need it)
         self._client_lock = threading.Lock()
         self._incidents: set[int] = set()
+        self._grows: set[int] = set()  # generations with fewer ranks the leader asked to grow back
         self._newest_generation = -1
         self._status: JobStatus | None = None
         self._membership_raw: bytes | None = None  # the newest membership the watch delivered
@@ -175,6 +176,8 @@ class WorkerControl:
                 # raises at once (not hop by hop, not at the collective timeout where a peer's loader
                 # workers hold its sockets, and never, for NCCL, until torch's watchdog kills us).
                 abort.request(failed, "the coordinator declared it failed")
+            elif ks.grow_generation(e.key) is not None:
+                self._grows.add(ks.grow_generation(e.key))  # type: ignore[arg-type]
             elif e.key == ks.membership:
                 with self._raw_lock:  # the newest revision wins (a resync after a lost relay may repeat one)
                     if e.mod_revision >= self._membership_rev:
@@ -195,6 +198,10 @@ class WorkerControl:
     def incident(self, generation: int) -> bool:
         """True once the leader declared ``generation`` failed."""
         return generation in self._incidents
+
+    def grow_requested(self, generation: int) -> bool:
+        """True once the leader asked generation ``generation`` (fewer ranks) to hand its hosted ranks back."""
+        return generation in self._grows
 
     def superseded(self, generation: int) -> bool:
         """A newer generation than ``generation`` was published."""

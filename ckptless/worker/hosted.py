@@ -287,6 +287,15 @@ class MicroBatches:
             self.current = None
 
     @contextmanager
+    def state_of(self, rank: int) -> Iterator[None]:
+        """Hosted rank ``rank``'s rank-bound state swapped in (to capture its image), nothing else."""
+        self._swap_in(rank)
+        try:
+            yield
+        finally:
+            self._swap_out(rank)
+
+    @contextmanager
     def micro_batch(self, rank: int | None) -> Iterator[None]:
         self.enter(rank)
         try:

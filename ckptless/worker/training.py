@@ -17,7 +17,7 @@ from ckptless.errors import MirrorError, SilentDataCorruption, StateError, Trans
 from ckptless.goodput.ledger import EventKind
 from ckptless.mirror.partial import PairSpec
 from ckptless.state.capture import StateImage
-from ckptless.worker import exit_file, groups, reuse
+from ckptless.worker import exit_file, groups, handoff, reuse
 from ckptless.worker.faults import device_failure, is_fault
 from ckptless.worker.machine import (
     Committed,
@@ -116,6 +116,10 @@ def train_steps(rt: WorkerRuntime, generation: int, from_step: int,
                 return JobEnded(c.ended.reason)
             if c.incident(generation):
                 return Fault(f"the coordinator declared generation {generation} failed")
+        if rt.gen is not None and rt.gen.physical is not None:  # fewer ranks: grow back here, all together?
+            grown = _grow_back(rt, generation, step)
+            if grown is not None:
+                return grown
         chaos_hooks.pause_point(f"step:r{rt.rank}:{step}", rank=rt.rank, step=step)
         rt.write_order.before_step()  # the step must not overwrite what the last capture still copies
         failed = yield from _one_step(rt, step)
@@ -141,6 +145,18 @@ def train_steps(rt: WorkerRuntime, generation: int, from_step: int,
         if until_reprotected and _reprotected(rt, from_step):
             return Reprotected(step)
     return Stepped(step, done=True)
+
+
+def _grow_back(rt: WorkerRuntime, generation: int, step: int) -> Event | None:
+    """A generation with fewer ranks asked to grow back: every process leaves at this boundary, its
+    state (and its hosted ranks') handed over as images of version ``step`` (worker/handoff.py)."""
+    try:
+        if not handoff.agreed(rt, generation):
+            return None
+        handoff.hand_over(rt, step)
+    except Exception as exc:  # noqa: BLE001 - a peer lost meanwhile: the usual fault path
+        return Fault(f"{type(exc).__name__} while growing back at step {step}: {str(exc)[:200]}")
+    return Fault(f"growing back to full width at step {step}: spares take the hosted ranks")
 
 
 def _one_step(rt: WorkerRuntime, step: int) -> Generator[int, Event | None, Event | None]:

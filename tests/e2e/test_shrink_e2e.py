@@ -5,11 +5,15 @@ stock DataLoader, dropout, gradient clipping, AdamW, OneCycle), ``--nnodes 1:2``
 the start of step 8; the test SIGKILLs its whole node (the agent; its workers die with it). With
 no spare and no node to respawn on, the leader hosts ranks 2 and 3 on the survivors holding their
 images: the job goes on with two processes for four ranks, each also running a lost rank's
-micro-batch of every step, and finishes. What must hold:
+micro-batch of every step. Then a new agent with the same command joins (a scheduler's
+replacement node): it serves as spares, the job grows back to four processes at a step boundary
+(the hosted ranks' state handed to the spares as images), and finishes. What must hold:
 
-* the survivors finish in their first processes, with one recovery;
-* every survivor's RNG streams and data position end bitwise equal to the fault-free run's (the
-  hosted micro-batches drew from the lost ranks' streams, not the hosts');
+* the survivors finish in their first processes, with two recoveries (fewer ranks, grown back);
+  ranks 2 and 3 on the new agent's node;
+* every rank's RNG streams and data position end bitwise equal to the fault-free run's (the
+  hosted micro-batches drew from the lost ranks' streams, not the hosts', and the spares took
+  those streams over);
 * parameters and optimizer state end within floating-point reduction order of the fault-free
   run: the difference is printed (and recorded in docs/failure-model.md, "Fewer ranks").
 """
@@ -23,11 +27,13 @@ from pathlib import Path
 import torch
 
 from ckptless.coordinator.embedded import EmbeddedEtcd
+from ckptless.coordinator.keyspace import Keyspace
 
 from ..harness.cluster import descendants
-from ..harness.waiting import wait_json
+from ..harness.waiting import wait_json, wait_until
 from .test_ddp_fsdp_e2e import DDP_SCRIPT, _baseline, _run
 
+STEPS = ("--steps", "40")  # (the example's own order of 16 batches per epoch: 2.5 epochs)
 SHRINK = ("--nnodes", "1:2", "--rdzv-conf", "last_call_timeout=300", "--lost-node", "shrink")
 
 
@@ -43,36 +49,54 @@ def _max_diff(a: object, b: object) -> float:
     return 0.0
 
 
-def test_node_lost_without_spares_the_survivors_go_on_with_fewer_ranks(module_etcd: EmbeddedEtcd,
-                                                                       tmp_path: Path) -> None:
-    want = _baseline(module_etcd, tmp_path, DDP_SCRIPT)
-    c = _run(module_etcd, tmp_path / "shrink", DDP_SCRIPT, EXAMPLE_PAUSE="2:8")
+def test_node_lost_without_spares_the_survivors_go_on_with_fewer_ranks_then_grow_back(
+        module_etcd: EmbeddedEtcd, tmp_path: Path) -> None:
+    want = _baseline(module_etcd, tmp_path, DDP_SCRIPT, STEPS)
+    chaos = tmp_path / "chaos"
+    # Rank 0 holds at step 10 (with fewer ranks) until the new agent's spares are registered; rank 1
+    # waits for it in DDP's all-reduce meanwhile, so the collective timeout must outlast that.
+    c = _run(module_etcd, tmp_path / "shrink", DDP_SCRIPT, STEPS, EXAMPLE_PAUSE="2:8", CKPTLESS_CHAOS_DIR=str(chaos),
+             CKPTLESS_CHAOS_POINTS="hold=step:r0:10", CKPTLESS_COLLECTIVE_TIMEOUT="150")
     try:
         c.start_agent(*SHRINK)
         c.start_agent(*SHRINK)
         paused = wait_json(c.out / "paused_rank2.json", 120)
         first = c.worker_pids()
         victim = next(a for a in c.agents if int(paused["pid"]) in descendants(a.pid))
-        survivor = next(a for a in c.agents if a is not victim)
         os.kill(victim.pid, signal.SIGKILL)
-        code = survivor.wait(timeout=240)
+        wait_json(chaos / "paused_hold.json", 120)  # rank 0 about to run step 10, with fewer ranks
+        text = c.log_text()
+        assert "with 2 processes for 4 ranks" in text, text[-4000:]
+        shrunk = c.membership()
+        assert shrunk is not None and sorted(shrunk.hosted) == [2, 3]
+        newcomer = c.start_agent(*SHRINK)  # the scheduler's replacement node, the same command
+        with c.client() as client:
+            spares = Keyspace(c.job_id).spares_prefix
+            wait_until(lambda: len(client.get_prefix(spares)[0]) == 2, 120, "the new agent's two spares")
+            wait_until(lambda: client.get(Keyspace(c.job_id).grow(shrunk.generation)) is not None, 60,
+                       "the leader asking the generation with fewer ranks to grow back")
+        (chaos / "release_hold").write_text("go")  # the processes agree on it at a boundary of the steps left
+        c.wait(expect_fail=[victim])
     finally:
         c.kill_all()
     text = c.log_text()
-    assert code == 0, text[-4000:]
-    assert "with 2 processes for 4 ranks" in text, text[-4000:]
-    m = c.membership()
-    assert m is not None and sorted(m.hosted) == [2, 3]
-    got = {r: torch.load(c.out / f"final_rank{r}.pt", weights_only=True) for r in (0, 1)}
-    for r in (0, 1):
-        assert int(got[r]["recoveries"]) == 1
-        assert int(got[r].pop("pid")) == first[r], "a survivor finished in its first process"
+    assert f"leaving generation {shrunk.generation}: growing back to full width at step" in text, text[-4000:]
+    grown = c.membership()
+    assert grown is not None and not grown.hosted
+    new_node = next(a.node_id for a in grown.ranks if a.rank == 2)
+    assert f"-{newcomer.pid}-" in new_node and grown.worker_of(3).node_id == new_node
+    got, pids = c.finals_with_pids()
+    for r in range(4):
         for key in ("rng_torch", "rng_python", "rng_numpy", "data", "lr"):
             assert torch.equal(got[r][key], want[r][key]), (r, key)
-    diff_params = _max_diff(got[0]["params"], want[0]["params"])
-    diff_opt = _max_diff(got[0]["optimizer"]["state"], want[0]["optimizer"]["state"])
+    for r in (0, 1):
+        assert pids[r] == first[r], "a survivor finished in its first process"
+        assert int(got[r]["recoveries"]) == 2  # went on with fewer ranks, then grew back
+    diff_params = max(_max_diff(got[r]["params"], want[r]["params"]) for r in range(4))
+    diff_opt = max(_max_diff(got[r]["optimizer"]["state"], want[r]["optimizer"]["state"]) for r in range(4))
+    for r in (1, 2, 3):  # every rank the same replica again after growing back
+        assert _max_diff(got[r]["params"], got[0]["params"]) == 0.0
     bitwise = diff_params == 0.0 and diff_opt == 0.0
-    print(f"fewer ranks (2 processes for 4 ranks from step 8): max |param diff| = {diff_params:.3g}, "
-          f"max |optimizer state diff| = {diff_opt:.3g}, bitwise = {bitwise}")
+    print(f"fewer ranks (2 processes for 4 ranks from step 8, grown back to 4 at step 11): "
+          f"max |param diff| = {diff_params:.3g}, max |optimizer state diff| = {diff_opt:.3g}, bitwise = {bitwise}")
     assert diff_params < 1e-5 and diff_opt < 1e-5
-

@@ -1,0 +1,65 @@
+"""Growing back from fewer ranks: the processes leave together at an agreed step boundary (issue 22).
+
+Why: a generation with fewer ranks is not mirrored (:mod:`ckptless.worker.hosted`),
+so its only consistent state is the live one at a step boundary. When the leader
+sees a spare for every hosted rank (a scheduler's new node, admitted as spares), it
+asks the generation to grow back (``job/grow/g<G>``). Workers see that request at
+different moments, so at every step boundary of such a generation the processes
+agree on it with one MAX all-reduce of a flag over the world group (it spans the
+processes); when it is set, all of them stop at that same boundary T and hand
+their state over where the next plan looks for it:
+
+* each process its own image of version T, kept as its own committed image
+  (what a survivor rolls back to, and what serves a replicated prefix);
+* each host one image of version T per hosted rank (that rank's RNG and data
+  position swapped in), put in its peer store as that rank's holder.
+
+They then leave the generation with a fault ("growing back"); the incident's plan
+gives the hosted ranks to the spares, which receive those images like any
+replacement, bitwise, and the job goes on at full width and mirrored again.
+
+Cost per step of a generation with fewer ranks: one 4-byte all-reduce over the P
+processes (O(log P) latency); at the handoff: one capture of the rank's state per
+process plus one per hosted rank (the hosted ranks' copies hold their private
+suffix only, docs/scale.md).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.distributed as dist
+
+from ckptless.mirror.store import StoredImage
+from ckptless.state.capture import Capturer
+from ckptless.worker.runtime import WorkerRuntime
+
+log = logging.getLogger(__name__)
+
+
+def agreed(rt: WorkerRuntime, generation: int) -> bool:
+    """Do all processes of ``generation`` grow back at this step boundary? (Collective over the world group.)"""
+    asked = rt.control is not None and rt.control.grow_requested(generation)
+    flag = torch.tensor([1 if asked else 0], dtype=torch.int32)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
+
+
+def hand_over(rt: WorkerRuntime, version: int) -> None:
+    """Put this process's own image and its hosted ranks' images of ``version`` where the plan finds them."""
+    own = rt.capturer.capture(version, rt.generation)
+    rt.own_images = [StoredImage(own.manifest, own.buffer)]
+    rt.committed = version
+    micro = rt.micro
+    if micro is None:
+        return
+    store = rt.open_peer_store()
+    for rank in micro.order():
+        capturer = Capturer(rt.registry, rt.ctx.job_id, rank, rt.mirror_config.chunk_bytes,
+                            timeout_s=rt.mirror_config.timeout_s, mirror_replicated=rt.capturer.mirror_replicated)
+        with micro.state_of(rank):
+            image = capturer.capture(version, rt.generation)
+        store.put(image.manifest, image.buffer)
+        log.info("rank %d: handed hosted rank %d's image of version %d over (%d bytes)", rt.rank, rank, version,
+                 image.manifest.total_bytes)
