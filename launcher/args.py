@@ -388,6 +388,7 @@ def config_from_namespace(ns: argparse.Namespace, environ: Mapping[str, str] | N
     _check(ns.lease_ttl > 0, "lease_ttl", ns.lease_ttl, "must be > 0")
     _check(ns.node_grace > 0, "node_grace", ns.node_grace, "must be > 0")
     _check(ns.replacement_timeout > 0, "replacement_timeout", ns.replacement_timeout, "must be > 0 seconds")
+    _check(ns.lost_node in ("wait", "shrink"), "lost_node", ns.lost_node, "must be 'wait' or 'shrink' (PET_LOST_NODE)")
     _check(ns.lost_node != "shrink" or min_nodes < max_nodes, "lost_node", ns.lost_node,
            f"going on with fewer nodes needs --nnodes MIN:MAX with MIN < MAX (got {ns.nnodes}): MIN is the "
            "fewest nodes the job may run on")

@@ -461,7 +461,8 @@ def _await_formation(state: AwaitingFormation, view: JobView, now: float, cfg: L
     assert m is not None
     missing = _missing(state.missing_since, view, now)
     reasons = _failure_symptoms(view, missing, now, cfg)
-    not_ready = {a.rank for a in m.ranks} - view.ready - view.finished
+    ready = view.ready | {r for r, w in m.hosted.items() if m.rank_of(w) in view.ready}  # resumed with its host
+    not_ready = {a.rank for a in m.ranks} - ready - view.finished
     # A rank still joining on a node that vanished cannot be making progress for long.
     stranded = {r for r in not_ready if m.worker_of(r).node_id in missing
                 and now - missing[m.worker_of(r).node_id] >= cfg.gone_node_report_grace_s}

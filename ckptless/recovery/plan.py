@@ -39,10 +39,9 @@ R9  Node-local tier: a lost rank assigned a respawn on its own node, whose
     agent verified a node-local copy of its own image at R (``facts.node_local``),
     restores R from that copy (a ``LocalRestore``); its holders send nothing
     for it. A spare, or a worker on another node, never uses it.
-R10 Fewer ranks (``policy.lost_node == "shrink"``): when R2 cannot place
-    every lost rank, all lost ranks are *hosted* by survivors holding their
-    image of R (:mod:`ckptless.recovery.shrink`); nothing is transferred for
-    them, and the generation's processes are the survivors.
+R10 Fewer ranks (``policy.lost_node == "shrink"``): when R2 cannot place every lost
+    rank, *all* lost ranks are hosted by survivors holding their image of R
+    (:mod:`ckptless.recovery.shrink`); the processes are the survivors alone.
 
 What a decision looks like (:class:`RecoveryPlan`, :class:`DiskFallback`, ...)
 is :mod:`ckptless.recovery.decision`; this module holds only the rules that
@@ -360,9 +359,7 @@ def plan_recovery(facts: PlanningFacts) -> Decision:
                                  "no version is available for every rank in memory and no disk "
                                  f"snapshot exists; ranks without a usable image: {list(missing)}",
                                  missing)
-    if unassigned and version is not None and facts.policy.lost_node == "shrink":
-        # R10: go on with fewer ranks. Every lost rank is hosted (a spare or respawn that covers only some
-        # of them waits as a spare): the generation's processes are exactly the survivors.
+    if unassigned and version is not None and facts.policy.lost_node == "shrink":  # R10: fewer ranks
         hosted, why_not = host_lost_ranks(facts, facts.lost_ranks, version)
         if hosted:
             survivors = [a for a in assignments if a.source == "survivor"]

@@ -377,8 +377,6 @@ def parse_records(
             ready_ranks.add(int(key.rsplit("/", 1)[1]))
         except ValueError:
             bad.append(key)
-    if membership is not None:  # a hosted rank (fewer ranks) resumed when its host did
-        ready_ranks |= {r for r, w in membership.hosted.items() if membership.rank_of(w) in ready_ranks}
     spare_workers = []
     for key, raw in spares:
         try:

@@ -26,10 +26,9 @@ unbound groups: no collective the survivors are not in ever leaves the
 process. Its protected state is then restored from its peers, so what echo
 computed is overwritten.
 
-Failures are typed where they arise: a Work whose ``wait`` fails raises
-:class:`ckptless.errors.CollectiveError`, and every failure (also those the
-DDP reducer sees through futures in C++) marks the group broken for that
-generation, which :func:`collective_failed` reports.
+Failures are typed where they arise: a failed ``wait`` raises :class:`ckptless.errors.CollectiveError`,
+and every failure (also those the DDP reducer sees through futures in C++) marks
+the group broken for that generation, which :func:`collective_failed` reports.
 
 CUDA tensors (:mod:`ckptless.worker.device` decides the backend): with NCCL,
 ``build`` also connects a ProcessGroupNCCL bound to the rank's GPU, eagerly
@@ -312,11 +311,9 @@ class RebindableGroup(dist.ProcessGroup):
 
     def build(self, store: dist.Store, generation: int,
               physical: tuple[int, int] | None = None) -> tuple[dist.ProcessGroup, list[Any]]:
-        """The generation's communicator (blocks until every member of the group built it).
-
-        ``physical`` (a generation with fewer ranks, :mod:`ckptless.worker.hosted`): this process's
-        index among the survivors and their number. The communicator then spans the survivors while
-        the group keeps its logical rank and size, which is what DDP's reducer divides by."""
+        """The generation's communicator (blocks until every member of the group built it). ``physical``:
+        this process's (index, count) among the survivors of a generation with fewer ranks (worker/hosted.py):
+        the communicator spans them, the group keeps its logical rank and size (DDP's reducer divides by it)."""
         rank, size = physical if physical is not None else (self.rank(), self.size())
         prefix = dist.PrefixStore(f"ckptless/gen{generation}/pg/{self._name}/", store)
         what = f"group {self._name!r} (generation {generation})"

@@ -97,6 +97,9 @@ ROWS: tuple[FlagRow, ...] = (
     FlagRow("--replacement-timeout", ("--replacement-timeout", "120"), job="snapshot",
             note="the kill is respawned at once (no wait); a node lost with no spare waits for a new agent: "
                  "tests/e2e/test_replacement_node_e2e.py, and its deadline there"),
+    FlagRow("--lost-node", ("--nnodes", "2:3", "--lost-node", "shrink"), job="elastic",
+            note="a killed worker is respawned on its live node (nothing is lost for good, nothing shrinks); a node "
+                 "lost with no spare goes on with fewer ranks and grows back: tests/e2e/test_shrink_e2e.py"),
     FlagRow("--metrics-port", ("--metrics-port", "0"), job="telemetry"),
     FlagRow("--no-warm-respawn", ("--no-warm-respawn",), job="snapshot"),
     FlagRow("--replicas=0", ("--replicas", "0"), outcome=ENDS, job="no-recovery",

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 from ckptless.errors import CkptlessError
 from ckptless.mirror.placement import compute_placement
 from ckptless.recovery.decision import Assignment, DiskFallback, RecoveryPlan
-from ckptless.recovery.facts import ReplicaFact, Worker, WorkerReport
+from ckptless.recovery.facts import PlanPolicy, ReplicaFact, Worker, WorkerReport
 from ckptless.recovery.gather import plan_from_view
 from ckptless.recovery.leader_machine import (
     INITIAL,
@@ -66,6 +66,8 @@ class World:
     fence_next: bool | None = None  # True: deposed; False: generation moved
     ported: bool = True
     spare_exits: dict[str, ExitRecord] = field(default_factory=dict)  # worker id -> a dead spare's record
+    policy: PlanPolicy = field(default_factory=PlanPolicy)  # --lost-node (shrink: fewer ranks)
+    can_host: bool = False  # every report says its state can run another rank's micro-batches (DDP)
 
     # --- facts ------------------------------------------------------------------------------
     def view(self) -> JobView:
@@ -107,7 +109,8 @@ class World:
             rep = WorkerReport(self.worker(rank), None, None)
         else:
             held = tuple(ReplicaFact(o, self.committed, 3) for o, hs in sorted(self.holders().items()) if rank in hs)
-            rep = WorkerReport(self.worker(rank), self.committed, self.committed, frozenset({self.committed}), held)
+            rep = WorkerReport(self.worker(rank), self.committed, self.committed, frozenset({self.committed}), held,
+                               can_host=self.can_host)
         self.reports[rank] = ReportRecord(rep, reason)
 
     def report_all_alive(self) -> None:
@@ -128,7 +131,7 @@ class World:
         elif isinstance(action, RequestPlan):
             try:
                 decision, notes = plan_from_view(self.view(), JOB, action.lost, CFG.replicas, CFG.placement,
-                                                 self.snapshot_step)
+                                                 self.snapshot_step, self.policy)
                 return Planned(decision, tuple(notes), now, replacement_key(self.view()))
             except CkptlessError as exc:
                 return PlanFailed(str(exc), now)

@@ -295,3 +295,16 @@ def test_spare_options_parse_and_read_their_env() -> None:
     assert cfg.spare_refill and cfg.spare_any_rank
     env = A.parse_args(["--spares", "1", "t.py"], environ={"PET_SPARE_REFILL": "1", "PET_SPARE_ANY_RANK": "1"})
     assert env.spare_refill and env.spare_any_rank
+
+
+def test_lost_node_shrink_needs_a_node_range() -> None:
+    """``--lost-node shrink`` keeps at least MIN nodes: with MIN == MAX it could never shrink (one clear error)."""
+    cfg = A.parse_args(["--nnodes", "1:2", "--rdzv-endpoint", "h", "--lost-node", "shrink", "t.py"], environ={})
+    assert cfg.lost_node == "shrink" and (cfg.min_nodes, cfg.max_nodes) == (1, 2)
+    assert A.parse_args(["--nnodes", "2", "--rdzv-endpoint", "h", "t.py"], environ={}).lost_node == "wait"
+    with pytest.raises(ConfigError) as ei:
+        A.parse_args(["--nnodes", "2", "--rdzv-endpoint", "h", "--lost-node", "shrink", "t.py"], environ={})
+    assert ei.value.field == "lost_node" and "--nnodes MIN:MAX" in str(ei.value)
+    with pytest.raises(ConfigError) as ei:
+        A.parse_args(["--nnodes", "1:2", "--rdzv-endpoint", "h", "t.py"], environ={"PET_LOST_NODE": "grow"})
+    assert ei.value.field == "lost_node" and ei.value.value == "grow"

@@ -8,8 +8,9 @@ version 4; see tests/harness/leader_sim.py. Independent pairs: (0, 1) and (2, 3)
 from __future__ import annotations
 
 from ckptless.recovery.decision import RecoveryPlan, Unrecoverable
-from ckptless.recovery.facts import ReplicaFact, Worker, WorkerReport
+from ckptless.recovery.facts import PlanPolicy, ReplicaFact, Worker, WorkerReport
 from ckptless.recovery.leader_machine import (
+    AskGrow,
     AwaitingFormation,
     Collecting,
     Deposed,
@@ -608,3 +609,53 @@ def test_give_up_names_the_last_cause() -> None:
     d = RecoveryPlan("job", CFG.max_recoveries + 1, (), (1,), 4, (), (), True, (), 0)
     ld.feed(Planned(d, (), 0.0))
     assert isinstance(ld.state, Ended) and "the last: rank 1 ended by signal 9" in ld.state.reason
+
+
+# --- fewer ranks (--lost-node shrink) ------------------------------------------------------------------
+def test_node_lost_with_shrink_goes_on_with_fewer_ranks_then_grows_back_when_spares_come() -> None:
+    """Node n1 lost, no spare: the survivors host ranks 2 and 3 (each the rank whose image it holds) at
+    once, nobody waits. Spares for both arrive: the leader asks that generation, once, to grow back; its
+    processes leave together and the next plan gives ranks 2 and 3 to the spares."""
+    ld = fresh_leader(policy=PlanPolicy(lost_node="shrink"), can_host=True)
+    ld.world.lose_node("n1")
+    ld.world.report(0)
+    ld.world.report(1)
+    ld.observe(0.1)
+    ld.observe(1.5)  # the gone-node grace: ranks 2, 3 lost, no spare, no node
+    assert isinstance(ld.state, AwaitingFormation) and ld.state.generation == 1
+    shrunk = ld.world.published[0]
+    assert isinstance(shrunk, RecoveryPlan) and shrunk.hosted == {2: "n0/w1", 3: "n0/w0"}
+    assert not any(isinstance(a, NoteWaiting) for a in ld.log), "nobody waited"
+    ld.world.ready = {0, 1}  # the hosts resumed: their hosted ranks with them
+    assert ld.observe(0.1) == Watching(1)
+    assert ld.observe(5.0) == Watching(1), "no spare yet: stays shrunk"
+    ld.world.spares = [Worker("s/a", "s"), Worker("s/b", "s")]
+    ld.world.nodes.add("s")
+    state = ld.observe(0.1)
+    asks = [a for a in ld.log if isinstance(a, AskGrow)]
+    assert isinstance(state, Watching) and state.grow_asked and asks == [AskGrow(1, (2, 3))]
+    ld.observe(0.1)
+    assert len([a for a in ld.log if isinstance(a, AskGrow)]) == 1, "asked once per generation"
+    ld.world.report(0, reason="growing back to full width at step 9")  # they leave together
+    ld.world.report(1, reason="growing back to full width at step 9")
+    state = ld.observe(0.1)
+    assert isinstance(state, AwaitingFormation) and state.generation == 2, state
+    grown = ld.world.published[1]
+    assert isinstance(grown, RecoveryPlan) and not grown.hosted
+    assert {a.rank: a.source for a in grown.assignments} == {0: "survivor", 1: "survivor", 2: "spare", 3: "spare"}
+
+
+def test_one_spare_for_two_hosted_ranks_is_not_a_reason_to_grow() -> None:
+    """Growing back needs a spare per hosted rank: the next plan hosts every lost rank again otherwise."""
+    ld = fresh_leader(policy=PlanPolicy(lost_node="shrink"), can_host=True)
+    ld.world.lose_node("n1")
+    ld.world.report(0)
+    ld.world.report(1)
+    ld.observe(0.1)
+    ld.observe(1.5)
+    ld.world.ready = {0, 1}
+    ld.observe(0.1)
+    ld.world.spares = [Worker("s/a", "s")]
+    ld.world.nodes.add("s")
+    assert ld.observe(0.1) == Watching(1)
+    assert not any(isinstance(a, AskGrow) for a in ld.log)
