@@ -60,6 +60,7 @@ class JobStatus:
     committed_note: str = "not stored in etcd"
     problems: tuple[str, ...] = field(default=())
     waiting: str = ""  # the job holds for a replacement (the leader's note on the open incident), or ""
+    fewer: str = ""  # the job runs with fewer processes than ranks (--lost-node shrink), or ""
 
 
 def _config(endpoint: str, timeout_s: float) -> EtcdConfig:
@@ -90,7 +91,7 @@ def _read(c: EtcdClient, ks: Keyspace, endpoint: str) -> JobStatus:
         except (ValueError, KeyError, TypeError):
             problems.append(f"malformed {ks.generation}")
     members: tuple[Member, ...] = ()
-    world, decision = None, None
+    world, decision, fewer = None, None, ""
     kv = c.get(ks.membership)
     if kv is not None:
         try:
@@ -98,6 +99,10 @@ def _read(c: EtcdClient, ks: Keyspace, endpoint: str) -> JobStatus:
             members = tuple(Member(a.rank, a.worker_id, a.node_id, a.source) for a in sorted(m.ranks, key=lambda a: a.rank))
             world = m.world_size
             decision = None if m.decision is None else type(m.decision).__name__
+            if m.hosted:
+                processes = m.world_size - len(m.hosted)
+                fewer = (f"running {m.world_size} ranks on {processes} processes: ranks {sorted(m.hosted)} hosted "
+                         "by survivors (--lost-node shrink; it grows back when a spare is at hand for each)")
         except CkptlessError as exc:
             problems.append(str(exc))
     spares = []
@@ -155,7 +160,7 @@ def _read(c: EtcdClient, ks: Keyspace, endpoint: str) -> JobStatus:
                      tuple(sorted(spares)), None if leader is None else leader.value.decode(errors="replace"),
                      None if leader is None else leader.key.rsplit("/", 1)[-1], len(contenders),
                      tuple(sorted(nodes, key=lambda d: str(d.get("node_id", "")))), decision, tuple(incidents),
-                     None, note, tuple(problems), waiting)
+                     None, note, tuple(problems), waiting, fewer)
 
 
 def _waiting(w: dict[str, Any]) -> str:
@@ -180,7 +185,7 @@ def status_to_json(s: JobStatus) -> dict[str, Any]:
         "nodes": list(s.nodes), "last_decision": s.last_decision,
         "incidents": [{"generation": g, "lost": lost} for g, lost in s.incidents],
         "committed_step": s.committed_step, "committed_note": s.committed_note, "problems": list(s.problems),
-        "waiting": s.waiting,
+        "waiting": s.waiting, "fewer": s.fewer,
     }
 
 
@@ -206,6 +211,8 @@ def render_status(s: JobStatus, file: IO[str] | None = None) -> None:
         head.append("\nincidents: " + ", ".join(f"generation {g} failed (lost {lost or '?'})" for g, lost in s.incidents))
     if s.waiting:
         head.append("\n" + s.waiting, style="yellow")
+    if s.fewer:
+        head.append("\n" + s.fewer, style="yellow")
     console.print(head)
     t = Table(title="members", title_justify="left", header_style="bold", show_edge=False)
     for h in ("rank", "worker id", "node", "source"):

@@ -52,7 +52,7 @@ def _max_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
     return max(float((x - y).abs().max()) for x, y in zip(a, b, strict=True))
 
 
-@pytest.mark.parametrize("zero_at", ["start", "end"])
+@pytest.mark.parametrize("zero_at", ["start", pytest.param("end", marks=pytest.mark.rotating(1))])  # CI budget
 def test_hosted_micro_batches_follow_the_full_world(tmp_path: Path, zero_at: str) -> None:
     (tmp_path / "full").mkdir()
     (tmp_path / "shrunk").mkdir()

@@ -28,6 +28,7 @@ import torch
 
 from ckptless.coordinator.embedded import EmbeddedEtcd
 from ckptless.coordinator.keyspace import Keyspace
+from ckptless.report.status import read_status
 
 from ..harness.cluster import descendants
 from ..harness.waiting import wait_json, wait_until
@@ -69,6 +70,8 @@ def test_node_lost_without_spares_the_survivors_go_on_with_fewer_ranks_then_grow
         assert "with 2 processes for 4 ranks" in text, text[-4000:]
         shrunk = c.membership()
         assert shrunk is not None and sorted(shrunk.hosted) == [2, 3]
+        status = read_status(c.endpoint, c.job_id)
+        assert "running 4 ranks on 2 processes: ranks [2, 3] hosted" in status.fewer, status
         newcomer = c.start_agent(*SHRINK)  # the scheduler's replacement node, the same command
         with c.client() as client:
             spares = Keyspace(c.job_id).spares_prefix
