@@ -198,6 +198,7 @@ def ckptless_env_from_config(cfg: LaunchConfig, *, etcd_endpoint: str, node_id: 
         "CKPTLESS_MIRROR_REPLICATED": "1" if cfg.mirror_replicated else "0",
         "CKPTLESS_LEASE_TTL": repr(float(cfg.lease_ttl)),
         "CKPTLESS_REPLACEMENT_TIMEOUT": repr(float(cfg.replacement_timeout)),
+        "CKPTLESS_LOST_NODE": cfg.lost_node,
     }
     for key, path in (("CKPTLESS_GOODPUT_DIR", cfg.goodput_dir), ("CKPTLESS_SHM_DIR", cfg.shm_dir)):
         if path:

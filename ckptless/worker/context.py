@@ -77,6 +77,7 @@ class WorkerContext:
     role: str  # member (started with the job), replacement (respawned), spare (waits for a rank)
     recovery_timeout_s: float
     replacement_timeout_s: float = 600.0  # the leader's wait for a replacement (--replacement-timeout)
+    lost_node: str = "wait"  # --lost-node: the job may go on with fewer ranks (shrink); said at start if it cannot
     snapshot_dir: str | None = None
     snapshot_every: int = 0
     standby_rank: int | None = None  # a spare that builds the script's objects as this rank while it waits
@@ -122,6 +123,7 @@ class WorkerContext:
             role=role,
             recovery_timeout_s=_float(e, "CKPTLESS_RECOVERY_TIMEOUT", 120.0),
             replacement_timeout_s=_float(e, "CKPTLESS_REPLACEMENT_TIMEOUT", 600.0),
+            lost_node=e.get("CKPTLESS_LOST_NODE") or "wait",
             snapshot_dir=e.get("CKPTLESS_SNAPSHOT_DIR") or None,
             snapshot_every=_int(e, "CKPTLESS_SNAPSHOT_EVERY", 0),
             standby_rank=_standby(e, role, world),

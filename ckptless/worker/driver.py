@@ -32,7 +32,8 @@ from ckptless.recovery.decision import Assignment
 from ckptless.recovery.wire import Membership
 from ckptless.state import host_memory
 from ckptless.state.digest import write_digest
-from ckptless.worker import abort, actions, ahead, deferral, exit_file, exit_guard, groups, rank_reads, training
+from ckptless.worker import (abort, actions, ahead, deferral, exit_file, exit_guard, groups, hosted, rank_reads,
+                             training)
 from ckptless.worker.context import WorkerContext
 from ckptless.worker.faults import device_failure, is_fault
 from ckptless.worker.generation import Generation
@@ -219,6 +220,12 @@ class WorkerDriver:
                             "ranks will not replay the same batches unless the batches come from protected state "
                             "(the RNG, a step counter); protect one, e.g. data=ckptless.data.resumable(loader)")
         rt.spec = RunSpec(train_step, steps, start_step)
+        if rt.ctx.lost_node == "shrink" and rt.rank == 0 and rt.ctx.role == "member" and rt.ctx.generation == 0:
+            why = (f"it made process groups {groups.user_groups()}" if groups.user_groups()
+                   else hosted.why_not_shrinkable(rt.registry, hosted.ddp_modules(rt.registry)))
+            if why is not None:  # said at start, not first at the loss it would have served
+                log.warning("ckptless: --lost-node shrink cannot apply to this job (%s): a node lost with no spare "
+                            "waits for a replacement instead (--replacement-timeout)", why)
         rank_reads.stop()  # a pre-built spare's setup ends here
         if rt.ctx.role == "member" and rt.ctx.generation == 0:
             self.write_digest("init")  # only when a chaos runner asked: the state training starts from
