@@ -41,6 +41,15 @@ def _data() -> TensorDataset:
     return TensorDataset(torch.randn(4096, 32, generator=g), torch.randint(0, 4, (4096,), generator=g))
 
 
+def _rank0_pid(out: str) -> None:
+    """Rank 0's first process says who it is: the bench loses the *other* node, so one process logs every step."""
+    path = os.path.join(out, "rank0.pid")
+    if not os.path.exists(path):
+        with open(path + ".tmp", "w") as f:
+            f.write(str(os.getpid()))
+        os.replace(path + ".tmp", path)
+
+
 def _log(out: str, step: int, world: int) -> None:
     with open(os.path.join(out, "steps.jsonl"), "a") as f:
         f.write(json.dumps({"step": step, "t": time.time(), "world": world}) + "\n")
@@ -63,6 +72,8 @@ def run_ckptless(out: str) -> None:
     loader = resumable(DataLoader(_data(), batch_size=8, sampler=DistributedSampler(_data(), shuffle=True, seed=0)))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     job.protect(model=model, optimizer=opt, data=loader)
+    if job.rank == 0:
+        _rank0_pid(out)
     for step in job.steps(STEPS):
         with job.guard():
             x, y = loader.next_batch()
@@ -75,6 +86,8 @@ def run_ckptless(out: str) -> None:
 def run_torchrun(out: str) -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
+    if rank == 0:
+        _rank0_pid(out)
     model = DDP(_model())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     ckpt = os.path.join(out, "ckpt.pt")

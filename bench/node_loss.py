@@ -6,8 +6,8 @@ Run:  .venv/bin/python bench/node_loss.py            (60 steps of 0.25 s, kill a
 
 The job (bench/_node_loss_worker.py): DDP, 2 nodes x 2 processes, a ``DistributedSampler``, each
 micro-batch holding the "device" ``--micro`` seconds (a sleep, as a GPU's compute costs the host
-nothing). When rank 0 logged step ``--kill-at``, the bench SIGKILLs node 1's whole process group
-(its agent and its workers) and, ``--delay`` seconds later, starts a new node with the same
+nothing). When rank 0 logged step ``--kill-at``, the bench SIGKILLs the other node whole (its
+launcher and every process under it) and, ``--delay`` seconds later, starts a new node with the same
 command (what a scheduler does). Each mode runs once, one after the other, on one clock:
 
 wait      ckptless-run --nnodes 2 (default --lost-node wait): the survivors hold in memory; the new
@@ -67,12 +67,32 @@ def _steps(out: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in f.read_text().splitlines() if line.strip()]
 
 
+def _descendants(pid: int) -> list[int]:
+    """Every live descendant of ``pid`` (from /proc; torchrun starts its workers in sessions of their own)."""
+    children: dict[int, list[int]] = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(d.name))
+    out, todo = [], [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
 def _kill(p: subprocess.Popen[bytes]) -> None:
+    """The whole node at once: its launcher, and every process under it (a machine that is gone)."""
     if p.poll() is None:
-        try:
-            os.killpg(p.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        for pid in [p.pid, *_descendants(p.pid)]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         p.wait(10)
 
 
@@ -113,11 +133,13 @@ def run_mode(mode: str, args: argparse.Namespace, root: Path, endpoint: str) -> 
             if time.monotonic() > deadline or any(p.poll() is not None for p in nodes):
                 raise RuntimeError(f"{mode}: step {args.kill_at} never came\n" + _tail(out))
             time.sleep(0.01)
+        keeper = int((out / "rank0.pid").read_text())
+        victim = next(p for p in nodes if keeper not in _descendants(p.pid))  # the node without rank 0
         t_kill = time.time()
-        _kill(nodes[1])  # node 1: its agent and every worker of it, at once
+        _kill(victim)  # its launcher and every worker of it, at once
         time.sleep(args.delay)
         start(2)  # the scheduler's new node, the same command
-        code = nodes[0].wait(timeout=600)
+        code = next(p for p in nodes[:2] if p is not victim).wait(timeout=600)
         nodes[2].wait(timeout=120)
     finally:
         for p in nodes:
@@ -133,7 +155,8 @@ def run_mode(mode: str, args: argparse.Namespace, root: Path, endpoint: str) -> 
     wall = steps[-1]["t"] - first
     ideal = args.steps * full
     return {"mode": mode, "wall_s": wall, "ideal_s": ideal, "goodput": ideal / wall, "full_step_s": full,
-            "redone": len(steps) - args.steps, "kill_step": max(s["step"] for s in before),
+            "redone": sum(1 for i, s in enumerate(steps) if any(p["step"] >= s["step"] for p in steps[:i])),
+            "kill_step": max(s["step"] for s in before),
             "lost_s": wall - ideal, "load": os.getloadavg()[0]}
 
 
