@@ -270,8 +270,10 @@ class NodeAgent:
         # Looked at every time, not only once the warning is due: a worker that finishes removes its
         # heartbeat file, so a job shorter than the delay was warned about at its end (seen in every
         # short e2e job's log).
-        if not ranked or any(read_progress(s.heartbeat_file) is not None for s in ranked):
-            self._unported_warned = True  # ported (or nothing to say)
+        if not ranked:
+            return  # nothing to say yet (a spare-only node's spares have no rank)
+        if any(read_progress(s.heartbeat_file) is not None for s in ranked):
+            self._unported_warned = True  # ported
             return
         if not at_end and time.monotonic() - spawned_at < warn_s:
             return

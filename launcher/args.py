@@ -134,6 +134,13 @@ def check_implemented(cfg: LaunchConfig) -> None:
 
 
 # --- argparse actions with torchrun's PET_* fallbacks ---------------------------
+def _is_seconds(raw: str) -> bool:
+    try:
+        return float(raw) >= 0
+    except ValueError:
+        return False
+
+
 def _env_actions(environ: Mapping[str, str]) -> tuple[type[argparse.Action], type[argparse.Action]]:
     """Actions with the semantics of torch.distributed.argparse_util.env/check_env.
 
@@ -388,6 +395,8 @@ def config_from_namespace(ns: argparse.Namespace, environ: Mapping[str, str] | N
     _check(ns.lease_ttl > 0, "lease_ttl", ns.lease_ttl, "must be > 0")
     _check(ns.node_grace > 0, "node_grace", ns.node_grace, "must be > 0")
     _check(ns.replacement_timeout > 0, "replacement_timeout", ns.replacement_timeout, "must be > 0 seconds")
+    last_call = parse_rdzv_conf(ns.rdzv_conf).get("last_call_timeout", "1")
+    _check(_is_seconds(last_call), "rdzv_conf", ns.rdzv_conf, "last_call_timeout must be a number of seconds >= 0")
     _check(ns.lost_node in ("wait", "shrink"), "lost_node", ns.lost_node, "must be 'wait' or 'shrink' (PET_LOST_NODE)")
     _check(ns.lost_node != "shrink" or min_nodes < max_nodes, "lost_node", ns.lost_node,
            f"going on with fewer nodes needs --nnodes MIN:MAX with MIN < MAX (got {ns.nnodes}): MIN is the "

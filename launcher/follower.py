@@ -71,7 +71,8 @@ def apply_membership(st: NodeState, m: Membership) -> None:
         group = st.group
         if group is None:
             return
-        by_worker = {a.worker_id: a for a in m.ranks}
+        # A hosted rank's entry names its host (fewer ranks): the host's slot keeps its own rank.
+        by_worker = {a.worker_id: a for a in m.ranks if a.source != "hosted"}
         for slot in st.slots.all():
             a = by_worker.get(slot.worker_id)
             if a is not None:

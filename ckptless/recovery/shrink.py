@@ -16,6 +16,9 @@ The rules (R10 in docs/recovery.md):
   fewer ranks runs on the survivors alone), and every survivor reported that
   its state can host (a DDP job: ``WorkerReport.can_host``);
 * only while at least ``min_nodes`` nodes run ranks (``--nnodes MIN:MAX``);
+* only when every survivor holds its own state of the resume version R (a
+  transfer could not run over the survivors' communicators) and R >= 2 (DDP
+  rebuilds its buckets in its second step, with a broadcast from rank 0);
 * a lost rank is hosted by a survivor that *holds* its image of the resume
   version: the host reads the rank's own state (RNG, data position) from the
   copy it already has, so shrinking moves no bytes;
@@ -33,7 +36,9 @@ from collections.abc import Sequence
 from ckptless.recovery.decision import Assignment
 from ckptless.recovery.facts import PlanningFacts
 
-__all__ = ["host_lost_ranks"]
+__all__ = ["MIN_VERSION", "host_lost_ranks"]
+
+MIN_VERSION = 2  # DDP rebuilds its buckets once, in its second step, with a broadcast from rank 0
 
 
 def host_lost_ranks(facts: PlanningFacts, unassigned: Sequence[int], version: int) -> tuple[list[Assignment], str]:
@@ -50,11 +55,15 @@ def host_lost_ranks(facts: PlanningFacts, unassigned: Sequence[int], version: in
     cannot = sorted(r for r, rep in reports.items() if rep is None or not rep.can_host)
     if cannot:
         return [], f"ranks {cannot} reported state that cannot run another rank's micro-batches (not a DDP job)"
+    lacking = sorted(r for r, rep in reports.items() if rep is not None and version not in rep.local_versions)
+    if lacking:  # a transfer would run over the survivors' communicators, which have no rank for it
+        return [], f"survivors {lacking} do not hold version {version} of their own state"
+    if version < MIN_VERSION:
+        return [], (f"version {version} is before DDP rebuilt its buckets (its second step broadcasts the order "
+                    "from rank 0: survivors hosting different numbers of ranks would not meet there)")
     holders: dict[int, list[int]] = {}
     for rank, rep in reports.items():
         assert rep is not None
-        if version not in rep.local_versions:
-            continue
         for f in rep.replicas:
             if f.version == version:
                 holders.setdefault(f.owner, []).append(rank)

@@ -106,7 +106,7 @@ def execute_transfers(
     stripes of a replicated prefix (``Stripe.own``) that a lost replica needs.
     """
     deadline = Deadline(timeout_s)
-    rank_of = {a.worker_id: a.rank for a in membership.ranks}
+    rank_of = {a.worker_id: a.rank for a in membership.ranks if a.source != "hosted"}
     me = rank_of[my_worker_id]
     transfers = sorted(plan.transfers, key=lambda t: t.owner)
     received: Received | None = None

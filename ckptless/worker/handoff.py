@@ -9,8 +9,9 @@ agree on it with one MAX all-reduce of a flag over the world group (it spans the
 processes); when it is set, all of them stop at that same boundary T and hand
 their state over where the next plan looks for it:
 
-* each process its own image of version T, kept as its own committed image
-  (what a survivor rolls back to, and what serves a replicated prefix);
+* each process its own image of version T, kept beside the one of the version
+  the generation resumed at (what a survivor rolls back to, and what serves a
+  replicated prefix);
 * each host one image of version T per hosted rank (that rank's RNG and data
   position swapped in), put in its peer store as that rank's holder.
 
@@ -49,8 +50,10 @@ def agreed(rt: WorkerRuntime, generation: int) -> bool:
 def hand_over(rt: WorkerRuntime, version: int) -> None:
     """Put this process's own image and its hosted ranks' images of ``version`` where the plan finds them."""
     own = rt.capturer.capture(version, rt.generation)
-    rt.own_images = [StoredImage(own.manifest, own.buffer)]
-    rt.committed = version
+    # Beside, not instead of, the version the generation resumed at (and its committed mark): a peer
+    # lost during the handoff leaves some ranks without an image of ``version``, and the plan then
+    # falls back to that one.
+    rt.own_images = [*rt.own_images, StoredImage(own.manifest, own.buffer)]
     micro = rt.micro
     if micro is None:
         return

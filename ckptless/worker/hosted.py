@@ -122,7 +122,17 @@ def why_not_shrinkable(registry: StateRegistry, ddp_modules: list[DistributedDat
     """Why this rank's state cannot be run as another rank's micro-batch (None: it can)."""
     if not ddp_modules:
         return "no DDP model is protected (fewer ranks keeps the global batch by DDP's gradient accumulation)"
+    from ckptless.data import protects_data_position
+
+    if not protects_data_position(registry):
+        return "no protected object holds the data position: a hosted micro-batch could not read the lost rank's data"
+    scalers = [n for n, obj in registry.items() if type(obj).__name__ == "GradScaler"]
+    if scalers:
+        return f"it protects a GradScaler ({scalers[0]}): its inf checks need the gradients a hosted micro-batch sets aside"
     for ddp in ddp_modules:
+        if getattr(ddp, "find_unused_parameters", False):
+            return ("a DDP model has find_unused_parameters=True: a parameter used only in a hosted micro-batch "
+                    "would keep its unreduced gradient")
         moving = [n for n, b in ddp.module.named_buffers() if b.is_floating_point()]
         if moving:
             return (f"its DDP model has floating-point buffers ({moving[0]}, ...): a BatchNorm's running "
@@ -165,10 +175,14 @@ class MicroBatches:
         self._patched: list[tuple[Any, str, Any]] = []
         self._own: dict[str, Any] = {}
         self._ctx: Any = None
+        self._sync_flags: list[tuple[bool, bool]] = []
         self.current: int | None = None  # the hosted rank whose micro-batch runs now
 
     def order(self) -> list[int]:
         return sorted(self.hosted)
+
+    def _zeroing_modules(self) -> list[Any]:
+        return [m for d in self.ddp_modules for m in (d, d.module)]
 
     # --- gradients ----------------------------------------------------------------------------------
     def _take_grad(self, p: torch.Tensor) -> None:
@@ -215,14 +229,24 @@ class MicroBatches:
 
     # --- state --------------------------------------------------------------------------------------
     def _swap_in(self, rank: int) -> None:
+        """Load ``rank``'s rank-bound state; on an error, this rank's own is put back before it propagates."""
         h = self.hosted[rank]
-        for name in self._names:
-            obj = self.registry[name]
-            self._own[name] = obj.state_dict()
-            if name not in h.states:
-                raise ConfigError("hosted rank", rank, f"has no state for its protected {name!r}")
-            _set_world(obj, rank, self.world_size)
-            obj.load_state_dict(h.states[name])
+        done: list[str] = []
+        try:
+            for name in self._names:
+                obj = self.registry[name]
+                if name not in h.states:
+                    raise ConfigError("hosted rank", rank, f"has no state for its protected {name!r}")
+                self._own[name] = obj.state_dict()
+                done.append(name)
+                _set_world(obj, rank, self.world_size)
+                obj.load_state_dict(h.states[name])
+        except BaseException:
+            for name in done:
+                obj = self.registry[name]
+                _set_world(obj, self.own_rank, self.world_size)
+                obj.load_state_dict(self._own.pop(name))
+            raise
 
     def _swap_out(self, rank: int) -> None:
         h = self.hosted[rank]
@@ -237,7 +261,11 @@ class MicroBatches:
         if rank is None:
             if self._stash:
                 self._plant()
-                for opt in self._optimizers:  # the planted gradient must reach the step
+                # The planted gradient must reach the step: no zero_grad (the optimizer's, or the model's,
+                # which many scripts call instead) until an optimizer stepped.
+                for m in self._zeroing_modules():
+                    self._suppress(m, "zero_grad")
+                for opt in self._optimizers:
                     self._suppress(opt, "zero_grad")
                     self._suppress_until_step(opt)
             return
@@ -245,6 +273,7 @@ class MicroBatches:
             raise ConfigError("hosted rank", rank, f"is not hosted by rank {self.own_rank}")
         self.current = rank
         self._swap_in(rank)
+        self._sync_flags = [(d.require_backward_grad_sync, d.require_forward_param_sync) for d in self.ddp_modules]
         for d in self.ddp_modules:
             d.require_backward_grad_sync = False
             d.require_forward_param_sync = False
@@ -263,6 +292,8 @@ class MicroBatches:
 
         def step(*a: Any, **k: Any) -> Any:
             self._unpatch(only=opt)  # its zero_grad and this wrapper go; the real step runs
+            for m in self._zeroing_modules():
+                self._unpatch(only=m)
             return (real_step if real_step is not None else type(opt).step.__get__(opt))(*a, **k)
 
         self._patched.append((opt, "step", real_step))
@@ -280,9 +311,9 @@ class MicroBatches:
         finally:
             self._stashing = False
             self._unpatch()
-            for d in self.ddp_modules:
-                d.require_backward_grad_sync = True
-                d.require_forward_param_sync = True
+            for d, (backward, forward) in zip(self.ddp_modules, self._sync_flags):
+                d.require_backward_grad_sync = backward
+                d.require_forward_param_sync = forward
             self._swap_out(rank)
             self.current = None
 

@@ -42,7 +42,7 @@ def mirror_peers(m: Membership, rank: int, replicas: int, strategy: str) -> list
             peers.update(placement.holders(rank))
             peers.update(placement.owners_held_by(rank))
     if isinstance(m.decision, RecoveryPlan):
-        rank_of = {a.worker_id: a.rank for a in m.ranks}
+        rank_of = {a.worker_id: a.rank for a in m.ranks if a.source != "hosted"}
         for t in m.decision.transfers:
             receiver = rank_of.get(t.receiver)
             if t.holders and all(s.own for s in t.stripes):  # the manifest's sender serves no stripe

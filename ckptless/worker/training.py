@@ -137,7 +137,8 @@ def train_steps(rt: WorkerRuntime, generation: int, from_step: int,
             failed = protect(rt, done)
             if failed is not None:
                 return failed
-        rt.maybe_snapshot(done, generation)
+        if mirrored:  # (with fewer ranks, the hosted ranks' parts of a snapshot would never be written)
+            rt.maybe_snapshot(done, generation)
         kind = EventKind.FIRST_STEP_AFTER_RECOVERY if first_after_recovery else EventKind.STEP_DONE
         rt.ledger.emit(kind, step=done, generation=generation)
         first_after_recovery = False
@@ -165,7 +166,10 @@ def _one_step(rt: WorkerRuntime, step: int) -> Generator[int, Event | None, Even
     if micro is None:
         return (yield step)
     for r in [*micro.order(), None]:
-        micro.enter(r)
+        try:
+            micro.enter(r)  # (restores this rank's own state itself if it fails)
+        except Exception as exc:  # noqa: BLE001 - a hosted rank's state that no longer loads: re-planned
+            return Fault(f"cannot run hosted rank {r}'s micro-batch of step {step}: {type(exc).__name__}: {exc}")
         try:
             failed = yield step
         finally:

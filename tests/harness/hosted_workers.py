@@ -6,7 +6,8 @@ product's :class:`~ckptless.worker.hosted.MicroBatches`. The full world runs
 ``LOGICAL`` processes; the shrunk world runs the even logical ranks, each
 hosting the odd rank after it. The step body is a plain DDP step (dropout,
 a shuffled :func:`ckptless.data.resumable` loader, gradient clipping that
-clips, AdamW, a LR schedule) with ``zero_grad`` at its start or at its end.
+clips, AdamW, a LR schedule) with the optimizer's ``zero_grad`` at its start or at its end, or the
+model's at its start.
 Each process writes ``out_dir/rank{logical}.pt`` (parameters, optimizer
 state, every logical rank's RNG draw and data position) for the test to
 compare; it loads them with ``weights_only=True``.
@@ -82,6 +83,8 @@ def run(phys: int, n_phys: int, store_path: str, out_dir: str, zero_at: str) -> 
         def body() -> None:
             if zero_at == "start":
                 opt.zero_grad()
+            elif zero_at == "model":  # what many scripts (and HF's Trainer) call instead
+                ddp.zero_grad()
             x, y = data.next_batch()
             loss = ((ddp(x) - y) ** 2).mean()
             loss.backward()

@@ -44,7 +44,15 @@ def test_rank_bound_entries_are_everything_but_the_replicas_common_state() -> No
 def test_state_that_cannot_host_says_why() -> None:
     reg = StateRegistry()
     assert "no DDP model" in (hosted.why_not_shrinkable(reg, []) or "")
-    bn = SimpleNamespace(module=nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2)))
+    plain = SimpleNamespace(module=nn.Linear(2, 2), find_unused_parameters=False)
+    assert "data position" in (hosted.why_not_shrinkable(reg, [plain]) or "")  # type: ignore[list-item]
+    ds = torch.utils.data.TensorDataset(torch.zeros(8, 2))
+    reg.protect(data=ResumableLoader(ds, ResumableSampler(8, rank=0, world_size=2), batch_size=2))
+    assert hosted.why_not_shrinkable(reg, [plain]) is None  # type: ignore[list-item]
+    bn = SimpleNamespace(module=nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2)), find_unused_parameters=False)
     why = hosted.why_not_shrinkable(reg, [bn])  # type: ignore[list-item]
     assert why is not None and "running_mean" in why and "BatchNorm" in why
-    assert hosted.why_not_shrinkable(reg, [SimpleNamespace(module=nn.Linear(2, 2))]) is None  # type: ignore[list-item]
+    unused = SimpleNamespace(module=nn.Linear(2, 2), find_unused_parameters=True)
+    assert "find_unused_parameters" in (hosted.why_not_shrinkable(reg, [unused]) or "")  # type: ignore[list-item]
+    reg.protect(scaler=torch.amp.GradScaler("cpu"))
+    assert "GradScaler" in (hosted.why_not_shrinkable(reg, [plain]) or "")  # type: ignore[list-item]
