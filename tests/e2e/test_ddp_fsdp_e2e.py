@@ -358,7 +358,7 @@ def test_ddp_on_nccl_semantics_kill_in_backward(module_etcd: EmbeddedEtcd, tmp_p
     assert "[nccl_like] watchdog" not in c.log_text() and "[nccl_like] connected lazily" not in c.log_text()
 
 
-@pytest.mark.rotating(0)  # CI budget: tests/harness/rotation.py (NCCL semantics: test_recovery_e2e daily)
+@pytest.mark.rotating(2)  # CI budget: tests/harness/rotation.py (NCCL semantics: test_recovery_e2e daily)
 def test_fsdp2_on_nccl_semantics_kill_rank0_in_backward(module_etcd: EmbeddedEtcd, tmp_path: Path,
                                                          fsdp_baseline: dict) -> None:
     c = _kill_and_check(module_etcd, tmp_path / "fsdp_nccl_r0_bwd", FSDP_SCRIPT, (), 0, 5, "backward",

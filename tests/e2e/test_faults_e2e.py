@@ -363,7 +363,7 @@ def test_etcd_lost_for_good_at_the_end_finished_job_exits_zero(etcd: EmbeddedEtc
 
 
 # --- 10. an agent paused shorter than the node grace period --------------------------------------
-@pytest.mark.rotating(1)  # CI budget: tests/harness/rotation.py
+@pytest.mark.rotating(0)  # CI budget: tests/harness/rotation.py
 def test_agent_paused_shorter_than_node_grace(module_etcd: EmbeddedEtcd, tmp_path: Path, baseline: FaultFree) -> None:
     """SIGSTOP the non-leading agent for 8 s (its 1 s lease expires; --node-grace is 10 s), then SIGCONT:
     its ranks were never lost. Was: ranks declared lost, unrecoverable."""

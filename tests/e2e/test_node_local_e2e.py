@@ -171,7 +171,7 @@ def test_own_image_corrupted_after_the_agent_checked_it_falls_back_to_peers(
     assert_bitwise_equal(c.finals(), baseline.finals)
 
 
-@pytest.mark.rotating(1)  # CI budget: tests/harness/rotation.py
+@pytest.mark.rotating(2)  # CI budget: tests/harness/rotation.py
 def test_lost_nodes_shm_files_are_removed_by_the_survivors(module_etcd: EmbeddedEtcd, tmp_path: Path,
                                                           dev_shm_dir: Path, baseline: FaultFree) -> None:
     """Issue 17: with --shm-dir and a spare agent, node 1 lost at step 6: the job ended well, but the

@@ -91,7 +91,7 @@ def test_hung_worker_is_killed_and_replaced(module_etcd: EmbeddedEtcd, tmp_path:
     assert "is frozen" in c.tail(100000)
 
 
-@pytest.mark.rotating(0)  # CI budget: tests/harness/rotation.py
+@pytest.mark.rotating(2)  # CI budget: tests/harness/rotation.py
 def test_node_loss_replaced_by_spares_on_a_third_agent(module_etcd: EmbeddedEtcd, tmp_path: Path,
                                                        baseline: FaultFree) -> None:
     c = new_cluster(module_etcd.endpoint, tmp_path, "nodeloss", REF_PAUSE_RANK="2", REF_PAUSE_STEP="6")
@@ -314,7 +314,7 @@ def test_more_than_k_failures_in_one_group_fall_back_to_disk(module_etcd: Embedd
     assert "restored disk snapshot" in c.tail(100000) or "disk snapshot step" in c.tail(100000)
 
 
-@pytest.mark.rotating(0)  # CI budget: tests/harness/rotation.py
+@pytest.mark.rotating(2)  # CI budget: tests/harness/rotation.py
 def test_leader_killed_mid_publish(module_etcd: EmbeddedEtcd, tmp_path: Path, baseline: FaultFree) -> None:
     """The leader holds exactly before its publishing transaction and is SIGKILLed there: another
     agent leads, plans the same incident from the facts in etcd, and the job ends bitwise equal."""

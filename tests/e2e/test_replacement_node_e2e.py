@@ -102,7 +102,7 @@ def test_no_replacement_within_the_timeout_ends_the_job_naming_the_ranks(module_
     assert "ranks [2, 3]" in text and f"--rdzv-id {c.job_id}" in text
 
 
-@pytest.mark.rotating(0)  # CI budget: tests/harness/rotation.py
+@pytest.mark.rotating(2)  # CI budget: tests/harness/rotation.py
 def test_an_agent_more_than_the_job_needs_serves_as_spares_and_takes_a_lost_node(module_etcd: EmbeddedEtcd,
                                                                                  tmp_path: Path,
                                                                                  baseline: FaultFree) -> None:

@@ -51,7 +51,7 @@ def _max_diff(a: object, b: object) -> float:
     return 0.0
 
 
-@pytest.mark.rotating(0)  # CI budget (tests/harness/rotation.py); the micro-batches and the planner run daily
+@pytest.mark.rotating(2)  # CI budget (tests/harness/rotation.py); the micro-batches and the planner run daily
 def test_node_lost_without_spares_the_survivors_go_on_with_fewer_ranks_then_grow_back(
         module_etcd: EmbeddedEtcd, tmp_path: Path) -> None:
     want = _baseline(module_etcd, tmp_path, DDP_SCRIPT, STEPS)
