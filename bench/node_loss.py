@@ -60,6 +60,17 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _wait_listening(port: int, timeout_s: float, owner: subprocess.Popen[bytes]) -> None:
+    """Until something accepts connections on ``port`` (bounded; fails if ``owner`` exits first)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and owner.poll() is None:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.05)
+    raise RuntimeError(f"nothing listens on port {port} after {timeout_s:.0f}s")
+
+
 def _steps(out: Path) -> list[dict[str, Any]]:
     f = out / "steps.jsonl"
     if not f.exists():
@@ -125,8 +136,8 @@ def run_mode(mode: str, args: argparse.Namespace, root: Path, endpoint: str) -> 
 
     try:
         start(0)
-        if mode == "torchrun":
-            time.sleep(1.0)  # node 0 hosts the c10d store (the endpoint is its own address)
+        if mode == "torchrun":  # node 0 hosts the c10d store (the endpoint is its own address)
+            _wait_listening(port, 60, nodes[0])
         start(1)
         deadline = time.monotonic() + 300
         while not any(s["step"] >= args.kill_at for s in _steps(out)):

@@ -32,7 +32,8 @@ from ckptless.sampler import SEED_MIX, ResumableSampler, check_int
 if TYPE_CHECKING:
     from ckptless.state.registry import StateRegistry
 
-__all__ = ["DATA_POSITION_ATTR", "ResumableLoader", "ResumableSampler", "protects_data_position", "resumable"]
+__all__ = ["DATA_POSITION_ATTR", "ResumableLoader", "ResumableSampler", "protects_data_position", "resumable",
+           "set_world"]
 
 DATA_POSITION_ATTR = "__ckptless_data_position__"
 """A protected object whose class (or instance) sets this to ``True`` declares
@@ -317,6 +318,18 @@ def resumable(
         prefetch_factor=loader.prefetch_factor,
         pin_memory_device=loader.pin_memory_device,
     )
+
+
+def set_world(obj: Any, rank: int, world_size: int) -> bool:
+    """Tell a protected object (or its ``sampler``) that its data position reads ``rank`` of ``world_size``,
+    when it can be told (``set_world``: ours can); False when it cannot. Used by a spare taking another
+    rank as built (``worker/adoption.py``) and by a survivor hosting a lost rank (``worker/hosted.py``)."""
+    for target in (obj, getattr(obj, "sampler", None)):
+        fn = getattr(target, "set_world", None)
+        if callable(fn):
+            fn(rank, world_size)
+            return True
+    return False
 
 
 def protects_data_position(registry: StateRegistry) -> bool:

@@ -154,6 +154,11 @@ class DDPReducerState:
         self._watch_grads(True)
 
     # --- tracking ---------------------------------------------------------------------------
+
+    @property
+    def ddp(self) -> nn.parallel.DistributedDataParallel:
+        """The DDP model whose reducer this tracks."""
+        return self._ddp
     def _on_forward(self, _module: nn.Module, _args: Any) -> None:
         self._dirty = True
         # DDP arms its reducer (prepare_for_backward) exactly under these conditions.

@@ -32,8 +32,8 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from typing import Any
 
+from ckptless.data import set_world
 from ckptless.recovery.decision import RecoveryPlan
 from ckptless.recovery.wire import Membership
 from ckptless.state.ddp import HIDDEN_PREFIX
@@ -73,12 +73,8 @@ def take_rank(rt: WorkerRuntime, rank: int, world_size: int) -> None:
     """Re-make what the spare's setup made for its standby rank, for ``rank`` (see module doc)."""
     groups.drop_default_group()
     for name, obj in rt.registry.items():
-        for target in (obj, getattr(obj, "sampler", None)):
-            set_world: Any = getattr(target, "set_world", None)
-            if callable(set_world):
-                set_world(rank, world_size)
-                log.info("protected %s now reads the data of rank %d", name, rank)
-                break
+        if set_world(obj, rank, world_size):
+            log.info("protected %s now reads the data of rank %d", name, rank)
     if rt.snapshots is not None:
         rt.snapshots.close()
         rt.snapshots = None

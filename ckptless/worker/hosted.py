@@ -54,7 +54,9 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from ckptless.data import protects_data_position, set_world
 from ckptless.errors import ConfigError, StateError
+from ckptless.state.ddp import DDPReducerState
 from ckptless.state.image import slot
 from ckptless.state.manifest import Manifest, dtype_from_name
 from ckptless.state.registry import StateRegistry, is_hidden
@@ -85,12 +87,7 @@ def rank_bound(registry: StateRegistry) -> list[str]:
 
 def ddp_modules(registry: StateRegistry) -> list[DistributedDataParallel]:
     """The protected DDP models (their reducers' hidden state objects name them)."""
-    out = []
-    for name, obj in registry.items():
-        ddp = getattr(obj, "_ddp", None) if is_hidden(name) else None
-        if isinstance(ddp, DistributedDataParallel):
-            out.append(ddp)
-    return out
+    return [obj.ddp for _, obj in registry.items() if isinstance(obj, DDPReducerState)]
 
 
 def from_image(manifest: Manifest, buffer: torch.Tensor, names: list[str]) -> HostedRank:
@@ -122,8 +119,6 @@ def why_not_shrinkable(registry: StateRegistry, ddp_modules: list[DistributedDat
     """Why this rank's state cannot be run as another rank's micro-batch (None: it can)."""
     if not ddp_modules:
         return "no DDP model is protected (fewer ranks keeps the global batch by DDP's gradient accumulation)"
-    from ckptless.data import protects_data_position
-
     if not protects_data_position(registry):
         return "no protected object holds the data position: a hosted micro-batch could not read the lost rank's data"
     scalers = [n for n, obj in registry.items() if type(obj).__name__ == "GradScaler"]
@@ -138,15 +133,6 @@ def why_not_shrinkable(registry: StateRegistry, ddp_modules: list[DistributedDat
             return (f"its DDP model has floating-point buffers ({moving[0]}, ...): a BatchNorm's running "
                     "statistics are each rank's own, and a hosted micro-batch would update the host's")
     return None
-
-
-def _set_world(obj: Any, rank: int, world_size: int) -> bool:
-    for target in (obj, getattr(obj, "sampler", None)):
-        fn = getattr(target, "set_world", None)
-        if callable(fn):
-            fn(rank, world_size)
-            return True
-    return False
 
 
 class MicroBatches:
@@ -203,15 +189,9 @@ class MicroBatches:
         self._stash.clear()
 
     # --- suppression ---------------------------------------------------------------------------------
-    def _suppress(self, obj: Any, method: str, after: Any = None) -> None:
-        prev = obj.__dict__.get(method)
-        self._patched.append((obj, method, prev))
-
-        def nothing(*_a: Any, **_k: Any) -> None:
-            if after is not None:
-                after()
-
-        setattr(obj, method, nothing)
+    def _suppress(self, obj: Any, method: str) -> None:
+        self._patched.append((obj, method, obj.__dict__.get(method)))
+        setattr(obj, method, lambda *_a, **_k: None)
 
     def _unpatch(self, only: Any = None) -> None:
         """Put back what was suppressed (``only``: on that object alone), newest first."""
@@ -239,12 +219,12 @@ class MicroBatches:
                     raise ConfigError("hosted rank", rank, f"has no state for its protected {name!r}")
                 self._own[name] = obj.state_dict()
                 done.append(name)
-                _set_world(obj, rank, self.world_size)
+                set_world(obj, rank, self.world_size)
                 obj.load_state_dict(h.states[name])
         except BaseException:
             for name in done:
                 obj = self.registry[name]
-                _set_world(obj, self.own_rank, self.world_size)
+                set_world(obj, self.own_rank, self.world_size)
                 obj.load_state_dict(self._own.pop(name))
             raise
 
@@ -253,7 +233,7 @@ class MicroBatches:
         for name in self._names:
             obj = self.registry[name]
             h.states[name] = obj.state_dict()
-            _set_world(obj, self.own_rank, self.world_size)
+            set_world(obj, self.own_rank, self.world_size)
             obj.load_state_dict(self._own.pop(name))
 
     # --- the protocol -------------------------------------------------------------------------------

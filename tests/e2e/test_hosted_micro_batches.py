@@ -19,7 +19,7 @@ two built under the world group of four. What must hold:
 
 from __future__ import annotations
 
-import multiprocessing as mp
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -27,23 +27,11 @@ import pytest
 import torch
 
 from ..harness import hosted_workers as workers
+from .test_mirror_lazy import _spawn
 
 
 def _run(tmp: Path, n_phys: int, zero_at: str) -> dict[int, dict[str, Any]]:
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=workers.run, args=(p, n_phys, str(tmp / "store"), str(tmp), zero_at))
-             for p in range(n_phys)]
-    for p in procs:
-        p.start()
-    try:
-        for p in procs:
-            p.join(120)
-            assert not p.is_alive(), "a rank hung past its join timeout"
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join(10)
+    _spawn(functools.partial(workers.run, zero_at=zero_at), n_phys, tmp, 120)  # (its rank<R>.json: none here)
     errors = sorted(tmp.glob("error*.txt"))
     assert not errors, errors[0].read_text()
     return {int(f.stem[4:]): torch.load(f, weights_only=True) for f in tmp.glob("rank*.pt")}

@@ -220,9 +220,10 @@ def test_four_failures_in_a_row_in_different_states() -> None:
     assert published_generations(ld) == [1, 2, 3]
 
 
-def _waiting_for_node_1() -> Leader:
-    """Node n1 (ranks 2, 3) lost, the others reported, the gone-node grace over: no spare, no node."""
-    ld = fresh_leader()
+def _waiting_for_node_1(**world: object) -> Leader:
+    """Node n1 (ranks 2, 3) lost, the others reported, the gone-node grace over: no spare, no node (with
+    ``--lost-node shrink`` in ``world``, planned at once instead)."""
+    ld = fresh_leader(**world)
     ld.world.lose_node("n1")
     ld.world.report(0)
     ld.world.report(1)
@@ -616,12 +617,7 @@ def test_node_lost_with_shrink_goes_on_with_fewer_ranks_then_grows_back_when_spa
     """Node n1 lost, no spare: the survivors host ranks 2 and 3 (each the rank whose image it holds) at
     once, nobody waits. Spares for both arrive: the leader asks that generation, once, to grow back; its
     processes leave together and the next plan gives ranks 2 and 3 to the spares."""
-    ld = fresh_leader(policy=PlanPolicy(lost_node="shrink"), can_host=True)
-    ld.world.lose_node("n1")
-    ld.world.report(0)
-    ld.world.report(1)
-    ld.observe(0.1)
-    ld.observe(1.5)  # the gone-node grace: ranks 2, 3 lost, no spare, no node
+    ld = _waiting_for_node_1(policy=PlanPolicy(lost_node="shrink"), can_host=True)
     assert isinstance(ld.state, AwaitingFormation) and ld.state.generation == 1
     shrunk = ld.world.published[0]
     assert isinstance(shrunk, RecoveryPlan) and shrunk.hosted == {2: "n0/w1", 3: "n0/w0"}
@@ -647,12 +643,7 @@ def test_node_lost_with_shrink_goes_on_with_fewer_ranks_then_grows_back_when_spa
 
 def test_one_spare_for_two_hosted_ranks_is_not_a_reason_to_grow() -> None:
     """Growing back needs a spare per hosted rank: the next plan hosts every lost rank again otherwise."""
-    ld = fresh_leader(policy=PlanPolicy(lost_node="shrink"), can_host=True)
-    ld.world.lose_node("n1")
-    ld.world.report(0)
-    ld.world.report(1)
-    ld.observe(0.1)
-    ld.observe(1.5)
+    ld = _waiting_for_node_1(policy=PlanPolicy(lost_node="shrink"), can_host=True)
     ld.world.ready = {0, 1}
     ld.observe(0.1)
     ld.world.spares = [Worker("s/a", "s")]
