@@ -4,6 +4,7 @@
     job = ckptless.init()                 # inside a ckptless-run worker
     job.protect(model=model, optimizer=opt, scheduler=sched, data=loader)
     job.run(train_step, steps=1000)       # train_step(step) does one step
+    # or keep your own loop: job.train(trainer.train), with ckptless.epochs/batches inside it
 
 ``init``/``Job`` are imported lazily so that the launcher and the coordinator
 (which import ``ckptless.*`` modules) do not pay for importing torch.
@@ -16,14 +17,14 @@ from typing import TYPE_CHECKING, Any
 from ckptless import errors
 
 if TYPE_CHECKING:
-    from ckptless.job import Job, RunResult, init
+    from ckptless.job import Job, RunResult, batches, current, epochs, init
 
 __version__ = "0.1.0"
-__all__ = ["errors", "init", "Job", "RunResult", "__version__"]
+__all__ = ["errors", "init", "Job", "RunResult", "batches", "current", "epochs", "__version__"]
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("init", "Job", "RunResult"):
+    if name in ("init", "Job", "RunResult", "batches", "current", "epochs"):
         from ckptless import job
 
         return getattr(job, name)

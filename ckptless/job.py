@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Callable, Generator, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -39,9 +39,10 @@ from ckptless.worker.runtime import RunResult, RunSpec
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Job", "RunResult", "init"]
+__all__ = ["Job", "RunResult", "batches", "current", "epochs", "init"]
 
 _UNSET: Any = object()
+_CURRENT: list[Job] = []  # the job init() returned in this process
 
 
 class Job:
@@ -51,6 +52,7 @@ class Job:
         self._driver = WorkerDriver(ctx, mirror_config, environment.current().heartbeat_file)
         self._rt = self._driver.rt
         self._guard_outcome: Any = _UNSET
+        self._loop: Any = None  # the job.train loop (ckptless.loop.LoopRunner), once it runs
 
     # --- what the script may read ----------------------------------------------------------------
     @property
@@ -169,6 +171,45 @@ class Job:
         else:
             self._guard_outcome = None
 
+    def train(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Run ``fn(*args, **kwargs)``, the script's own training loop, protected; return what it returns.
+
+        Keep the loop as written and iterate through the job: ``for epoch in job.epochs(range(...))``
+        for the epoch loop, ``for batch in job.batches(loader)`` for each pass over a loader (or
+        :func:`ckptless.epochs` / :func:`ckptless.batches` where ``job`` is out of reach, inside a
+        ``Trainer``). Every batch is one step. After a recovery ``fn`` is called again and those
+        loops resume at the resume version's exact position: the same batches in the same order
+        (docs/porting.md, "Your own loop"; :mod:`ckptless.loop`).
+        """
+        from ckptless.loop import LOOP_ENTRY, LoopRunner
+
+        if self._loop is not None or self._rt.spec is not None:
+            raise ConfigError("train", fn, "a job trains once: train(), run() or steps() was already called")
+        runner = LoopRunner(self._driver)
+        self.protect(**{LOOP_ENTRY: runner.position})
+        self._loop = runner
+        try:
+            return runner.run(fn, args, kwargs)
+        finally:
+            self._driver.write_digest()
+
+    def epochs(self, iterable: Iterable[Any]) -> Iterator[Any]:
+        """The epoch loop inside :meth:`train`'s function: yields ``iterable``'s items, and after a
+        recovery skips the epochs the resume version had finished (ints are matched by value, so
+        ``range(self.epochs_run, n)`` may start elsewhere in a replacement)."""
+        return self._runner("job.epochs").epochs(iterable)
+
+    def batches(self, loader: Iterable[Any]) -> Iterator[Any]:
+        """One pass over ``loader`` (a ``DataLoader``, torchdata's ``StatefulDataLoader``, any
+        iterable) inside :meth:`train`'s function, one step per batch; after a recovery, reopened at
+        the resume version's batch (:mod:`ckptless.passes`)."""
+        return self._runner("job.batches").batches(loader)
+
+    def _runner(self, what: str) -> Any:
+        if self._loop is None:
+            raise ConfigError("loop", what, "call it inside the function given to job.train(fn, ...)")
+        return self._loop
+
     def run(self, train_step: Callable[[int], Any], steps: int, start_step: int = 0) -> RunResult:
         """Call ``train_step(step)`` for ``step`` in ``[start_step, steps)``, protected and recovered."""
         self._driver.prepare(train_step, steps, start_step)
@@ -223,7 +264,25 @@ def init(env: dict[str, str] | None = None) -> Job:
     chosen = None if env is None else environment.ProcessEnv.from_mapping(env).cuda_backend
     device.bind(ctx.local_rank, ctx.recovery_timeout_s, chosen)
     job = Job(ctx)
+    _CURRENT[:] = [job]
     if job.prebuilt:
         rank_reads.start()  # the setup that follows is the standby rank's: does it read its rank?
     log.info("rank %d joined generation %d in %.3fs", job.rank, job.generation, time.monotonic() - t0)
     return job
+
+
+def current() -> Job:
+    """The job :func:`init` returned in this process (a ``Trainer`` class need not be handed it)."""
+    if not _CURRENT:
+        raise ConfigError("job", None, "ckptless.init() was not called in this process")
+    return _CURRENT[0]
+
+
+def epochs(iterable: Iterable[Any]) -> Iterator[Any]:
+    """``current().epochs(iterable)``: the epoch loop inside ``job.train``'s function."""
+    return current().epochs(iterable)
+
+
+def batches(loader: Iterable[Any]) -> Iterator[Any]:
+    """``current().batches(loader)``: one pass over a loader inside ``job.train``'s function."""
+    return current().batches(loader)

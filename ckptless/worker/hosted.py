@@ -117,6 +117,10 @@ def from_image(manifest: Manifest, buffer: torch.Tensor, names: list[str]) -> Ho
 
 def why_not_shrinkable(registry: StateRegistry, ddp_modules: list[DistributedDataParallel]) -> str | None:
     """Why this rank's state cannot be run as another rank's micro-batch (None: it can)."""
+    for _, obj in registry.items():
+        said = getattr(obj, "__ckptless_not_hostable__", None)
+        if isinstance(said, str):
+            return said
     if not ddp_modules:
         return "no DDP model is protected (fewer ranks keeps the global batch by DDP's gradient accumulation)"
     if not protects_data_position(registry):

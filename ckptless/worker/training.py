@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Generator
+from typing import Any
 
 from ckptless import chaos_hooks
 from ckptless.errors import MirrorError, SilentDataCorruption, StateError, TransportError
@@ -32,6 +33,14 @@ from ckptless.worker.machine import (
 from ckptless.worker.runtime import RunResult, WorkerRuntime
 
 log = logging.getLogger(__name__)
+
+
+class NoMoreSteps:
+    """Sent for the step yielded last when the caller's loop ended before running it (``job.train``:
+    the function returned with no batch of that step fetched): the run ends at that version."""
+
+
+NO_MORE_STEPS = NoMoreSteps()
 
 
 def protect(rt: WorkerRuntime, version: int, pairs: PairSpec = None, restored: StateImage | None = None) -> Event | None:
@@ -92,11 +101,12 @@ def train(rt: WorkerRuntime, generation: int, from_step: int, until_reprotected:
 
 
 def train_steps(rt: WorkerRuntime, generation: int, from_step: int,
-                until_reprotected: bool) -> Generator[int, Event | None, Event]:
+                until_reprotected: bool) -> Generator[int, Event | NoMoreSteps | None, Event]:
     """The training loop as a generator: yields each step to run, receives how it ended (None: done).
 
     Why a generator: the callback API (``run``) and the loop API (``for step in job.steps(n)``) are
     the same loop; only who runs the user's code differs. Returns the machine's next event.
+    ``rt.spec.steps`` is read at every step: ``job.train`` learns it only when the loop ends.
     ``until_reprotected``: this is the first training after a restore, from the resume version
     ``from_step``; it returns once that version is committed again under the new membership.
     """
@@ -110,7 +120,7 @@ def train_steps(rt: WorkerRuntime, generation: int, from_step: int,
             return failed
     first_after_recovery = until_reprotected
     c = rt.control
-    while step < spec.steps:
+    while step < _total(rt):
         if c is not None:
             if c.ended is not None and c.ended.state == "failed":
                 return JobEnded(c.ended.reason)
@@ -123,6 +133,8 @@ def train_steps(rt: WorkerRuntime, generation: int, from_step: int,
         chaos_hooks.pause_point(f"step:r{rt.rank}:{step}", rank=rt.rank, step=step)
         rt.write_order.before_step()  # the step must not overwrite what the last capture still copies
         failed = yield from _one_step(rt, step)
+        if isinstance(failed, NoMoreSteps):
+            return _ended_before(rt, step, from_step)
         if failed is None and groups.collective_failed(generation, settle_s=0.0):
             # The step returned, but a collective of it failed: with NCCL an aborted all-reduce's
             # future completes anyway (at enqueue), so the step may have applied garbage. Never
@@ -133,7 +145,7 @@ def train_steps(rt: WorkerRuntime, generation: int, from_step: int,
         done = step + 1
         rt.step_done(done, generation)
         mirrored = rt.gen is None or rt.gen.physical is None  # a generation with fewer ranks is not mirrored
-        if mirrored and rt.replicas > 0 and (done % every == 0 or done == spec.steps):
+        if mirrored and rt.replicas > 0 and (done % every == 0 or done == _total(rt)):
             failed = protect(rt, done)
             if failed is not None:
                 return failed
@@ -145,6 +157,25 @@ def train_steps(rt: WorkerRuntime, generation: int, from_step: int,
         step = done
         if until_reprotected and _reprotected(rt, from_step):
             return Reprotected(step)
+    return Stepped(step, done=True)
+
+
+def _total(rt: WorkerRuntime) -> int:
+    assert rt.spec is not None
+    return rt.spec.steps
+
+
+def _ended_before(rt: WorkerRuntime, step: int, from_step: int) -> Event:
+    """The loop ended before running ``step``: the run's last version is ``step`` (protected unless it
+    already is: a multiple of ``mirror_every``, the initial version, or the resume version)."""
+    every = rt.mirror_config.mirror_every
+    mirrored = rt.gen is None or rt.gen.physical is None
+    assert rt.spec is not None
+    initial = rt.spec.start_step if from_step < 0 else from_step
+    if mirrored and rt.replicas > 0 and step % every != 0 and step != initial:
+        failed = protect(rt, step)
+        if failed is not None:
+            return failed
     return Stepped(step, done=True)
 
 
@@ -160,7 +191,7 @@ def _grow_back(rt: WorkerRuntime, generation: int, step: int) -> Event | None:
     return Fault(f"growing back to full width at step {step}: spares take the hosted ranks")
 
 
-def _one_step(rt: WorkerRuntime, step: int) -> Generator[int, Event | None, Event | None]:
+def _one_step(rt: WorkerRuntime, step: int) -> Generator[int, Any, Any]:
     """Run step ``step``: once, or (fewer ranks) once per hosted rank's micro-batch, then as this rank."""
     micro = rt.micro
     if micro is None:
@@ -235,12 +266,13 @@ def plain_steps(rt: WorkerRuntime) -> Generator[int, None, None]:
     """No coordinator or nothing to mirror to: the steps to run; any failure propagates (ends the job)."""
     spec = rt.spec
     assert spec is not None
-    start = max(spec.start_step, _resume_from_snapshot(rt))
-    for s in range(start, spec.steps):
+    s = max(spec.start_step, _resume_from_snapshot(rt))
+    while s < _total(rt):  # (read every step: job.train learns it when its loop ends)
         yield s
         rt.step_done(s + 1, rt.generation, mirrored=False)
         rt.maybe_snapshot(s + 1, rt.generation)
         rt.ledger.emit(EventKind.STEP_DONE, step=s + 1, generation=rt.generation)
+        s += 1
 
 
 def run_without_recovery(rt: WorkerRuntime) -> RunResult:

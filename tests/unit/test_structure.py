@@ -23,9 +23,9 @@ MAX_LINES = 500
 LAYERS: list[tuple[str, ...]] = [
     ("ckptless.errors", "ckptless.environment"),
     ("ckptless.state", "ckptless.mirror", "ckptless.coordinator", "ckptless.snapshot", "ckptless.goodput",
-     "ckptless.recovery", "ckptless.sampler", "ckptless.data", "ckptless.metrics", "ckptless.chaos_hooks", "ckptless.report"),
+     "ckptless.recovery", "ckptless.sampler", "ckptless.data", "ckptless.passes", "ckptless.metrics", "ckptless.chaos_hooks", "ckptless.report"),
     ("ckptless.worker",),
-    ("ckptless.job", "ckptless.cli"),
+    ("ckptless.job", "ckptless.loop", "ckptless.cli"),
     ("ckptless.launcher",),
     ("ckptless.chaos",),
     ("ckptless",),  # the package itself: re-exports the user API lazily

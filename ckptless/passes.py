@@ -1,0 +1,203 @@
+"""Where the user's own epoch loop is, and how a pass over a loader is reopened exactly there.
+
+Why: a training script keeps its nested loop (``for epoch ...: for batch in
+loader: ...``), usually inside a ``Trainer`` class, and ckptless must resume
+it mid-epoch after a recovery with the same batches in the same order. The
+loop runs through :meth:`ckptless.job.Job.train`, its epochs through
+``job.epochs`` and each pass over a loader through ``job.batches``; this
+module holds the *protected* part of that: :class:`LoopPosition` (which
+epoch, which pass within it, how many batches of the pass were trained, and
+what a pass must be reopened from) and :func:`open_pass`, which opens a pass
+at a position without disturbing the global RNG streams.
+
+A pass is reopened, by kind of loader:
+
+* **Stateful** (``state_dict``/``load_state_dict``: torchdata's
+  ``StatefulDataLoader``, ``ckptless.data.ResumableLoader``): its own state as
+  it was *before the batch was fetched* is loaded, then ``iter()`` goes on
+  from there (the loader's own exact resume: sampler, base seed, workers).
+* **torch ``DataLoader``** (map-style): the pass's index stream is replayed
+  from the RNG states recorded when the pass was opened (the global CPU
+  generator, and the loader's ``generator``), the trained batches' indices
+  are skipped without loading anything, and the rest is loaded by a
+  one-pass ``DataLoader`` of the same dataset, collate function and workers,
+  whose workers are seeded exactly as the original pass's were.
+* **Anything else iterable** (an ``IterableDataset`` loader, a list): reopened
+  with the recorded RNG and the trained batches fetched again and dropped.
+
+Exact means: the same index batches, in the same order, collated the same.
+Randomness *inside* a worker (a random crop) is reproduced at a pass's start;
+mid-pass it is only when the dataset derives it from the index (the workers'
+RNG is reseeded, not replayed), which torchdata's loader shares
+(docs/state.md, "Your own loop").
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, IterableDataset
+
+from ckptless.errors import StateError
+from ckptless.state.rng import RNGState
+
+__all__ = ["LoopPosition", "is_stateful", "open_pass"]
+
+_EMPTY = torch.empty(0, dtype=torch.uint8)
+
+
+def is_stateful(loader: Any) -> bool:
+    return callable(getattr(loader, "state_dict", None)) and callable(getattr(loader, "load_state_dict", None))
+
+
+class LoopPosition:
+    """The protected position of a loop run by ``job.train``: one entry of the rank's state.
+
+    ``ordinal``/``epoch``: the current epoch of ``job.epochs`` (its index in the iterable, and its
+    value when an ``int``; ``-1``/``None`` outside any). ``pass_index``: the ``job.batches`` pass
+    within that epoch. ``consumed``: batches of the pass trained before the one in hand. ``opened``:
+    the pass was opened (what follows is recorded). ``cpu_rng``/``loader_rng``: the global CPU
+    generator's and the loader's own generator's state just before the pass was opened.
+    ``base_draw``: opening it drew the workers' base seed. ``loader_state``: a stateful loader's own
+    state before the batch in hand was fetched.
+    """
+
+    __ckptless_data_position__ = True
+    __ckptless_not_hostable__ = ("the loop runs through job.train (a hosted rank's micro-batch would need the "
+                                 "script's loop body run again)")
+
+    def __init__(self) -> None:
+        self.ordinal = -1
+        self.epoch: int | None = None
+        self.pass_index = 0
+        self.consumed = 0
+        self.opened = False
+        self.cpu_rng = _EMPTY
+        self.loader_rng = _EMPTY
+        self.base_draw = False
+        self.loader_state: dict[str, Any] | None = None
+
+    def begin_epoch(self, ordinal: int, value: Any) -> None:
+        self.ordinal, self.epoch = ordinal, value if type(value) is int else None
+        self.pass_index, self.consumed, self.opened = 0, 0, False
+        self.loader_state = None
+
+    def next_pass(self) -> None:
+        self.pass_index += 1
+        self.consumed, self.opened, self.loader_state = 0, False, None
+
+    def copy(self) -> LoopPosition:
+        other = LoopPosition()
+        other.load_state_dict(self.state_dict())
+        return other
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"ordinal": self.ordinal, "epoch": self.epoch, "pass": self.pass_index, "consumed": self.consumed,
+                "opened": self.opened, "cpu_rng": self.cpu_rng, "loader_rng": self.loader_rng,
+                "base_draw": self.base_draw, "loader_state": self.loader_state}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        try:
+            self.ordinal, self.epoch = int(state["ordinal"]), state["epoch"]
+            self.pass_index, self.consumed = int(state["pass"]), int(state["consumed"])
+            self.opened, self.base_draw = bool(state["opened"]), bool(state["base_draw"])
+            self.cpu_rng = state["cpu_rng"].clone()
+            self.loader_rng = state["loader_rng"].clone()
+            self.loader_state = state["loader_state"]
+        except (KeyError, TypeError, AttributeError) as exc:
+            raise StateError(f"a loop position must have the fields of LoopPosition.state_dict(): {exc}") from exc
+
+
+def _generator_of(loader: Any) -> torch.Generator | None:
+    g = getattr(loader, "generator", None)
+    return g if isinstance(g, torch.Generator) else None
+
+
+def open_pass(loader: Iterable[Any], pos: LoopPosition, resume: dict[str, Any] | None) -> Iterator[Any]:
+    """An iterator over one pass of ``loader``: from its start (``resume`` None: records in ``pos``
+    what a later reopening needs), or reopened at ``pos``. ``resume`` is then the RNG streams of the
+    resume version (``RNGState.state_dict()``), which they are left at: whatever the code before the
+    pass drew again on its way here (a probe ``next(iter(loader))`` draws a base seed) is undone."""
+    if resume is None:
+        pos.cpu_rng = torch.get_rng_state()
+        g = _generator_of(loader)
+        pos.loader_rng = g.get_state() if g is not None else _EMPTY
+        # A DataLoader draws its workers' base seed when its iterator is made, except a persistent one's reuse.
+        pos.base_draw = isinstance(loader, DataLoader) and not (loader.persistent_workers
+                                                                and getattr(loader, "_iterator", None) is not None)
+        pos.opened = True
+        return iter(loader)
+    torch.set_rng_state(pos.cpu_rng)
+    g = _generator_of(loader)
+    if g is not None and pos.loader_rng.numel():
+        g.set_state(pos.loader_rng)
+    try:
+        if is_stateful(loader):
+            if pos.loader_state is not None:
+                loader.load_state_dict(pos.loader_state)  # type: ignore[attr-defined]
+            return iter(loader)
+        if isinstance(loader, DataLoader) and not isinstance(loader.dataset, IterableDataset) \
+                and loader.batch_sampler is not None:
+            return _rest_of(loader, pos)
+        it = iter(loader)
+        for _ in range(pos.consumed):  # no index stream to skip by: fetch the trained batches again
+            next(it)
+        return it
+    finally:
+        RNGState().load_state_dict(resume)  # (the loader's generator stays where the pass's opening left it)
+
+
+def _rest_of(loader: DataLoader[Any], pos: LoopPosition) -> Iterator[Any]:
+    """The rest of a map-style pass: its index batches replayed, the trained ones skipped unloaded."""
+    base = 0
+    if pos.base_draw:  # exactly the draw DataLoader's iterator makes (torch/utils/data/dataloader.py)
+        base = int(torch.empty((), dtype=torch.int64).random_(generator=loader.generator).item())
+    batches = iter(loader.batch_sampler)  # type: ignore[arg-type]
+    for _ in itertools.islice(batches, pos.consumed):  # the trained batches: indices only, nothing loaded
+        pass
+    head = list(itertools.islice(batches, 1))  # (the sampler's own draws happen by here, RNG swapped in)
+    rest = itertools.chain(head, batches)
+    kwargs: dict[str, Any] = {}
+    if loader.num_workers > 0:
+        kwargs = {"prefetch_factor": loader.prefetch_factor, "multiprocessing_context": loader.multiprocessing_context,
+                  "worker_init_fn": _Reseed(base, loader.worker_init_fn) if pos.base_draw else loader.worker_init_fn}
+    one_pass = DataLoader(loader.dataset, batch_sampler=_Batches(rest), num_workers=loader.num_workers,
+                          collate_fn=loader.collate_fn, pin_memory=loader.pin_memory, timeout=loader.timeout,
+                          generator=torch.Generator(), in_order=getattr(loader, "in_order", True), **kwargs)
+    return iter(one_pass)
+
+
+class _Batches:
+    """A batch sampler over a precomputed stream of index batches (one pass only)."""
+
+    def __init__(self, stream: Iterator[list[int]]) -> None:
+        self._stream = stream
+
+    def __iter__(self) -> Iterator[list[int]]:
+        return self._stream
+
+
+class _Reseed:
+    """Seeds a worker of the reopened pass as the original pass's was (``base + worker_id``, as
+    torch's ``_worker_loop`` does for ``random``, torch and numpy), then runs the user's init."""
+
+    def __init__(self, base: int, user: Callable[[int], None] | None) -> None:
+        self.base, self.user = base, user
+
+    def __call__(self, worker_id: int) -> None:
+        seed = self.base + worker_id
+        random.seed(seed)
+        torch.manual_seed(seed)
+        try:
+            import numpy as np
+            from torch.utils.data._utils.worker import _generate_state
+
+            np.random.seed(_generate_state(self.base, worker_id))
+        except ImportError:
+            pass
+        if self.user is not None:
+            self.user(worker_id)

@@ -1,0 +1,68 @@
+"""The user's own epoch loop inside a Trainer class, killed for real: bitwise equal to the fault-free run.
+
+``ckptless-chaos run`` on the two Trainer-class examples (real etcd, real agents,
+a real SIGKILL at an exact step, the library's digests as the verdict, which
+include the loop's position and every RNG stream):
+
+* examples/ddp_trainer.py (the DDP tutorial's shape): rank 0, which writes the
+  script's own ``snapshot.pt``, killed in the middle of epoch 1 and again in
+  epoch 2; the replacement reads ``epochs_run`` from that snapshot, so its
+  ``range(self.epochs_run, ...)`` starts elsewhere and ``ckptless.epochs``
+  matches the resume epoch by value.
+* examples/gpt_trainer.py (minGPT's shape): killed inside an eval pass (the
+  second ``ckptless.batches`` pass of an epoch counted from 1).
+
+The same logic in one process, under hypothesis-chosen rollbacks and with
+loader workers and torchdata's loader: tests/unit/test_loop.py.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from ckptless.chaos.main import main
+
+from ..harness.repo import REPO
+
+SMALL = ["--nnodes", "1", "--nproc-per-node", "2"]
+
+
+def _chaos(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
+    code = main(list(argv))
+    out = capsys.readouterr()
+    text = out.out + out.err
+    verdicts = [ln for ln in text.splitlines() if ln.startswith(("PASS ", "FAIL "))]
+    assert code == 0 and len(verdicts) == 1 and verdicts[0].startswith("PASS "), text[-6000:]
+    return verdicts[0]
+
+
+def _steps(out: Path, scenario: str) -> int:
+    doc = json.loads(sorted((out / scenario / "digest").glob("digest_rank*.json"))[0].read_text())
+    assert "_ckptless_loop" in doc["objects"] and "rng" in doc["objects"]
+    return int(doc["step"])
+
+
+@pytest.mark.timeout(300)
+def test_ddp_trainer_class_killed_twice_mid_epoch_resumes_bitwise(tmp_path: Path,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    # 512 samples / 2 ranks / 16 per batch = 16 steps an epoch: steps 21 and 38 are mid-epoch 1 and 2
+    line = _chaos(capsys, "run", "kill-twice", "--script", str(REPO / "examples" / "ddp_trainer.py"), *SMALL,
+                  "--rank", "0", "--at", "21,38", "--out", str(tmp_path), "--", "--epochs", "3", "--save-every", "1")
+    assert "bitwise equal" in line and "generation 2" in line, line
+    assert _steps(tmp_path, "kill-twice") == 48
+    snapshot = tmp_path / "kill-twice" / "work" / "snapshot.pt"
+    assert snapshot.exists()  # the script's own per-epoch snapshot, which the replacements read at setup
+
+
+@pytest.mark.rotating(1)  # CI budget: tests/harness/rotation.py (the Trainer-class kill above runs daily)
+@pytest.mark.timeout(300)
+def test_gpt_trainer_killed_in_an_eval_pass_resumes_bitwise(tmp_path: Path,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    # 2 epochs of 19 train + 2 eval steps per rank: step 20 is the second batch of epoch 1's eval pass
+    line = _chaos(capsys, "run", "kill-worker", "--script", str(REPO / "examples" / "gpt_trainer.py"), *SMALL,
+                  "--at", "20", "--out", str(tmp_path), "--", "--epochs", "2")
+    assert "bitwise equal" in line, line
+    assert _steps(tmp_path, "kill-worker") == 42
