@@ -123,10 +123,15 @@ class DDPReducerState:
     """The hidden Stateful for one protected DDP module (registered as ``__ddp__<name>``).
 
     ``state_dict()`` is ``{"phase": "fresh"|"pushed"|"rebuilt", "order": [int]
-    or None, "layout": [[int]]}``: parameter indices as the reducer numbers
-    them (its parameters that require grad, in module order). ``order`` is
-    this rank's grad-ready order of its first synchronised backward (None
-    before it completed); ``layout`` the buckets as they are now.
+    or None, "layout": [[int]], "forward_sync": bool}``: parameter indices as
+    the reducer numbers them (its parameters that require grad, in module
+    order). ``order`` is this rank's grad-ready order of its first
+    synchronised backward (None before it completed); ``layout`` the buckets
+    as they are now. ``forward_sync`` is DDP's ``require_forward_param_sync``:
+    whether its next forward broadcasts the module's buffers. A forward under
+    ``no_grad`` (an eval pass) clears it, a training forward sets it; a
+    replacement's new DDP starts with it set, so without it a rank restored
+    after an eval forward would broadcast while its peers did not (a hang).
     """
 
     def __init__(self, ddp: nn.parallel.DistributedDataParallel, name: str) -> None:
@@ -216,11 +221,16 @@ class DDPReducerState:
     # --- Stateful -----------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         return {"phase": self.phase, "order": None if self._order is None else list(self._order),
-                "layout": [list(b) for b in self._current_layout()]}
+                "layout": [list(b) for b in self._current_layout()],
+                "forward_sync": bool(self._ddp.require_forward_param_sync)}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Bring the live reducer to the captured phase and layout (inside ``groups.local_only()``)."""
         phase, order, layout = self._parse(state_dict)
+        self._load_reducer(phase, order, layout)
+        self._ddp.require_forward_param_sync = bool(state_dict.get("forward_sync", True))
+
+    def _load_reducer(self, phase: str, order: list[int] | None, layout: list[list[int]]) -> None:
         if not self._dirty and self.phase == phase and self._same(phase, order, layout):
             self._pushing = []
             self._clear_grads()
@@ -256,9 +266,11 @@ class DDPReducerState:
 
     def _parse(self, sd: Any) -> tuple[str, list[int] | None, list[list[int]]]:
         where = f"{self._name} DDP reducer state"
-        if not isinstance(sd, dict) or set(sd) != {"phase", "order", "layout"}:
+        if not isinstance(sd, dict) or set(sd) - {"forward_sync"} != {"phase", "order", "layout"}:
             got = sorted(map(str, sd))[:5] if isinstance(sd, dict) else type(sd).__name__
-            raise StateError(f"{where}: expected keys phase, order, layout, got {got}")
+            raise StateError(f"{where}: expected keys phase, order, layout (and forward_sync), got {got}")
+        if type(sd.get("forward_sync", True)) is not bool:
+            raise StateError(f"{where}: forward_sync must be a bool, got {sd['forward_sync']!r}")
         phase, order, layout = sd["phase"], sd["order"], sd["layout"]
         if phase not in PHASES:
             raise StateError(f"{where}: unknown phase {phase!r}")
