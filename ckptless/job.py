@@ -205,6 +205,12 @@ class Job:
         the resume version's batch (:mod:`ckptless.passes`)."""
         return self._runner("job.batches").batches(loader)
 
+    def begin_step(self) -> None:
+        """Inside :meth:`train`'s function, for a loop the job cannot iterate (a framework's trainer,
+        ``ckptless.integrations``): a step begins, which closes the step before (its version captured
+        and mirrored; after a recovery this leaves the function, which is called again)."""
+        self._runner("job.begin_step").begin_step()
+
     def _runner(self, what: str) -> Any:
         if self._loop is None:
             raise ConfigError("loop", what, "call it inside the function given to job.train(fn, ...)")

@@ -37,7 +37,7 @@ from collections.abc import Callable, Generator, Iterable, Iterator
 from typing import Any
 
 from ckptless.errors import ConfigError, RecoveryError
-from ckptless.passes import LoopPosition, is_stateful, open_pass
+from ckptless.passes import AFTER_EPOCHS, LoopPosition, is_stateful, open_pass
 from ckptless.state.rng import RNGState
 from ckptless.worker import exit_file, exit_guard, training
 from ckptless.worker.driver import WorkerDriver
@@ -71,6 +71,8 @@ class LoopRunner:
         self._fatal: BaseException | None = None
         self._rng_at_call: dict[str, Any] | None = None
         self._shift = 0  # recorded ordinal - this call's index: a range that starts elsewhere now
+        self._after_epochs = False  # the job.epochs loop of this call ended
+        self._open_loops: list[Iterator[Any]] = []
 
     # --- the function ----------------------------------------------------------------------------
     def run(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -88,6 +90,15 @@ class LoopRunner:
                 result = fn(*args, **kwargs)
             except Rewind:
                 continue
+            except SystemExit as exc:
+                if exc.code in (None, 0) and exc is not self._fatal:
+                    if self._finish():  # sys.exit(0) inside the function: it ended, as by returning
+                        raise
+                    continue
+                if rt.recovery and exc is not self._fatal:
+                    exit_file.write("user_error", exit_file.summarize(exc))
+                    exit_guard.set_exit_code(exc.code if isinstance(exc.code, int) else 1)
+                raise
             except (KeyboardInterrupt, GeneratorExit):
                 raise
             except BaseException as exc:
@@ -109,8 +120,11 @@ class LoopRunner:
                 return result
 
     def _begin_call(self) -> None:
+        for gen in self._open_loops:  # the last call's loops, left by an exception: closed before this one
+            gen.close()  # type: ignore[attr-defined]
+        self._open_loops = []
         self._target = self.position.copy()
-        self._in_epochs, self._passes, self._shift = False, 0, 0
+        self._in_epochs, self._after_epochs, self._passes, self._shift = False, False, 0, 0
         # Resuming mid-pass: the streams are the resume version's now; code on the way back to the
         # pass may draw again, and reopening it puts them back here (ckptless.passes.open_pass).
         self._rng_at_call = RNGState().state_dict() if self._target.opened else None
@@ -145,6 +159,10 @@ class LoopRunner:
             raise Rewind
         self._current = step
 
+    def begin_step(self) -> None:
+        """A framework's optimizer step begins (``job.begin_step``): it closes the step before, if any."""
+        self._boundary()
+
     def _finish(self) -> bool:
         """The function returned: the run ends at the step in hand. False: recovered meanwhile, call it again."""
         rt = self.rt
@@ -177,8 +195,24 @@ class LoopRunner:
         self._check_running("job.epochs")
         if self._in_epochs:
             raise self._refuse("epochs", iterable, "job.epochs loops do not nest")
-        self._in_epochs = True
+        t = self._target
+        if t is not None and t.epoch is not None and t.ordinal >= 0 and isinstance(iterable, range) \
+                and iterable.step > 0 and t.epoch < iterable.start and (iterable.start - t.epoch) % iterable.step == 0:
+            # The script's own resume (an epochs_run read from its snapshot) is ahead of the resume
+            # version: the protected position wins; the epochs in between run again.
+            iterable = range(t.epoch, iterable.stop, iterable.step)
+        gen = self._epochs(iterable)
+        self._open_loops.append(gen)
+        return gen
+
+    def _epochs(self, iterable: Iterable[Any]) -> Iterator[Any]:
+        self._in_epochs, self._after_epochs = True, False
+        finished = False
         try:
+            t = self._target
+            if t is not None and t.ordinal == AFTER_EPOCHS:
+                finished = True  # the resume version is past this loop: its epochs are all done
+                return
             for ordinal, value in enumerate(iterable):
                 t = self._target
                 self._passes = 0
@@ -197,38 +231,51 @@ class LoopRunner:
                     continue
                 self._shift = t.ordinal - ordinal  # the resume epoch: its position is the restored one
                 yield value
+            finished = True
         finally:
-            self._in_epochs = False
+            self._in_epochs, self._passes = False, 0
+            self._after_epochs = finished
 
     def batches(self, loader: Iterable[Any]) -> Iterator[Any]:
         self._check_running("job.batches")
         k = self._passes
         self._passes += 1
-        if k > 0 and not self._in_epochs:
+        outside = not self._in_epochs
+        if outside and k > 0 and not self._after_epochs:
             raise self._refuse("loop", "job.batches", "a second pass over data outside job.epochs: wrap the "
                                                       "epoch loop, `for epoch in job.epochs(range(...))`")
+        here = (AFTER_EPOCHS if self._after_epochs else -1) if outside else None
         t, resume = self._target, None
         if t is not None:
+            if outside and t.ordinal != here:
+                return iter(())  # a pass before the epoch loop the resume version is in (or after)
             if k < t.pass_index:
                 return iter(())  # a pass the resume version had finished
             self._target = None
             resume = self._rng_at_call if t.opened else None
+        elif outside and k == 0:
+            self.position.begin_epoch(here, None)  # type: ignore[arg-type]
         elif k > 0:
             self.position.next_pass()
-        elif not self._in_epochs:
-            self.position.begin_epoch(-1, None)
-        return self._pass(loader, resume)
+        gen = self._pass(loader, resume)
+        self._open_loops.append(gen)
+        return gen
 
     def _pass(self, loader: Iterable[Any], resume: dict[str, Any] | None) -> Iterator[Any]:
         pos = self.position
         consumed = pos.consumed if resume is not None else 0
         it = open_pass(loader, pos, resume)
+        if resume is not None:
+            pos.restore_fetch()  # the streams as they were before the batch in hand was first fetched
         stateful = is_stateful(loader)
         while True:
             before = loader.state_dict() if stateful else None  # type: ignore[attr-defined]
+            pos.before_fetch()
             try:
                 batch = next(it)
-            except StopIteration:
+            except StopIteration:  # the pass is done: a version taken from here on reopens it empty
+                pos.consumed = consumed
+                pos.loader_state = loader.state_dict() if stateful else None  # type: ignore[attr-defined]
                 return
             pos.consumed, pos.loader_state = consumed, before
             self._boundary()

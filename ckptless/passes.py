@@ -45,7 +45,10 @@ from torch.utils.data import DataLoader, IterableDataset
 from ckptless.errors import StateError
 from ckptless.state.rng import RNGState
 
-__all__ = ["LoopPosition", "is_stateful", "open_pass"]
+__all__ = ["AFTER_EPOCHS", "LoopPosition", "is_stateful", "open_pass"]
+
+AFTER_EPOCHS = -2
+"""``LoopPosition.ordinal`` of a pass made after the ``job.epochs`` loop ended (-1: no epoch loop yet)."""
 
 _EMPTY = torch.empty(0, dtype=torch.uint8)
 
@@ -63,7 +66,10 @@ class LoopPosition:
     the pass was opened (what follows is recorded). ``cpu_rng``/``loader_rng``: the global CPU
     generator's and the loader's own generator's state just before the pass was opened.
     ``base_draw``: opening it drew the workers' base seed. ``loader_state``: a stateful loader's own
-    state before the batch in hand was fetched.
+    state before the batch in hand was fetched. ``fetch_torch``/``fetch_python``: the torch CPU and
+    Python streams before it was fetched (loading it in this process may draw from them: a reopened
+    pass fetches it again from there). ``ordinal`` is :data:`AFTER_EPOCHS` for a pass after the
+    ``job.epochs`` loop ended.
     """
 
     __ckptless_data_position__ = True
@@ -80,6 +86,20 @@ class LoopPosition:
         self.loader_rng = _EMPTY
         self.base_draw = False
         self.loader_state: dict[str, Any] | None = None
+        self.fetch_torch = _EMPTY
+        self.fetch_python: tuple[Any, ...] | None = None
+
+    def before_fetch(self) -> None:
+        """~20 us: the two streams a batch's loading in this process draws from (NumPy's is not kept per
+        batch: 70 us; docs/state.md)."""
+        self.fetch_torch = torch.get_rng_state()
+        self.fetch_python = random.getstate()
+
+    def restore_fetch(self) -> None:
+        if self.fetch_torch.numel():
+            torch.set_rng_state(self.fetch_torch)
+        if self.fetch_python is not None:
+            random.setstate(self.fetch_python)
 
     def begin_epoch(self, ordinal: int, value: Any) -> None:
         self.ordinal, self.epoch = ordinal, value if type(value) is int else None
@@ -98,7 +118,10 @@ class LoopPosition:
     def state_dict(self) -> dict[str, Any]:
         return {"ordinal": self.ordinal, "epoch": self.epoch, "pass": self.pass_index, "consumed": self.consumed,
                 "opened": self.opened, "cpu_rng": self.cpu_rng, "loader_rng": self.loader_rng,
-                "base_draw": self.base_draw, "loader_state": self.loader_state}
+                "base_draw": self.base_draw, "loader_state": self.loader_state, "fetch_torch": self.fetch_torch,
+                "fetch_python": None if self.fetch_python is None else
+                {"version": self.fetch_python[0], "gauss": self.fetch_python[2],
+                 "state": torch.tensor(self.fetch_python[1], dtype=torch.int64)}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         try:
@@ -108,6 +131,9 @@ class LoopPosition:
             self.cpu_rng = state["cpu_rng"].clone()
             self.loader_rng = state["loader_rng"].clone()
             self.loader_state = state["loader_state"]
+            self.fetch_torch = state["fetch_torch"].clone()
+            py = state["fetch_python"]
+            self.fetch_python = None if py is None else (py["version"], tuple(py["state"].tolist()), py["gauss"])
         except (KeyError, TypeError, AttributeError) as exc:
             raise StateError(f"a loop position must have the fields of LoopPosition.state_dict(): {exc}") from exc
 
@@ -131,6 +157,11 @@ def open_pass(loader: Iterable[Any], pos: LoopPosition, resume: dict[str, Any] |
                                                                 and getattr(loader, "_iterator", None) is not None)
         pos.opened = True
         return iter(loader)
+    if isinstance(loader, DataLoader) and loader.persistent_workers and loader.num_workers > 0 \
+            and getattr(loader, "_iterator", None) is None:
+        # A fresh process (a replacement): make the persistent iterator now, so that the next pass
+        # reuses it and draws no base seed, as the original's did (its draws are overwritten below).
+        iter(loader)
     torch.set_rng_state(pos.cpu_rng)
     g = _generator_of(loader)
     if g is not None and pos.loader_rng.numel():
@@ -159,8 +190,12 @@ def _rest_of(loader: DataLoader[Any], pos: LoopPosition) -> Iterator[Any]:
     batches = iter(loader.batch_sampler)  # type: ignore[arg-type]
     for _ in itertools.islice(batches, pos.consumed):  # the trained batches: indices only, nothing loaded
         pass
-    head = list(itertools.islice(batches, 1))  # (the sampler's own draws happen by here, RNG swapped in)
-    rest = itertools.chain(head, batches)
+    rest: Iterator[list[int]] = batches
+    if pos.consumed > 0 or loader.num_workers > 0:
+        # The original pass's sampler drew before the batch in hand was fetched (at its first batch, or
+        # when workers prefetched): draw here, with the pass's RNG swapped in. At the first batch of a
+        # single-process pass it drew *while* fetching it: then it draws when the batch is fetched again.
+        rest = itertools.chain(list(itertools.islice(batches, 1)), batches)
     kwargs: dict[str, Any] = {}
     if loader.num_workers > 0:
         kwargs = {"prefetch_factor": loader.prefetch_factor, "multiprocessing_context": loader.multiprocessing_context,

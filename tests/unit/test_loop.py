@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import random
 from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from typing import Any
@@ -44,6 +45,13 @@ class Squares(Dataset):
 
     def __getitem__(self, i: int) -> torch.Tensor:
         return torch.tensor([i, i * i])
+
+
+class Jittered(Squares):
+    """A random transform drawn from the global torch and Python streams while the batch loads."""
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.tensor([i, i * i]) + torch.randint(0, 100, (2,)) + random.randint(0, 100)
 
 
 class Counting(IterableDataset):
@@ -146,6 +154,7 @@ def run_loop(make_loader: Callable[[], Any], fn_body: Callable[..., None], epoch
              rollbacks: dict[int, int]) -> Outcome:
     """Run ``fn_body`` as job.train's function."""
     torch.manual_seed(1234)
+    random.seed(1234)
     driver = FakeDriver(rollbacks)
     runner = LoopRunner(driver)  # type: ignore[arg-type]
     record = Record()
@@ -186,6 +195,19 @@ def restarts_from_its_snapshot(runner: LoopRunner, loader: Any, record: Record, 
 DISK: dict[str, int] = {}
 
 
+def passes_around_the_epochs(runner: LoopRunner, loader: Any, record: Record, epochs: int) -> None:
+    """A pass before the epoch loop (a warm-up), epochs, and two passes after it (a test pass, a report)."""
+    for batch in runner.batches(loader):
+        record.add(batch, torch.rand(1))
+    for _ in runner.epochs(range(epochs)):
+        for batch in runner.batches(loader):
+            record.add(batch, torch.rand(2))
+    for batch in runner.batches(loader):
+        record.add(batch, torch.zeros(1))
+    for batch in runner.batches(loader):
+        record.add(batch, torch.ones(1))
+
+
 def train_and_eval(runner: LoopRunner, loader: Any, record: Record, epochs: int) -> None:
     """minGPT's shape: epochs counted from 1, a train pass and an eval pass per epoch, both stepped."""
     for epoch in runner.epochs(range(epochs)):
@@ -205,13 +227,14 @@ LOADERS: dict[str, Callable[[], Any]] = {
                                     generator=torch.Generator().manual_seed(7)),
     "drop_last": lambda: DataLoader(Squares(23), batch_size=5, shuffle=True, drop_last=True),
     "iterable": lambda: DataLoader(Counting(17), batch_size=4),
+    "jittered": lambda: DataLoader(Jittered(23), batch_size=3, shuffle=True),
 }
 
 
 def _rollback_plans(total: int, first: int = 0, back: int | None = None) -> st.SearchStrategy[dict[int, int]]:
     """Up to three rollbacks, each to a version (``first`` or later, at most ``back`` behind) at or before
     the step it happens at."""
-    pair = st.integers(max(1, first), total - 1).flatmap(
+    pair = st.integers(max(1, first), total).flatmap(
         lambda s: st.tuples(st.just(s), st.integers(max(first, s - back if back is not None else 0), s)))
     return st.lists(pair, max_size=3, unique_by=lambda p: p[0]).map(dict)
 
@@ -227,6 +250,24 @@ def test_epoch_loop_resumes_exactly_after_any_rollbacks(kind: str, epochs: int, 
     got = run_loop(LOADERS[kind], epoch_loop, epochs, plan)
     assert got.same(baseline)
     assert got.calls == 1 + len(plan)
+
+
+@settings(max_examples=20, deadline=None)
+@given(data=st.data())
+def test_passes_before_and_after_the_epoch_loop_resume_exactly(data: st.DataObject) -> None:
+    baseline = run_loop(LOADERS["shuffle"], passes_around_the_epochs, 2, {})
+    plan = data.draw(_rollback_plans(len(baseline.record)), label="rollbacks")
+    assert run_loop(LOADERS["shuffle"], passes_around_the_epochs, 2, plan).same(baseline)
+
+
+def test_a_snapshot_newer_than_the_resume_version_runs_its_epochs_again() -> None:
+    """The script's own snapshot says epoch 1 is done; the resume version is inside epoch 1: the
+    protected position wins (the epoch iterable is a range, so it is widened back)."""
+    DISK.clear()
+    baseline = run_loop(LOADERS["distributed"], restarts_from_its_snapshot, 3, {})
+    DISK.clear()
+    got = run_loop(LOADERS["distributed"], restarts_from_its_snapshot, 3, {11: 8})  # 5 steps an epoch
+    assert got.same(baseline) and got.calls == 2
 
 
 @settings(max_examples=15, deadline=None)
