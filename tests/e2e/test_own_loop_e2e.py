@@ -45,7 +45,8 @@ def _steps(out: Path, scenario: str) -> int:
     return int(doc["step"])
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.rotating(0)  # CI budget: tests/harness/rotation.py (job.train's loop is killed daily under the
+@pytest.mark.timeout(300)  # HF and Lightning integrations, tests/e2e/test_integrations_e2e.py, and unit-tested)
 def test_ddp_trainer_class_killed_twice_mid_epoch_resumes_bitwise(tmp_path: Path,
                                                                   capsys: pytest.CaptureFixture[str]) -> None:
     # 512 samples / 2 ranks / 16 per batch = 16 steps an epoch: steps 21 and 38 are mid-epoch 1 and 2
@@ -57,7 +58,7 @@ def test_ddp_trainer_class_killed_twice_mid_epoch_resumes_bitwise(tmp_path: Path
     assert snapshot.exists()  # the script's own per-epoch snapshot, which the replacements read at setup
 
 
-@pytest.mark.rotating(1)  # CI budget: tests/harness/rotation.py (the Trainer-class kill above runs daily)
+@pytest.mark.rotating(1)  # CI budget: tests/harness/rotation.py
 @pytest.mark.timeout(300)
 def test_gpt_trainer_killed_in_an_eval_pass_resumes_bitwise(tmp_path: Path,
                                                             capsys: pytest.CaptureFixture[str]) -> None:

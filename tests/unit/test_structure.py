@@ -26,6 +26,7 @@ LAYERS: list[tuple[str, ...]] = [
      "ckptless.recovery", "ckptless.sampler", "ckptless.data", "ckptless.passes", "ckptless.metrics", "ckptless.chaos_hooks", "ckptless.report"),
     ("ckptless.worker",),
     ("ckptless.job", "ckptless.loop", "ckptless.cli"),
+    ("ckptless.integrations",),
     ("ckptless.launcher",),
     ("ckptless.chaos",),
     ("ckptless",),  # the package itself: re-exports the user API lazily

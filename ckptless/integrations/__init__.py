@@ -1,0 +1,11 @@
+"""Recovery for training loops that frameworks own: one module per framework.
+
+* :mod:`ckptless.integrations.hf`: Hugging Face ``transformers.Trainer``
+  (``ckptless.integrations.hf.train(trainer)`` instead of ``trainer.train()``).
+* :mod:`ckptless.integrations.lightning`: PyTorch Lightning
+  (``ckptless.integrations.lightning.fit(trainer, model, ...)``).
+
+Each pins the framework version it is tested with (``pip install
+ckptless[hf]``, ``ckptless[lightning]``) and is imported only by the script
+that uses it: ``import ckptless`` never imports a framework.
+"""
