@@ -41,6 +41,8 @@ VARIABLES: dict[str, str] = {
     "CKPTLESS_CHAOS_POINTS": "chaos_points",
     "CKPTLESS_LOCAL_ADDR": "local_addr",
     "GLOO_SOCKET_IFNAME": "gloo_socket_ifname",
+    "NCCL_SOCKET_IFNAME": "nccl_socket_ifname",
+    "CKPTLESS_MIRROR_MIN_GBPS": "mirror_min_gbps",
     "CKPTLESS_ETCD_BINARY": "etcd_binary",
     "CKPTLESS_PRELOAD": "preload",
     "CKPTLESS_UNPORTED_WARN_S": "unported_warn_s",
@@ -73,6 +75,9 @@ class ProcessEnv(BaseModel):
     chaos_points: str = Field(default="", description="tag=point pairs a worker pauses at (chaos runs only)")
     local_addr: str | None = Field(default=None, description="the address Gloo binds (the launcher's node address)")
     gloo_socket_ifname: str | None = Field(default=None, description="the user's own Gloo interface choice")
+    nccl_socket_ifname: str | None = Field(default=None, description="the user's own NCCL interface choice")
+    mirror_min_gbps: float = Field(default=1.0, ge=0, description="an agent warns when its mirror link measures "
+                                                                  "below this many Gb/s")
     etcd_binary: str | None = Field(default=None, description="an etcd binary other than the bundled one")
     preload: str = Field(default="", description="modules the warm fork server imports, comma separated")
     unported_warn_s: float = Field(default=60.0, gt=0, description="warn when a worker never called init()")

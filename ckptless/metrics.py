@@ -92,6 +92,9 @@ class MetricsExporter:
                           "the one in flight).", _LABELS, namespace=ns, registry=reg).labels(*self._lv)
         self._spares = Gauge("spares_free", "Warm spares waiting for a rank (job-wide, as seen in etcd).",
                              _LABELS, namespace=ns, registry=reg).labels(*self._lv)
+        self._link = Gauge("mirror_link_bits_per_second", "The rate this node measured, once at start, on the "
+                           "link its mirrors use to one peer node (ckptless.mirror.link).",
+                           (*_LABELS, "interface", "peer"), namespace=ns, registry=reg)
         for phase in RECOVERY_PHASES:  # present from the first scrape, 0 until a recovery happened
             self._recovery.labels(*self._lv, phase).set(0.0)
 
@@ -182,6 +185,10 @@ class MetricsExporter:
     @_never_raises
     def set_spares_free(self, n: int) -> None:
         self._spares.set(n)
+
+    @_never_raises
+    def set_mirror_link(self, interface: str, peer: str, bits_per_s: float) -> None:
+        self._link.labels(*self._lv, interface, peer).set(bits_per_s)
 
     def __enter__(self) -> MetricsExporter:
         return self

@@ -52,6 +52,7 @@ from ckptless.coordinator.embedded import EmbeddedEtcd
 from ckptless.coordinator.rendezvous import NodeInfo, Rendezvous, RendezvousResult
 from ckptless.coordinator.session import Session
 from ckptless.errors import ConfigError, CoordinatorError
+from ckptless.launcher.mirror_link import LinkCheck
 from ckptless.launcher import completion, devices, follower, refill
 from ckptless.launcher.args import LaunchConfig, Std
 from ckptless.launcher.spares import SparePool
@@ -207,11 +208,18 @@ class NodeAgent:
                 self._leader = self._start_leader(st.session)
                 stack.callback(lambda: self._leader.stop() if self._leader is not None else None)
             self._start_metrics(stack)
+            link = LinkCheck(client, st.keyspace, self.node_id, cfg.local_addr,
+                             st.slots.gpus > 0 and environment.current().cuda_backend in (None, "nccl"),
+                             st.metrics, cfg.goodput_dir)
+            link.publish(st.session.lease_id)  # the mirrors' interface and address, named before anything runs
+            stack.callback(link.close)
             self._prepare_shm(stack)
             result, st.membership = join(client, st.keyspace, st.session, me, cfg, recovery=st.recovery,
                                          timeout_s=self.rendezvous_timeout_s, stopping=st.stopping)
             if result.late:
                 cfg = self._serve_as_spares()
+            else:
+                link.measure(result, st.session.lease_id)  # once, on its own thread: 0.3 s to the next node
             st.result = result
             if result.world_size < 2 or cfg.replicas == 0:
                 self._without_recovery(result.world_size)

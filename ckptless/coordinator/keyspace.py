@@ -47,6 +47,15 @@ class Keyspace:
         """The rendezvous round: JSON {round, state, participants}; fenced on mod revision."""
         return f"{self.prefix}rdzv/state"
 
+    @property
+    def links_prefix(self) -> str:
+        """``links/<node-id>`` -> JSON: the interface and address the node's mirrors use and the rate it
+        measured to one peer (``ckptless.mirror.link``), on the agent's lease; read by ``ckptless status``."""
+        return f"{self.prefix}links/"
+
+    def link(self, node_id: str) -> str:
+        return f"{self.links_prefix}{node_id}"
+
     # --- election and generation --------------------------------------------
     @property
     def election_prefix(self) -> str:

@@ -53,6 +53,9 @@ class EventKind(str, Enum):
     PLAN_PUBLISHED = "plan_published"
     # The leader found no replacement for lost ranks and waits for one (job-level); attrs: lost, generation.
     REPLACEMENT_WAITING = "replacement_waiting"
+    # An agent measured the link its mirrors use (node-level marker); attrs: node, interface, address,
+    # chosen_by, peer, bits_per_s (0: not measured), error.
+    MIRROR_LINK = "mirror_link"
 
 
 class LedgerFormatError(ConfigError):

@@ -26,6 +26,7 @@ from ckptless.goodput import (
     analyze,
     estimate,
 )
+from ckptless.goodput.ledger import EventKind
 from ckptless.report.loader import LoadedRun
 
 LABELS = {
@@ -132,8 +133,18 @@ def build_report(run: LoadedRun, baseline: LoadedRun | None = None,
                  inputs: EstimateInputs | None = None) -> Report:
     job = analyze(run.events)
     comp = None if baseline is None else BaselineComparison(analyze(baseline.events), job)
+    links = tuple(_link_note(e.attrs) for e in run.events if e.kind is EventKind.MIRROR_LINK)
     return Report(run.path, run.files, job, estimate(job, inputs), comp,
-                  None if baseline is None else baseline.path, job.notes + run.notes)
+                  None if baseline is None else baseline.path, job.notes + run.notes + links)
+
+
+def _link_note(a: Any) -> str:
+    """An agent's mirror-link measurement (launcher/mirror_link.py), as a line of the report."""
+    rate = a.get("bits_per_s")
+    what = (f"{float(rate) / 1e9:.2f} Gb/s to {a.get('peer', '?')}" if isinstance(rate, (int, float)) and rate > 0
+            else str(a.get("error") or "not measured"))
+    return (f"mirrors of node {a.get('node', '?')}: {a.get('interface', '?')} {a.get('address', '?')} "
+            f"(chosen by {a.get('chosen_by', '?')}): {what}")
 
 
 def incident_to_json(i: IncidentView) -> dict[str, Any]:

@@ -28,6 +28,7 @@ from ckptless.coordinator.client import EtcdClient
 from ckptless.coordinator.config import EtcdConfig
 from ckptless.coordinator.keyspace import Keyspace
 from ckptless.errors import CkptlessError, CoordinatorError
+from ckptless.mirror.link import MirrorLink
 from ckptless.recovery.wire import membership_from_json, report_from_json, spare_from_json
 
 @dataclass(frozen=True)
@@ -120,6 +121,14 @@ def _read(c: EtcdClient, ks: Keyspace, endpoint: str) -> JobStatus:
             nodes.append(dict(json.loads(n.value)))
         except (ValueError, TypeError):
             problems.append(f"malformed node record {n.key}")
+    links = {}
+    for k in c.get_prefix(ks.links_prefix)[0]:
+        try:
+            links[k.key.rsplit("/", 1)[-1]] = MirrorLink.from_json(json.loads(k.value)).describe()
+        except (ValueError, KeyError, TypeError):
+            problems.append(f"malformed mirror link record {k.key}")
+    for node in nodes:
+        node["mirrors"] = links.get(str(node.get("node_id", "")), "not stated")
     state, state_reason = ("running" if nodes or contenders else "no live agents"), ""
     kv = c.get(ks.status)
     if kv is not None:
@@ -227,10 +236,10 @@ def render_status(s: JobStatus, file: IO[str] | None = None) -> None:
         sp.add_row(w, n)
     console.print(sp)
     nt = Table(title=f"nodes ({len(s.nodes)} live)", title_justify="left", header_style="bold", show_edge=False)
-    for h in ("node", "host", "workers", "store port"):
-        nt.add_column(h, no_wrap=True)
+    for h in ("node", "host", "workers", "store port", "mirrors"):
+        nt.add_column(h, no_wrap=h != "mirrors")
     for node in s.nodes:
-        nt.add_row(*(str(node.get(k, "?")) for k in ("node_id", "host", "nproc", "store_port")))
+        nt.add_row(*(str(node.get(k, "?")) for k in ("node_id", "host", "nproc", "store_port", "mirrors")))
     console.print(nt)
     for p in s.problems:
         console.print(Text(f"warning: {p}", style="yellow"))

@@ -44,8 +44,9 @@ def _verdict(text: str) -> str:
 # --- end to end ----------------------------------------------------------------------------------
 @pytest.mark.timeout(240)
 def test_correct_script_passes_kill_worker(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # (a minimum no link reaches: the agent must say its mirrors' link is slow, and still run the job)
     code, text = _run(capsys, "run", "kill-worker", "--script", str(OK), *SMALL, "--out", str(tmp_path),
-                      "--", "--steps", "24")
+                      "--env", "CKPTLESS_MIRROR_MIN_GBPS=1000000", "--", "--steps", "24")
     line = _verdict(text)
     assert code == 0, text
     assert line.startswith("PASS kill-worker (SIGKILL rank 1 at step 8)"), line
@@ -68,6 +69,10 @@ def test_correct_script_passes_kill_worker(tmp_path: Path, capsys: pytest.Captur
     assert published["attrs"]["decision"] == "memory" and published["generation"] == 1
     rep = build_report(load_run(tmp_path / "kill-worker" / "goodput"))
     assert len(rep.analysis.incidents) == 1
+    # the mirrors' network, named and measured at start: in the report, and warned about on stderr
+    assert any(n.startswith("mirrors of node ") and "Gb/s to" in n for n in rep.notes), rep.notes
+    agent_log = (tmp_path / "kill-worker" / "logs" / "agent0.log").read_text()
+    assert "ckptless-run: mirrors on " in agent_log and "below CKPTLESS_MIRROR_MIN_GBPS=1e+06" in agent_log
     inc = rep.analysis.incidents[0]
     assert inc.lost_ranks == (1,) and inc.kill_to_first_step_s is not None and inc.kill_to_first_step_s > 0
 

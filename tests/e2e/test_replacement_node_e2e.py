@@ -70,6 +70,10 @@ def test_node_lost_without_spares_a_new_agent_takes_its_ranks(module_etcd: Embed
         since = float(_waiting(c)["since"])  # type: ignore[index, arg-type]
         wait_until(lambda: _scrape(c, 0).get("ckptless_replacement_waiting_since") == since, 30,
                    "the surviving node's metrics saying since when the job waits")
+        # the link its mirrors use, measured once at start to the other node (launcher/mirror_link.py)
+        assert _scrape(c, 0).get("ckptless_mirror_link_bits_per_second", 0.0) > 0
+        mirrors = [str(n.get("mirrors")) for n in status.nodes]
+        assert any("127.0.0.1" in m and "Gb/s to" in m for m in mirrors), mirrors
         newcomer = c.start_agent()  # the lost node's own command, as a scheduler would start it again
         c.wait(expect_fail=[victim])  # every other agent, the newcomer included, exits 0
     finally:
