@@ -20,12 +20,14 @@ install: $(STAMP) sysdeps
 # - chromium + chromium-driver: the test that renders `ckptless report --html` headless
 #   (tests/e2e/test_report_html.py);
 # - nftables + iproute2: the chaos runner's network partitions (chaos/netns.py,
-#   tests/e2e/test_netns.py), which fail loudly without `nft`/`ip` when run as root.
+#   tests/e2e/test_netns.py), which fail loudly without `nft`/`ip` when run as root;
+# - slurm-wlm + munge: a one-node Slurm the test of deploy/slurm starts (tests/e2e/test_slurm_e2e.py).
 # apt-get runs only when a binary is missing, so this costs nothing once installed; a failed
 # install retries once after apt-get update. `make browser` is kept as the old name.
 CHROMIUM ?= /usr/bin/chromium
 CHROMEDRIVER ?= /usr/bin/chromedriver
-SYSDEPS_BINS := $(CHROMIUM):chromium $(CHROMEDRIVER):chromium-driver /usr/sbin/nft:nftables /usr/sbin/ip:iproute2
+SYSDEPS_BINS := $(CHROMIUM):chromium $(CHROMEDRIVER):chromium-driver /usr/sbin/nft:nftables /usr/sbin/ip:iproute2 \
+                /usr/sbin/slurmctld:slurm-wlm /usr/sbin/munged:munge
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 sysdeps:
 	@missing=""; for pair in $(SYSDEPS_BINS); do \
