@@ -119,6 +119,6 @@ class LinkCheck:
 
     def close(self) -> None:
         if self._thread is not None:
-            self._thread.join(timeout=PROBE_S + 10.0)
+            self._thread.join(timeout=1.0)  # a daemon thread: a probe still running does not hold the exit
         if self._server is not None:
             self._server.close()

@@ -91,10 +91,10 @@ class _State:
 
     def state_dict(self) -> dict[str, Any]:
         t = self.trainer
-        kept: dict[str, Any] = dict(t.state.stateful_callbacks or {})  # type: ignore[arg-type]
+        kept: dict[str, Any] = {}
         for cb in [*t.callback_handler.callbacks, t.control]:
             if isinstance(cb, ExportableState):
-                kept[type(cb).__name__] = cb.state()
+                kept.setdefault(type(cb).__name__, []).append(cb.state())
         t.state.stateful_callbacks = kept  # type: ignore[assignment]
         doc = _json_of(t.state)
         doc["log_history"] = [{k: v for k, v in entry.items() if not k.endswith(_WALL_CLOCK)}
@@ -108,7 +108,17 @@ class _State:
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         self.restored = sd
-        self.trainer.state = TrainerState(**json.loads(sd["json"]))
+        t = self.trainer
+        t.state = TrainerState(**json.loads(sd["json"]))
+        # The callbacks' own state (an EarlyStoppingCallback's patience counter, the TrainerControl flags),
+        # put back in place: the Trainer restores it only with restore_callback_states_from_checkpoint.
+        saved: dict[str, Any] = dict(t.state.stateful_callbacks or {})  # type: ignore[arg-type]
+        for name, states in saved.items():
+            same = [cb for cb in [*t.callback_handler.callbacks, t.control]
+                    if isinstance(cb, ExportableState) and type(cb).__name__ == name]
+            for cb, state in zip(same, states if isinstance(states, list) else [states]):
+                for attribute, value in dict(state.get("attributes", {})).items():
+                    setattr(cb, attribute, value)
 
     def restore_accumulators(self) -> None:
         """After ``train()`` reset them: the loss accumulated since the last log line, as it was."""
@@ -186,7 +196,13 @@ class _Run:
                 json.dump(_json_of(t.state), f, sort_keys=True)
             resume = self.resume_dir
         self._rng = RNGState().state_dict()
-        return t.train(resume_from_checkpoint=resume, **train_kwargs)
+        eval_on_start = t.args.eval_on_start
+        if resume is not None:
+            t.args.eval_on_start = False  # the resumed run evaluated at its start already
+        try:
+            return t.train(resume_from_checkpoint=resume, **train_kwargs)
+        finally:
+            t.args.eval_on_start = eval_on_start
 
     def step_begins(self) -> None:
         if self._rng is not None:  # the first step of this call: the streams as the resume version had them
@@ -213,10 +229,24 @@ def train(trainer: Trainer, **train_kwargs: Any) -> Any:
     job = current()
     run = _Run(job, trainer)
     if job.world_size > 1 and trainer.model_wrapped is trainer.model:
-        # Wrapped here, not inside train(): the reducer's state is protected with it, and the Trainer
-        # keeps a wrapper it finds across its train() calls instead of making a new one each time.
-        on_gpu = job.device.type == "cuda"
-        trainer.model_wrapped = DDP(trainer.model, device_ids=[job.device] if on_gpu else None)
+        # Wrapped here, not inside train(), and by the Trainer's own Accelerator (its DDP arguments, its
+        # mixed-precision forward): the reducer's state is protected with it, and the Trainer keeps a
+        # wrapper it finds across its train() calls instead of making a new one each time.
+        handler = trainer.accelerator.ddp_handler
+        if handler is not None and handler.find_unused_parameters:
+            if trainer.args.ddp_find_unused_parameters:  # the user's own choice: ckptless cannot restore it
+                raise ConfigError("ddp_find_unused_parameters", True, "a DDP reducer with find_unused_parameters "
+                                  "rebuilds its buckets per step and cannot be restored exactly; leave it unset")
+            # The Trainer's default for a PreTrainedModel (True, to be safe with unused parameters): off, as
+            # ckptless restores only that reducer. A model with unused parameters then fails at its second
+            # step with DDP's own error naming them (set ddp_find_unused_parameters=False to see it first).
+            handler.find_unused_parameters = False
+        trainer.model_wrapped = trainer.accelerator.prepare_model(trainer.model)
+        if not isinstance(trainer.model_wrapped, DDP):
+            raise ConfigError("trainer", type(trainer.model_wrapped).__name__, "the Trainer's Accelerator did not "
+                              "wrap the model in DistributedDataParallel (ckptless protects DDP jobs through it)")
+    if trainer.args.torch_compile:
+        raise ConfigError("torch_compile", True, "not supported by ckptless.integrations.hf yet")
     trainer.create_optimizer()  # the Trainer makes it inside train() otherwise: too late to protect
     trainer.add_callback(_Boundary(run))
     cls = type(trainer)

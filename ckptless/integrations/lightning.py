@@ -22,10 +22,12 @@ saves a stateful loader's state *after* its prefetch, and a plain
 and the pass is reopened there with the same order. The RNG streams are put
 back to the resume version's at its first step.
 
-Requirements (each refused with a ``ConfigError`` naming it): the training
-loaders passed to ``fit()`` (not through a ``LightningDataModule``), already
+Requirements (each refused with a ``ConfigError`` naming it): one training
+loader passed to ``fit()`` (not through a ``LightningDataModule``), already
 sharded (a ``DistributedSampler``: Lightning does not inject one through the
-wrapper), no ``ckpt_path``. Tested bitwise by ``ckptless-chaos run kill-worker
+wrapper), no ``ckpt_path``. Not yet covered: a recovery right after a
+validation inside an epoch (``val_check_interval`` < 1), ``seed_everything(workers=True)``
+(the wrapper is not a ``DataLoader``, so Lightning does not set its ``worker_init_fn``). Tested bitwise by ``ckptless-chaos run kill-worker
 --script examples/lightning_train.py`` in CI. A new DDP wrapper is built by
 each ``fit()`` call on every rank (Lightning tears its wrapper down when a
 failure leaves ``fit()``), so the reducer's buckets start fresh after a
@@ -38,6 +40,8 @@ from __future__ import annotations
 import gc
 from collections.abc import Iterator
 from typing import Any
+
+from torch.utils.data import DataLoader, DistributedSampler
 
 from ckptless.errors import ConfigError
 from ckptless.job import Job, current
@@ -130,8 +134,8 @@ class _LightningState:
 
     def state_dict(self) -> dict[str, Any]:
         trainer = self.run.trainer
-        if trainer.lightning_module is None:  # before the first fit(): nothing of Lightning's yet
-            return {"present": False, "checkpoint": {}}
+        if trainer.lightning_module is None:  # before the first fit(): the module's weights, nothing else yet
+            return {"present": False, "checkpoint": {"state_dict": self.run.model.state_dict()}}
         ckpt = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
         _settle_batch_progress(ckpt)
         for key in [k for k in ckpt if k.startswith("hyper_parameters") or k.startswith("hparams")]:
@@ -139,7 +143,11 @@ class _LightningState:
         return {"present": True, "checkpoint": _plain(ckpt)}
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
-        self.run.restored = sd["checkpoint"] if sd["present"] else None
+        if sd["present"]:
+            self.run.restored = sd["checkpoint"]
+            return
+        self.run.restored = None  # version 0: the first fit() starts from these weights
+        self.run.model.load_state_dict(sd["checkpoint"]["state_dict"])
 
 
 def _settle_batch_progress(ckpt: dict[str, Any]) -> None:
@@ -176,8 +184,8 @@ class _Boundary(pl.Callback):
 
 
 class _Run:
-    def __init__(self, job: Job, trainer: pl.Trainer, loaders: list[ResumableLoader]) -> None:
-        self.job, self.trainer, self.loaders = job, trainer, loaders
+    def __init__(self, job: Job, trainer: pl.Trainer, model: pl.LightningModule, loaders: list[ResumableLoader]) -> None:
+        self.job, self.trainer, self.model, self.loaders = job, trainer, model, loaders
         self.restored: dict[str, Any] | None = None
         self._rng: dict[str, Any] | None = None
 
@@ -205,15 +213,19 @@ def fit(trainer: pl.Trainer, model: pl.LightningModule, train_dataloaders: Any =
         if fit_kwargs.get(field) is not None:
             raise ConfigError(field, fit_kwargs[field], "pass the training loaders to fit() directly; ckptless "
                                                         "resumes the Trainer itself")
-    given = train_dataloaders if isinstance(train_dataloaders, (list, tuple)) else [train_dataloaders]
-    if any(d is None for d in given):
-        raise ConfigError("train_dataloaders", train_dataloaders, "pass the training loader(s) to fit()")
-    loaders = [ResumableLoader(d) for d in given]
+    if train_dataloaders is None or isinstance(train_dataloaders, (list, tuple, dict)):
+        raise ConfigError("train_dataloaders", type(train_dataloaders).__name__, "pass one training loader to "
+                          "fit() (several are not resumed exactly yet)")
     job = current()
-    run = _Run(job, trainer, loaders)
+    sampler = getattr(train_dataloaders, "sampler", None)
+    if job.world_size > 1 and isinstance(train_dataloaders, DataLoader) and not isinstance(sampler, DistributedSampler):
+        raise ConfigError("train_dataloaders", type(sampler).__name__, "give the loader a DistributedSampler: "
+                          "Lightning does not inject one through ckptless's wrapper, and each rank would train on "
+                          "the whole dataset")
+    loaders = [ResumableLoader(train_dataloaders)]
+    run = _Run(job, trainer, model, loaders)
     trainer.strategy.checkpoint_io = _MemoryCheckpointIO(trainer.strategy.checkpoint_io, run)
     trainer.callbacks.append(_Boundary(run))  # type: ignore[attr-defined]
     job.protect(lightning=_LightningState(run))
-    wrapped: Any = loaders if isinstance(train_dataloaders, (list, tuple)) else loaders[0]
-    return job.train(run.call, model, {"train_dataloaders": wrapped, "val_dataloaders": val_dataloaders,
+    return job.train(run.call, model, {"train_dataloaders": loaders[0], "val_dataloaders": val_dataloaders,
                                        **fit_kwargs})

@@ -92,10 +92,11 @@ def collectives_interface(uses_nccl: bool, nccl_ifname: str | None, mirror_inter
     CPU tensors go through Gloo, bound like the mirrors: the same interface. NCCL's socket transport
     takes ``NCCL_SOCKET_IFNAME`` (prefixes) or, by default, an ``ib*`` interface before any other
     that is not loopback or ``docker*``. (NCCL over InfiniBand verbs uses no IP interface at all; its
-    IP-over-IB interface is the nearest one the mirrors can use.)"""
+    IP-over-IB interface is the nearest one the mirrors can use.) ``ifaces`` in the system's order
+    (:func:`interfaces`), which is the order NCCL walks."""
     if not uses_nccl:
         return mirror_interface
-    names = sorted(ifaces)
+    names = list(ifaces)
     if nccl_ifname:
         return next((n for n in names if _nccl_matches(n, nccl_ifname)), None)
     usable = [n for n in names if n != "lo" and not n.startswith("docker")]
@@ -118,7 +119,8 @@ def judge(link: MirrorLink, collectives: str | None, min_gbps: float) -> list[st
 
 # --- I/O ---------------------------------------------------------------------------------------------
 def interfaces() -> dict[str, str]:
-    """This host's interfaces with an IPv4 address (Linux ioctl; an interface without one is left out)."""
+    """This host's interfaces with an IPv4 address, in the system's order (Linux ioctl; an interface
+    without one is left out)."""
     out: dict[str, str] = {}
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         for _, name in socket.if_nameindex():
