@@ -43,6 +43,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from ckptless.errors import StateError
+from ckptless.state.registry import Stateful
 from ckptless.state.rng import RNGState
 
 __all__ = ["AFTER_EPOCHS", "LoopPosition", "is_stateful", "open_pass"]
@@ -54,7 +55,8 @@ _EMPTY = torch.empty(0, dtype=torch.uint8)
 
 
 def is_stateful(loader: Any) -> bool:
-    return callable(getattr(loader, "state_dict", None)) and callable(getattr(loader, "load_state_dict", None))
+    """A loader that keeps its own position (torch.distributed.checkpoint's Stateful protocol)."""
+    return isinstance(loader, Stateful)
 
 
 class LoopPosition:

@@ -32,8 +32,8 @@ How:
   are put back to the resume version's at the first step.
 
 Exact where the Trainer's own checkpoint resume is exact (its seedable
-sampler, ``skip_first_batches``); tested bitwise by
-``ckptless-chaos run kill-worker --script examples/hf_trainer.py`` in CI.
+sampler, ``skip_first_batches``); tested bitwise in CI by
+``ckptless-chaos run kill-twice --script examples/hf_trainer.py`` (tests/e2e/test_integrations_e2e.py).
 Not covered: DeepSpeed, FSDP through the Trainer, SageMaker MP, a GradScaler
 (``fp16``), ``auto_find_batch_size``, ``model_init``/hyperparameter search.
 """

@@ -27,8 +27,8 @@ loader passed to ``fit()`` (not through a ``LightningDataModule``), already
 sharded (a ``DistributedSampler``: Lightning does not inject one through the
 wrapper), no ``ckpt_path``. Not yet covered: a recovery right after a
 validation inside an epoch (``val_check_interval`` < 1), ``seed_everything(workers=True)``
-(the wrapper is not a ``DataLoader``, so Lightning does not set its ``worker_init_fn``). Tested bitwise by ``ckptless-chaos run kill-worker
---script examples/lightning_train.py`` in CI. A new DDP wrapper is built by
+(the wrapper is not a ``DataLoader``, so Lightning does not set its ``worker_init_fn``). Tested bitwise in CI by ``ckptless-chaos run kill-twice
+--script examples/lightning_train.py`` (tests/e2e/test_integrations_e2e.py). A new DDP wrapper is built by
 each ``fit()`` call on every rank (Lightning tears its wrapper down when a
 failure leaves ``fit()``), so the reducer's buckets start fresh after a
 recovery: bitwise at two ranks (a sum of two numbers has one order), not

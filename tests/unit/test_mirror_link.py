@@ -71,4 +71,5 @@ def test_the_probe_measures_loopback_and_the_receiver_counts_every_byte() -> Non
         rate, secs = probe("127.0.0.1", server.port, seconds=0.05, max_bytes=8 << 20)
     finally:
         server.close()
-    assert rate > 0 and secs > 0
+    received = round(rate * secs)  # what the receiver counted: whole 1 MiB sends, within the byte cap
+    assert secs > 0 and received % (1 << 20) == 0 and (1 << 20) <= received <= 8 << 20
