@@ -47,15 +47,18 @@ class Cluster:
     password: str | None = None
 
     def start_agent(self, *extra: str, nproc: int = 2, nnodes: str = "2", script: str = TRAIN,
-                    script_args: Sequence[str] | None = None, single_node: bool = False) -> subprocess.Popen[str]:
+                    script_args: Sequence[str] | None = None, single_node: bool = False,
+                    env: dict[str, str] | None = None) -> subprocess.Popen[str]:
         """An agent of this job on ``endpoint``; ``single_node``: one agent whose flags in ``extra`` say how
-        it coordinates (``--standalone``, ``--rdzv-backend static``): no endpoint, job id or --nnodes given."""
-        env = child_env()
+        it coordinates (``--standalone``, ``--rdzv-backend static``): no endpoint, job id or --nnodes given.
+        ``env``: this agent's own additions over the job's (its node's ``CUDA_VISIBLE_DEVICES``)."""
+        agent_env, env = env or {}, child_env()
         env.update({"REF_STEPS": str(STEPS), "CKPTLESS_LOG_LEVEL": "INFO", "CKPTLESS_COLLECTIVE_TIMEOUT": "30",
                     "CKPTLESS_RECOVERY_TIMEOUT": "60"})
         if self.user is not None and self.password is not None:
             env.update({"CKPTLESS_ETCD_USER": self.user, "CKPTLESS_ETCD_PASSWORD": self.password})
         env.update(self.env)
+        env.update(agent_env)
         log = self.out / f"agent{len(self.agents)}.log"
         self.logs.append(log)
         where = ([] if single_node else

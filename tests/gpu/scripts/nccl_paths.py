@@ -10,9 +10,13 @@ Usage: nccl_paths.py CASE OUT_JSON, CASE one of:
 * ``forming``: a world-2 communicator whose second rank never comes (a peer
   that died during formation): the formation's helper thread is stuck in the
   connect or its check; ``rebindable.abort_forming`` must free it.
-* ``hung``: a world-1 communicator with a receive nobody sends (a kernel that
-  spins, as a survivor's all-reduce does when its peer died); a thread waits
-  for it in a CUDA sync; the abort path must release that thread.
+* ``hung``: a kernel that spins, as a survivor's all-reduce does when its
+  peer died; a thread waits for it in a CUDA sync; the abort path must
+  release that thread. With two GPUs: a world-2 communicator whose peer (a
+  second process, ``peer`` case, on GPU 1) is SIGKILLed once it has formed,
+  then an all-reduce; torch's error handling off (0), so only the abort can
+  end it. With one GPU: a receive from oneself, which NCCL 2.28 refuses
+  (``ncclInvalidUsage``) instead of spinning: reported as skipped.
 """
 
 from __future__ import annotations
@@ -20,9 +24,12 @@ from __future__ import annotations
 import gc
 import json
 import os
+import signal
+import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -31,8 +38,8 @@ import torch.distributed as dist
 
 from ckptless.worker import nccl, rebindable
 
-CASE, OUT = sys.argv[1], sys.argv[2]
-DEV = torch.device("cuda", 0)
+CASE, OUT = sys.argv[1], sys.argv[2]  # the ``peer`` case: OUT is the store's port
+DEV = torch.device("cuda", 1 if CASE == "peer" else 0)
 torch.cuda.set_device(DEV)
 TIMEOUT = timedelta(seconds=60)
 
@@ -93,16 +100,14 @@ def forming() -> dict[str, Any]:
             "released_after_s": time.monotonic() - t0, "thread_error": error}
 
 
-def hung() -> dict[str, Any]:
-    store = dist.HashStore()
-    b = nccl.build(dist.PrefixStore("h/", store), 0, 1, TIMEOUT, "h", [0], DEV)
-    nccl.check_members(b, DEV, 1, "the world-1 group", 60)
-    buf = torch.zeros(16, device=DEV)
+def _release_of_a_thread_stuck_behind(start: Callable[[], None]) -> dict[str, Any]:
+    """``start()`` enqueues a kernel that never ends; a thread then waits in a CUDA sync, as the training
+    thread does at its next ``loss.item()``. Returns whether, and how soon, ``abort()`` released it."""
     outcome: list[str] = []
 
     def waiter() -> None:
         try:
-            b.recv([buf], 0, 0)  # nobody sends: the kernel spins
+            start()
             torch.cuda.synchronize()  # the training thread's next sync
             outcome.append("returned")
         except Exception as exc:  # noqa: BLE001 - raised after the abort: the thread is out
@@ -111,17 +116,66 @@ def hung() -> dict[str, Any]:
     th = threading.Thread(target=waiter, daemon=True)
     th.start()
     th.join(3.0)
-    if not th.is_alive():
-        return {"skipped": f"the self-receive did not hang: {outcome}"}
+    return {"stuck": th.is_alive(), "outcome": outcome, "thread": th}
+
+
+def hung_with_peer() -> dict[str, Any]:
+    os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "0"  # nothing but the abort below may end the kernel
+    store = dist.TCPStore("127.0.0.1", 0, 2, True, timeout=timedelta(seconds=60))
+    peer = subprocess.Popen([sys.executable, __file__, "peer", str(store.port)], env=dict(os.environ))
+    try:
+        b = nccl.build(dist.PrefixStore("p/", store), 0, 2, TIMEOUT, "p", [0, 1], DEV)
+        nccl.check_members(b, DEV, 2, "the world-2 group", 60)
+        store.wait(["peer_formed"], timedelta(seconds=60))
+    finally:
+        peer.send_signal(signal.SIGKILL)  # the peer dies with the communicator formed
+        peer.wait(30)
+    buf = torch.ones(1 << 20, device=DEV)
+    r = _release_of_a_thread_stuck_behind(lambda: b.allreduce([buf]).wait())
+    th = r.pop("thread")
+    if not r["stuck"]:
+        return {"failed": f"the all-reduce with a dead peer did not hang: {r['outcome']}"}
     t0 = time.monotonic()
     b.abort()
     th.join(30)
-    return {"released": not th.is_alive(), "released_after_s": time.monotonic() - t0, "outcome": outcome}
+    return {"released": not th.is_alive(), "released_after_s": time.monotonic() - t0, "outcome": r["outcome"],
+            "gpus": 2}
+
+
+def peer() -> None:
+    """Rank 1 of ``hung_with_peer``'s communicator, on GPU 1: forms it, says so, and waits to be killed."""
+    store = dist.TCPStore("127.0.0.1", int(OUT), 2, False, timeout=timedelta(seconds=60))
+    b = nccl.build(dist.PrefixStore("p/", store), 1, 2, TIMEOUT, "p", [0, 1], DEV)
+    nccl.check_members(b, DEV, 2, "the world-2 group", 60)
+    store.set("peer_formed", "1")
+    time.sleep(120)  # bounded: the parent SIGKILLs this process at once
+
+
+def hung() -> dict[str, Any]:
+    if torch.cuda.device_count() >= 2:
+        return hung_with_peer()
+    store = dist.HashStore()
+    b = nccl.build(dist.PrefixStore("h/", store), 0, 1, TIMEOUT, "h", [0], DEV)
+    nccl.check_members(b, DEV, 1, "the world-1 group", 60)
+    buf = torch.zeros(16, device=DEV)
+    r = _release_of_a_thread_stuck_behind(lambda: b.recv([buf], 0, 0))  # nobody sends: it would spin
+    th = r.pop("thread")
+    if not r["stuck"]:
+        return {"skipped": f"the self-receive did not hang: {r['outcome']}"}
+    t0 = time.monotonic()
+    b.abort()
+    th.join(30)
+    return {"released": not th.is_alive(), "released_after_s": time.monotonic() - t0, "outcome": r["outcome"]}
 
 
 if __name__ == "__main__":
+    if CASE == "peer":
+        peer()
+        sys.exit(0)
     result = {"cycle": cycle, "forming": forming, "hung": hung}[CASE]()
     with open(OUT, "w") as f:
         json.dump(result, f)
+    if CASE == "hung":
+        os._exit(0)  # an aborted communicator with a dead peer must not hang the interpreter's teardown
     sys.stdout.flush()
     os._exit(0)  # a thread may still be inside NCCL after a failed case: do not wait for it
