@@ -9,8 +9,9 @@ hung step soon after the incident, are never killed, end bitwise):
 tests/e2e/test_recovery_e2e.py (a kill at the step's start, in the optimizer
 step, inside the capture, a second failure during the recovery) and
 tests/e2e/test_ddp_fsdp_e2e.py (DDP and FSDP2, a kill in backward). The same
-assertions for real NCCL need two or more GPUs on one machine; they have not
-run (docs/architecture.md, "GPU path").
+assertions for real NCCL need two or more GPUs on one machine: they are
+written in tests/gpu/test_multi_gpu.py and have not run (docs/architecture.md,
+"GPU path").
 """
 
 from __future__ import annotations
