@@ -268,9 +268,10 @@ class LoopRunner:
         if resume is not None:
             pos.restore_fetch()  # the streams as they were before the batch in hand was first fetched
         stateful = is_stateful(loader)
+        in_process = not getattr(loader, "num_workers", 0)  # no worker processes: batches load here
         while True:
             before = loader.state_dict() if stateful else None  # type: ignore[attr-defined]
-            pos.before_fetch()
+            pos.before_fetch(in_process)
             try:
                 batch = next(it)
             except StopIteration:  # the pass is done: a version taken from here on reopens it empty

@@ -26,7 +26,9 @@ A pass is reopened, by kind of loader:
   with the recorded RNG and the trained batches fetched again and dropped.
 
 Exact means: the same index batches, in the same order, collated the same.
-Randomness *inside* a worker (a random crop) is reproduced at a pass's start;
+Randomness drawn while a batch loads in this process (``num_workers=0``: a
+random crop from ``torch``, ``random`` or ``np.random``) is reproduced at any
+batch. Randomness *inside* a worker is reproduced at a pass's start;
 mid-pass it is only when the dataset derives it from the index (the workers'
 RNG is reseeded, not replayed), which torchdata's loader shares
 (docs/state.md, "Your own loop").
@@ -39,6 +41,7 @@ import random
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
+import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
@@ -68,10 +71,10 @@ class LoopPosition:
     the pass was opened (what follows is recorded). ``cpu_rng``/``loader_rng``: the global CPU
     generator's and the loader's own generator's state just before the pass was opened.
     ``base_draw``: opening it drew the workers' base seed. ``loader_state``: a stateful loader's own
-    state before the batch in hand was fetched. ``fetch_torch``/``fetch_python``: the torch CPU and
-    Python streams before it was fetched (loading it in this process may draw from them: a reopened
-    pass fetches it again from there). ``ordinal`` is :data:`AFTER_EPOCHS` for a pass after the
-    ``job.epochs`` loop ended.
+    state before the batch in hand was fetched. ``fetch_torch``/``fetch_python``/``fetch_numpy``: the
+    torch CPU, Python and NumPy global streams before it was fetched (loading it in this process may
+    draw from them: a reopened pass fetches it again from there; NumPy's only where the loader loads
+    in this process). ``ordinal`` is :data:`AFTER_EPOCHS` for a pass after the ``job.epochs`` loop ended.
     """
 
     __ckptless_data_position__ = True
@@ -90,18 +93,23 @@ class LoopPosition:
         self.loader_state: dict[str, Any] | None = None
         self.fetch_torch = _EMPTY
         self.fetch_python: tuple[Any, ...] | None = None
+        self.fetch_numpy: tuple[Any, ...] | None = None
 
-    def before_fetch(self) -> None:
-        """~20 us: the two streams a batch's loading in this process draws from (NumPy's is not kept per
-        batch: 70 us; docs/state.md)."""
+    def before_fetch(self, in_process: bool) -> None:
+        """The streams loading the next batch may draw from: torch's and Python's (~10 us), and NumPy's
+        (~35 us) where the batch is loaded in this process (``in_process``: no loader workers): a
+        ``__getitem__`` with ``np.random`` draws from it there, from the worker's own stream elsewhere."""
         self.fetch_torch = torch.get_rng_state()
         self.fetch_python = random.getstate()
+        self.fetch_numpy = np.random.get_state(legacy=True) if in_process else None  # type: ignore[assignment]
 
     def restore_fetch(self) -> None:
         if self.fetch_torch.numel():
             torch.set_rng_state(self.fetch_torch)
         if self.fetch_python is not None:
             random.setstate(self.fetch_python)
+        if self.fetch_numpy is not None:
+            np.random.set_state(self.fetch_numpy)
 
     def begin_epoch(self, ordinal: int, value: Any) -> None:
         self.ordinal, self.epoch = ordinal, value if type(value) is int else None
@@ -123,7 +131,11 @@ class LoopPosition:
                 "base_draw": self.base_draw, "loader_state": self.loader_state, "fetch_torch": self.fetch_torch,
                 "fetch_python": None if self.fetch_python is None else
                 {"version": self.fetch_python[0], "gauss": self.fetch_python[2],
-                 "state": torch.tensor(self.fetch_python[1], dtype=torch.int64)}}
+                 "state": torch.tensor(self.fetch_python[1], dtype=torch.int64)},
+                "fetch_numpy": None if self.fetch_numpy is None else
+                {"name": str(self.fetch_numpy[0]), "key": torch.from_numpy(self.fetch_numpy[1].astype(np.int64)),
+                 "pos": int(self.fetch_numpy[2]), "has_gauss": int(self.fetch_numpy[3]),
+                 "cached_gaussian": float(self.fetch_numpy[4])}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         try:
@@ -136,6 +148,10 @@ class LoopPosition:
             self.fetch_torch = state["fetch_torch"].clone()
             py = state["fetch_python"]
             self.fetch_python = None if py is None else (py["version"], tuple(py["state"].tolist()), py["gauss"])
+            npy = state.get("fetch_numpy")  # absent from an image of an older ckptless: not kept then
+            self.fetch_numpy = None if npy is None else (
+                str(npy["name"]), npy["key"].numpy().astype(np.uint32), int(npy["pos"]), int(npy["has_gauss"]),
+                float(npy["cached_gaussian"]))
         except (KeyError, TypeError, AttributeError) as exc:
             raise StateError(f"a loop position must have the fields of LoopPosition.state_dict(): {exc}") from exc
 

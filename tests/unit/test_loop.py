@@ -23,6 +23,7 @@ from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -54,6 +55,13 @@ class Jittered(Squares):
 
     def __getitem__(self, i: int) -> torch.Tensor:
         return torch.tensor([i, i * i]) + torch.randint(0, 100, (2,)) + random.randint(0, 100)
+
+
+class NumpyJittered(Squares):
+    """A random transform drawn from NumPy's global stream while the batch loads in this process."""
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.tensor([i, i * i]) + int(np.random.randint(0, 100))
 
 
 class Counting(IterableDataset):
@@ -149,6 +157,7 @@ def run_loop(make_loader: Callable[[], Any], fn_body: Callable[..., None], epoch
     """Run ``fn_body`` as job.train's function."""
     torch.manual_seed(1234)
     random.seed(1234)
+    np.random.seed(1234)
     driver = FakeDriver(rollbacks)
     runner = LoopRunner(driver)  # type: ignore[arg-type]
     record = Record()
@@ -222,6 +231,7 @@ LOADERS: dict[str, Callable[[], Any]] = {
     "drop_last": lambda: DataLoader(Squares(23), batch_size=5, shuffle=True, drop_last=True),
     "iterable": lambda: DataLoader(Counting(17), batch_size=4),
     "jittered": lambda: DataLoader(Jittered(23), batch_size=3, shuffle=True),
+    "numpy_jittered": lambda: DataLoader(NumpyJittered(23), batch_size=3, shuffle=True),
 }
 
 
