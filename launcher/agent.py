@@ -89,6 +89,7 @@ class NodeAgent:
         self.state = NodeState(cfg, self.node_id, tempfile.mkdtemp(prefix="ckptless-hb-"), gpus)
         self._leader: RecoveryLeader | None = None
         self._me: NodeInfo | None = None
+        self._link: LinkCheck | None = None  # links/<node>: put back under a renewed lease
         self._warm_started = False
         self._unported_warned = False
 
@@ -137,6 +138,8 @@ class NodeAgent:
         st.lost_since = None
         st.session = session
         Rendezvous(st.client, st.keyspace, session).register(self._me)
+        if self._link is not None:
+            self._link.republish(session.lease_id)
         st.spares.offer_again([s.worker_id for s in st.slots.all() if s.spare and s.alive], session.lease_id)
         if self._leader is not None:
             self._leader.stop()
@@ -208,7 +211,7 @@ class NodeAgent:
                 self._leader = self._start_leader(st.session)
                 stack.callback(lambda: self._leader.stop() if self._leader is not None else None)
             self._start_metrics(stack)
-            link = LinkCheck(client, st.keyspace, self.node_id, cfg.local_addr,
+            link = self._link = LinkCheck(client, st.keyspace, self.node_id, cfg.local_addr,
                              st.slots.gpus > 0 and environment.current().cuda_backend in (None, "nccl"),
                              st.metrics, cfg.goodput_dir)
             link.publish(st.session.lease_id)  # the mirrors' interface and address, named before anything runs
@@ -219,7 +222,7 @@ class NodeAgent:
             if result.late:
                 cfg = self._serve_as_spares()
             else:
-                link.measure(result, st.session.lease_id)  # once, on its own thread: 0.3 s to the next node
+                link.measure(result)  # once, on its own thread: 0.3 s to the next node
             st.result = result
             if result.world_size < 2 or cfg.replicas == 0:
                 self._without_recovery(result.world_size)

@@ -10,7 +10,7 @@ rate is below ``CKPTLESS_MIRROR_MIN_GBPS``. Telemetry: nothing here fails or
 delays the job (the probe runs on its own thread, every step has a deadline).
 
 Cost in W: per node one TCP connection to one peer for ~0.3 s, one etcd put at
-start and one after the probe; nothing per worker, nothing on the leader.
+start, one after the probe and one per lease renewal; nothing per worker, nothing on the leader.
 """
 
 from __future__ import annotations
@@ -37,7 +37,8 @@ PROBE_S = 0.3
 
 
 class LinkCheck:
-    """Publish at start (:meth:`publish`), measure after the rendezvous (:meth:`measure`), :meth:`close`."""
+    """Publish at start (:meth:`publish`), measure after the rendezvous (:meth:`measure`), publish again
+    under a new lease (:meth:`republish`: the key lives on the agent's lease), :meth:`close`."""
 
     def __init__(self, client: EtcdClient, keyspace: Keyspace, node_id: str, local_addr: str | None,
                  uses_nccl: bool, metrics: MetricsExporter | None, goodput_dir: str | None) -> None:
@@ -48,9 +49,13 @@ class LinkCheck:
         self._server: ProbeServer | None = None
         self._ifaces: dict[str, str] = {}
         self._thread: threading.Thread | None = None
+        self._lease: int | None = None
+        self._doc: dict[str, Any] | None = None  # what links/<node> holds: published again on a new lease
+        self._lock = threading.Lock()  # the probe's thread and a renewal both put the key
 
     def publish(self, lease: int | None) -> None:
         """Name the mirrors' interface and address and open the probe port (never raises)."""
+        self._lease = lease
         try:
             env = environment.current()
             self._ifaces = interfaces()
@@ -64,21 +69,36 @@ class LinkCheck:
             if addr != "?":
                 self._server = ProbeServer(addr)
                 doc["probe_port"] = self._server.port
-            self.client.put(self.keyspace.link(self.node_id), json.dumps(doc), lease=lease)
+            self._put(doc)
         except Exception as exc:  # noqa: BLE001 - telemetry: the job goes on without it
             log.warning("mirror link not stated: %s", exc)
 
-    def measure(self, result: RendezvousResult, lease: int | None) -> None:
+    def republish(self, lease: int | None) -> None:
+        """The agent's lease was renewed: its keys went with the old one; put ``links/<node>`` back (never raises)."""
+        self._lease = lease
+        if self._doc is None:
+            return
+        try:
+            self._put(self._doc)
+        except Exception as exc:  # noqa: BLE001 - telemetry
+            log.warning("mirror link not published again: %s", exc)
+
+    def _put(self, doc: dict[str, Any]) -> None:
+        with self._lock:
+            self._doc = doc
+            self.client.put(self.keyspace.link(self.node_id), json.dumps(doc), lease=self._lease)
+
+    def measure(self, result: RendezvousResult) -> None:
         """Probe the next node of the rendezvous (this node alone: itself) on a thread of its own."""
         if self.link is None or not result.participants:
             return
         ids = [p.node_id for p in result.participants]
         me = ids.index(self.node_id) if self.node_id in ids else 0
         peer = ids[(me + 1) % len(ids)]
-        self._thread = threading.Thread(target=self._measure, args=(peer, lease), name="ckptless-link", daemon=True)
+        self._thread = threading.Thread(target=self._measure, args=(peer,), name="ckptless-link", daemon=True)
         self._thread.start()
 
-    def _measure(self, peer: str, lease: int | None) -> None:
+    def _measure(self, peer: str) -> None:
         assert self.link is not None
         link = self.link
         try:
@@ -92,17 +112,16 @@ class LinkCheck:
         except Exception as exc:  # noqa: BLE001 - telemetry
             link = MirrorLink(link.interface, link.address, link.chosen_by, peer, error=f"not measured: {exc}"[:200])
         self.link = link
-        self._report(link, lease)
+        self._report(link)
 
-    def _report(self, link: MirrorLink, lease: int | None) -> None:
+    def _report(self, link: MirrorLink) -> None:
         env = environment.current()
         collectives = collectives_interface(self.uses_nccl, env.nccl_socket_ifname, link.interface, self._ifaces)
         for warning in judge(link, collectives, env.mirror_min_gbps):
             print(f"ckptless-run: warning: {warning}", file=sys.stderr, flush=True)
         print(f"ckptless-run: mirrors on {link.describe()}", file=sys.stderr, flush=True)
         try:
-            doc = {**link.to_json(), "collectives_interface": collectives}
-            self.client.put(self.keyspace.link(self.node_id), json.dumps(doc), lease=lease)
+            self._put({**link.to_json(), "collectives_interface": collectives})
         except Exception as exc:  # noqa: BLE001 - telemetry
             log.warning("mirror link not published: %s", exc)
         if self.metrics is not None and link.bytes_per_s is not None:

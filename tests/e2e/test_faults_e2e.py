@@ -379,7 +379,11 @@ def test_agent_paused_shorter_than_node_grace(module_etcd: EmbeddedEtcd, tmp_pat
             def node_keys() -> set[str]:
                 return {kv.key for kv in cl.get_prefix(ks.nodes_prefix)[0]}
 
-            before = node_keys()
+            def link_keys() -> set[str]:
+                return {kv.key for kv in cl.get_prefix(ks.links_prefix)[0]}
+
+            wait_until(lambda: len(link_keys()) == 2, 30, "both agents' links/<node> (after their probes)")
+            before, links = node_keys(), link_keys()
             os.kill(agent.pid, signal.SIGSTOP)
             t0 = time.monotonic()
             try:
@@ -387,6 +391,8 @@ def test_agent_paused_shorter_than_node_grace(module_etcd: EmbeddedEtcd, tmp_pat
                 _hold(8.0 - (time.monotonic() - t0), c, "the agent's pause")  # the fault is the 8 s pause itself
             finally:
                 os.kill(agent.pid, signal.SIGCONT)
+            # Its keys went with the old lease; the renewal puts them back, links/<node> too (ckptless status).
+            wait_until(lambda: node_keys() == before and link_keys() == links, 30, "the agent's keys back")
         c.release()
         c.wait(timeout=90)
     finally:
