@@ -13,17 +13,21 @@ any data position at all.
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 from torch.utils.data import (
     BatchSampler,
     DataLoader,
+    Dataset,
     DistributedSampler,
     IterableDataset,
     RandomSampler,
     SequentialSampler,
+    get_worker_info,
 )
 
 from ckptless.errors import ConfigError
@@ -51,10 +55,15 @@ class ResumableLoader:
     the last of each epoch, which holds the remainder, or is dropped with
     ``drop_last`` (as ``DataLoader(drop_last=True)`` does).
 
-    Worker processes are started per epoch and after every restore, with
-    worker seeds derived from ``(seed, epoch, index)``: random transforms in
-    workers are reproducible across a restore (they are not the seeds a plain
-    ``DataLoader`` would draw from the global RNG).
+    Worker processes are started per epoch and after every restore. In a
+    worker, the global torch, ``random`` and NumPy streams are seeded before
+    each sample from ``(seed, epoch, sample index)`` (:func:`sample_seed`): a
+    random transform in a worker draws the same numbers for a sample whatever
+    batch the loader was restored at, and whichever rank or worker loads it. A
+    plain ``DataLoader``'s workers draw from a stream seeded once per pass, so a
+    pass reopened mid-epoch draws other numbers. Without workers the batch
+    loads in the training process, from its own streams, which the job
+    protects.
     """
 
     __ckptless_data_position__ = True
@@ -131,10 +140,15 @@ class ResumableLoader:
         # the global stream untouched and worker seeds reproducible.
         g = torch.Generator()
         g.manual_seed((s.seed * SEED_MIX + s.epoch * 1_000_003 + s.index) % (1 << 63))
+        dataset: Any = self.dataset
+        keys: list[Any] = rest
+        if self.num_workers > 0:  # each sample's worker-side randomness from the sample, not the worker's stream
+            dataset = _SeededSamples(self.dataset)
+            keys = [(i, sample_seed(s.seed, s.epoch, i)) for i in rest]
         loader = DataLoader(
-            self.dataset,
+            dataset,
             batch_size=self.batch_size,
-            sampler=rest,
+            sampler=keys,
             collate_fn=self.collate_fn,
             num_workers=self.num_workers,
             pin_memory=self.pin_memory,
@@ -207,6 +221,38 @@ class ResumableLoader:
         self.sampler.load_state_dict(state)
         self._it = None
         self._moved_by_iter = False  # the next iter() continues from the restored position
+
+
+def sample_seed(seed: int, epoch: int, index: int) -> int:
+    """The seed of sample ``index``'s loading in ``epoch`` (SplitMix64's finaliser over the three): distinct
+    for every sample and epoch, so augmentations stay independent across samples, epochs and ranks."""
+    z = (seed * SEED_MIX + epoch * 1_000_003 + index * 0xD1B54A32D192ED03) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) >> 1  # 63 bits: torch.manual_seed takes it as it is
+
+
+_MASK64 = (1 << 64) - 1
+
+
+class _SeededSamples(Dataset[Any]):
+    """The user's dataset, fetched by ``(index, seed)``: in a loader worker, the global torch, ``random``
+    and NumPy streams are seeded with ``seed`` first (~35 us a sample, in the worker), so the sample's
+    random transforms do not depend on what the worker loaded before it."""
+
+    def __init__(self, dataset: Any) -> None:
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, key: tuple[int, int]) -> Any:
+        index, seed = key
+        if get_worker_info() is not None:  # never in the training process: its streams are the job's
+            torch.manual_seed(seed)
+            random.seed(seed)
+            np.random.seed(seed % (1 << 32))
+        return self.dataset[index]
 
 
 # --- one-line wrapping of a stock DataLoader ------------------------------------------

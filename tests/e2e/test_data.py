@@ -152,6 +152,46 @@ def test_loader_with_worker_process_keeps_consumed_position() -> None:
     assert first == ld.sampler.epoch_indices(0)[:4]
 
 
+class _Augmented(torch.utils.data.Dataset):
+    """A random transform drawn in the worker from its torch, ``random`` and NumPy streams."""
+
+    def __len__(self) -> int:
+        return 24
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        import random
+
+        import numpy as np
+
+        return torch.tensor([i * 1000 + int(torch.randint(0, 100, ())), random.randint(0, 99),
+                             int(np.random.randint(0, 100))])
+
+
+def _augmented(workers: int) -> ResumableLoader:
+    return ResumableLoader(_Augmented(), ResumableSampler(24, seed=4, world_size=2, rank=1), batch_size=3,
+                           num_workers=workers)
+
+
+def test_worker_transforms_draw_the_same_numbers_after_a_restore_at_any_batch() -> None:
+    """Was: the workers' base seed came from the position at the reopening, so a loader restored mid-epoch
+    gave every later sample other random transforms than the uninterrupted run (silently other data)."""
+    ld = _augmented(workers=2)
+    full = [ld.next_batch() for _ in range(10)]  # 4 batches an epoch: into the third epoch
+    for k in (1, 3, 5, 6):
+        other = _augmented(workers=2)
+        for _ in range(k):
+            other.next_batch()
+        fresh = _augmented(workers=2)
+        fresh.load_state_dict(other.state_dict())
+        assert all(torch.equal(fresh.next_batch(), want) for want in full[k:k + 3]), f"restored at batch {k}"
+    draws = torch.stack([b[:, 0] % 1000 for b in full]).reshape(-1)
+    assert len(set(draws.tolist())) > len(draws) // 2  # independent per sample and epoch, not one draw repeated
+    epoch0 = {int(r[0]) // 1000: r for b in full[:4] for r in b}
+    epoch1 = {int(r[0]) // 1000: r for b in full[4:8] for r in b}
+    both = epoch0.keys() & epoch1.keys()  # the rank's shard is reshuffled every epoch
+    assert both and any(not torch.equal(epoch0[i], epoch1[i]) for i in both)  # a sample's transform changes by epoch
+
+
 @pytest.mark.parametrize(
     ("kwargs", "field"),
     [
