@@ -13,11 +13,9 @@ any data position at all.
 
 from __future__ import annotations
 
-import random
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 from torch.utils.data import (
     BatchSampler,
@@ -31,7 +29,7 @@ from torch.utils.data import (
 )
 
 from ckptless.errors import ConfigError
-from ckptless.sampler import SEED_MIX, ResumableSampler, check_int
+from ckptless.sampler import SEED_MIX, ResumableSampler, check_int, sample_seed, seed_global_streams
 
 if TYPE_CHECKING:
     from ckptless.state.registry import StateRegistry
@@ -223,21 +221,9 @@ class ResumableLoader:
         self._moved_by_iter = False  # the next iter() continues from the restored position
 
 
-def sample_seed(seed: int, epoch: int, index: int) -> int:
-    """The seed of sample ``index``'s loading in ``epoch`` (SplitMix64's finaliser over the three): distinct
-    for every sample and epoch, so augmentations stay independent across samples, epochs and ranks."""
-    z = (seed * SEED_MIX + epoch * 1_000_003 + index * 0xD1B54A32D192ED03) & _MASK64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return (z ^ (z >> 31)) >> 1  # 63 bits: torch.manual_seed takes it as it is
-
-
-_MASK64 = (1 << 64) - 1
-
-
 class _SeededSamples(Dataset[Any]):
     """The user's dataset, fetched by ``(index, seed)``: in a loader worker, the global torch, ``random``
-    and NumPy streams are seeded with ``seed`` first (~35 us a sample, in the worker), so the sample's
+    and NumPy streams are seeded with ``seed`` first (~8 us a sample, in the worker), so the sample's
     random transforms do not depend on what the worker loaded before it."""
 
     def __init__(self, dataset: Any) -> None:
@@ -249,9 +235,7 @@ class _SeededSamples(Dataset[Any]):
     def __getitem__(self, key: tuple[int, int]) -> Any:
         index, seed = key
         if get_worker_info() is not None:  # never in the training process: its streams are the job's
-            torch.manual_seed(seed)
-            random.seed(seed)
-            np.random.seed(seed % (1 << 32))
+            seed_global_streams(seed)
         return self.dataset[index]
 
 

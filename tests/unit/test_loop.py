@@ -295,22 +295,53 @@ def test_train_and_eval_passes_per_epoch_resume_exactly(epochs: int, data: st.Da
     assert run_loop(LOADERS["distributed"], train_and_eval, epochs, plan).same(baseline)
 
 
-@pytest.mark.parametrize("persistent", [False, True])
-def test_loader_workers_resume_mid_epoch_exactly(persistent: bool) -> None:
-    """Two worker processes (and persistent ones): a rollback into the middle of an earlier epoch."""
+class Augmented(Squares):
+    """A random transform drawn in a loader worker from its torch, ``random`` and NumPy streams."""
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.tensor([i, int(torch.randint(0, 1000, ())), random.randint(0, 999), int(np.random.randint(1000))])
+
+
+class BatchedAugmented(Augmented):
+    """The same, fetched a batch at a time (``__getitems__``, as HF datasets and ``Subset`` do)."""
+
+    def __getitems__(self, indices: list[int]) -> list[torch.Tensor]:
+        return [self[i] for i in indices]
+
+
+@pytest.mark.parametrize(("persistent", "dataset"), [(False, Squares), (True, Squares), (False, Augmented),
+                                                     (False, BatchedAugmented)])
+def test_loader_workers_resume_mid_epoch_exactly(persistent: bool, dataset: type[Squares]) -> None:
+    """Two worker processes (and persistent ones): a rollback into the middle of an earlier epoch. With
+    random transforms in the workers (was: other numbers after a mid-pass reopening, silently)."""
     def make() -> DataLoader:
-        return DataLoader(Squares(24), batch_size=3, shuffle=True, num_workers=2, persistent_workers=persistent)
+        return DataLoader(dataset(24), batch_size=3, shuffle=True, num_workers=2, persistent_workers=persistent)
     baseline = run_loop(make, epoch_loop, 2, {})
     got = run_loop(make, epoch_loop, 2, {12: 5, 14: 9})
     assert got.same(baseline) and got.calls == 3
 
 
-def test_stateful_dataloader_resumes_from_its_own_state() -> None:
-    """torchdata's StatefulDataLoader (shuffle, workers): reopened from its state before the batch."""
+def test_worker_transforms_stay_independent_across_samples_and_epochs() -> None:
+    """Seeded per sample from (the pass's base seed, the index): not one transform for every sample,
+    nor the same transform for a sample in every epoch."""
+    from ckptless.passes import _SeedPerSample
+
+    loader = DataLoader(Augmented(24), batch_size=3, shuffle=True, num_workers=2, worker_init_fn=_SeedPerSample(None))
+    torch.manual_seed(0)
+    rows = [{r[0]: tuple(r[1:]) for b in loader for r in b.tolist()} for _ in range(2)]  # two passes (epochs)
+    assert len(set(rows[0].values())) == 24
+    assert sum(rows[0][i] != rows[1][i] for i in range(24)) >= 20
+
+
+@pytest.mark.parametrize("dataset", [Squares, Augmented])
+def test_stateful_dataloader_resumes_from_its_own_state(dataset: type[Squares]) -> None:
+    """torchdata's StatefulDataLoader (shuffle, workers): reopened from its state before the batch. With
+    random transforms in the workers: torchdata's own resume draws other numbers there, ckptless's
+    per-sample seeding makes them the same."""
     stateful = pytest.importorskip("torchdata.stateful_dataloader")
 
     def make() -> Any:
-        return stateful.StatefulDataLoader(Squares(30), batch_size=4, shuffle=True, num_workers=2)
+        return stateful.StatefulDataLoader(dataset(30), batch_size=4, shuffle=True, num_workers=2)
     baseline = run_loop(make, epoch_loop, 2, {})
     assert run_loop(make, epoch_loop, 2, {5: 2, 11: 7, 13: 8}).same(baseline)
 
