@@ -11,6 +11,9 @@ include the loop's position and every RNG stream):
   matches the resume epoch by value.
 * examples/gpt_trainer.py (minGPT's shape): killed inside an eval pass (the
   second ``ckptless.batches`` pass of an epoch counted from 1).
+* tests/harness/scripts/augmented_workers.py (a vision pipeline's shape): two
+  loader workers drawing a random transform per sample, killed mid-epoch: the
+  reopened pass's new workers must draw what the original's drew.
 
 The same logic in one process, under hypothesis-chosen rollbacks and with
 loader workers and torchdata's loader: tests/unit/test_loop.py.
@@ -25,7 +28,7 @@ import pytest
 
 from ckptless.chaos.main import main
 
-from ..harness.repo import REPO
+from ..harness.repo import REPO, SCRIPTS
 
 SMALL = ["--nnodes", "1", "--nproc-per-node", "2"]
 
@@ -67,3 +70,15 @@ def test_gpt_trainer_killed_in_an_eval_pass_resumes_bitwise(tmp_path: Path,
                   "--at", "20", "--out", str(tmp_path), "--", "--epochs", "2")
     assert "bitwise equal" in line, line
     assert _steps(tmp_path, "kill-worker") == 42
+
+
+@pytest.mark.rotating(2)  # CI budget: tests/harness/rotation.py (the logic runs daily in tests/unit/test_loop.py)
+@pytest.mark.timeout(300)
+def test_random_transforms_in_loader_workers_resume_bitwise(tmp_path: Path,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    # 256 samples / 2 ranks / 8 per batch = 16 steps an epoch: step 11 is mid-epoch 0, with both workers'
+    # streams advanced by the samples they loaded (was: other transforms after the reopening, FAIL)
+    line = _chaos(capsys, "run", "kill-worker", "--script", str(SCRIPTS / "augmented_workers.py"), *SMALL,
+                  "--at", "11", "--out", str(tmp_path), "--", "--epochs", "2")
+    assert "bitwise equal" in line, line
+    assert _steps(tmp_path, "kill-worker") == 32
