@@ -20,16 +20,15 @@ import torch
 from torch.utils.data import (
     BatchSampler,
     DataLoader,
-    Dataset,
     DistributedSampler,
     IterableDataset,
     RandomSampler,
     SequentialSampler,
-    get_worker_info,
 )
 
 from ckptless.errors import ConfigError
-from ckptless.sampler import SEED_MIX, ResumableSampler, check_int, sample_seed, seed_global_streams
+from ckptless.sample_seeds import SeedPerSample
+from ckptless.sampler import SEED_MIX, ResumableSampler, check_int
 
 if TYPE_CHECKING:
     from ckptless.state.registry import StateRegistry
@@ -55,7 +54,7 @@ class ResumableLoader:
 
     Worker processes are started per epoch and after every restore. In a
     worker, the global torch, ``random`` and NumPy streams are seeded before
-    each sample from ``(seed, epoch, sample index)`` (:func:`sample_seed`): a
+    each sample from ``(seed, epoch, sample index)`` (:mod:`ckptless.sample_seeds`): a
     random transform in a worker draws the same numbers for a sample whatever
     batch the loader was restored at, and whichever rank or worker loads it. A
     plain ``DataLoader``'s workers draw from a stream seeded once per pass, so a
@@ -138,20 +137,18 @@ class ResumableLoader:
         # the global stream untouched and worker seeds reproducible.
         g = torch.Generator()
         g.manual_seed((s.seed * SEED_MIX + s.epoch * 1_000_003 + s.index) % (1 << 63))
-        dataset: Any = self.dataset
-        keys: list[Any] = rest
+        kwargs = dict(self._loader_kwargs)
         if self.num_workers > 0:  # each sample's worker-side randomness from the sample, not the worker's stream
-            dataset = _SeededSamples(self.dataset)
-            keys = [(i, sample_seed(s.seed, s.epoch, i)) for i in rest]
+            kwargs["worker_init_fn"] = SeedPerSample(kwargs["worker_init_fn"], s.seed, s.epoch)
         loader = DataLoader(
-            dataset,
+            self.dataset,
             batch_size=self.batch_size,
-            sampler=keys,
+            sampler=rest,
             collate_fn=self.collate_fn,
             num_workers=self.num_workers,
             pin_memory=self.pin_memory,
             generator=g,
-            **self._loader_kwargs,
+            **kwargs,
         )
         return iter(loader)
 
@@ -219,24 +216,6 @@ class ResumableLoader:
         self.sampler.load_state_dict(state)
         self._it = None
         self._moved_by_iter = False  # the next iter() continues from the restored position
-
-
-class _SeededSamples(Dataset[Any]):
-    """The user's dataset, fetched by ``(index, seed)``: in a loader worker, the global torch, ``random``
-    and NumPy streams are seeded with ``seed`` first (~8 us a sample, in the worker), so the sample's
-    random transforms do not depend on what the worker loaded before it."""
-
-    def __init__(self, dataset: Any) -> None:
-        self.dataset = dataset
-
-    def __len__(self) -> int:
-        return len(self.dataset)
-
-    def __getitem__(self, key: tuple[int, int]) -> Any:
-        index, seed = key
-        if get_worker_info() is not None:  # never in the training process: its streams are the job's
-            seed_global_streams(seed)
-        return self.dataset[index]
 
 
 # --- one-line wrapping of a stock DataLoader ------------------------------------------

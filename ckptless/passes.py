@@ -31,25 +31,23 @@ random crop from ``torch``, ``random`` or ``np.random``) is reproduced at any
 batch, from the streams recorded before each fetch. Randomness *inside* a
 worker is reproduced at any batch too: a DataLoader's workers seed their
 streams before each sample from the pass's base seed and the sample's index
-(:class:`_SeedPerSample`), except persistent workers, where it is reproduced
+(:mod:`ckptless.sample_seeds`), except persistent workers, where it is reproduced
 at a pass's start only (docs/state.md, "Your own loop").
 """
 
 from __future__ import annotations
 
 import itertools
-import operator
 import random
-import zlib
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+from torch.utils.data import DataLoader, IterableDataset
 
 from ckptless.errors import StateError
-from ckptless.sampler import sample_seed, seed_global_streams
+from ckptless.sample_seeds import SeedPerSample
 from ckptless.state.registry import Stateful
 from ckptless.state.rng import RNGState
 
@@ -171,7 +169,7 @@ def open_pass(loader: Iterable[Any], pos: LoopPosition, resume: dict[str, Any] |
     resume version (``RNGState.state_dict()``), which they are left at: whatever the code before the
     pass drew again on its way here (a probe ``next(iter(loader))`` draws a base seed) is undone."""
     if _seeds_per_sample(loader):
-        loader.worker_init_fn = _SeedPerSample.around(loader.worker_init_fn)  # type: ignore[attr-defined]
+        loader.worker_init_fn = SeedPerSample.around(loader.worker_init_fn)  # type: ignore[attr-defined]
     if resume is None:
         pos.cpu_rng = torch.get_rng_state()
         g = _generator_of(loader)
@@ -223,8 +221,8 @@ def _rest_of(loader: DataLoader[Any], pos: LoopPosition) -> Iterator[Any]:
     kwargs: dict[str, Any] = {}
     if loader.num_workers > 0:
         init = loader.worker_init_fn
-        if isinstance(init, _SeedPerSample):  # the samples seeded from the original pass's base, not this one's
-            init = _SeedPerSample(init.user, base)
+        if isinstance(init, SeedPerSample):  # the samples seeded from the original pass's base, not this one's
+            init = SeedPerSample(init.user, base)
         kwargs = {"prefetch_factor": loader.prefetch_factor, "multiprocessing_context": loader.multiprocessing_context,
                   "worker_init_fn": _Reseed(base, init) if pos.base_draw else init}
     one_pass = DataLoader(loader.dataset, batch_sampler=_Batches(rest), num_workers=loader.num_workers,
@@ -267,62 +265,7 @@ class _Reseed:
 
 def _seeds_per_sample(loader: Any) -> bool:
     """A map-style DataLoader whose pass loads in workers started for it: their samples are seeded one
-    by one (:class:`_SeedPerSample`). Not with persistent workers: a pass's base seed is theirs for
-    every epoch, so a sample would draw the same transform each epoch."""
+    by one (:class:`ckptless.sample_seeds.SeedPerSample`). Not with persistent workers: a pass's base
+    seed is theirs for every epoch, so a sample would draw the same transform each epoch."""
     return (isinstance(loader, DataLoader) and loader.num_workers > 0 and not loader.persistent_workers
             and loader.batch_sampler is not None and not isinstance(loader.dataset, IterableDataset))
-
-
-class _SeedPerSample:
-    """A loader's ``worker_init_fn`` that, after the user's, makes the worker seed its global torch,
-    ``random`` and NumPy streams before each sample from (the pass's base seed, the sample's index).
-
-    Why: a worker's streams are seeded once per pass and then advance with every sample it loads, so
-    a random transform at batch k depends on everything the worker loaded before. A pass reopened
-    at k (after a rollback, or in a replacement) starts new workers, which draw other numbers: the
-    job would silently train on other samples. Seeded per sample, the transform depends on the pass
-    and the sample only, in the uninterrupted run and the reopened one alike. How: the worker's
-    fetcher calls ``dataset.__getitems__(indices)`` when the dataset has one, so an instance
-    attribute of the worker's copy of the dataset takes every fetch (the user's object in the
-    training process is untouched). ``base``: the original pass's base seed, for a reopened one.
-    """
-
-    def __init__(self, user: Callable[[int], None] | None, base: int | None = None) -> None:
-        self.user, self.base = user, base
-
-    @classmethod
-    def around(cls, init: Callable[[int], None] | None) -> _SeedPerSample:
-        return init if isinstance(init, cls) else cls(init)
-
-    def __call__(self, worker_id: int) -> None:
-        if self.user is not None:
-            self.user(worker_id)
-        info = get_worker_info()
-        if info is None:
-            return
-        base = self.base if self.base is not None else info.seed - info.id
-        dataset = info.dataset
-        batched = getattr(dataset, "__getitems__", None)
-
-        def getitems(indices: list[Any]) -> Any:
-            if batched:  # the user's batched fetch: seeded once, from its first sample
-                seed_global_streams(sample_seed(base, 0, _as_int(indices[0])))
-                return batched(indices)
-            out = []
-            for i in indices:
-                seed_global_streams(sample_seed(base, 0, _as_int(i)))
-                out.append(dataset[i])
-            return out
-
-        try:
-            setattr(dataset, "__getitems__", getitems)  # noqa: B010 - an instance attribute, on purpose
-        except (AttributeError, TypeError):  # __slots__ or a read-only type: the worker's own streams then
-            pass
-
-
-def _as_int(key: Any) -> int:
-    """A sampler's key as a number, the same in every process (an index; else its text's CRC-32)."""
-    try:
-        return operator.index(key)
-    except TypeError:
-        return zlib.crc32(repr(key).encode())

@@ -19,11 +19,9 @@ on it. Users import it as ``ckptless.data.ResumableSampler``.
 
 from __future__ import annotations
 
-import random
 from collections.abc import Iterator
 from typing import Any
 
-import numpy as np
 import torch
 from torch.utils.data import Sampler
 
@@ -179,24 +177,3 @@ def _parse_position(state: Any, num_samples: int) -> tuple[int, int]:
     if type(epoch) is not int or type(index) is not int or epoch < 0 or not 0 <= index <= num_samples:
         raise StateError(f"data position {state!r} out of range (index must be in [0, {num_samples}])")
     return epoch, index
-
-
-_MASK64 = (1 << 64) - 1
-
-
-def sample_seed(seed: int, epoch: int, index: int) -> int:
-    """The seed of sample ``index``'s loading in ``epoch`` of a loader seeded ``seed`` (SplitMix64's
-    finaliser over the three): distinct for every sample and epoch, so random transforms stay
-    independent across samples, epochs and ranks while depending on nothing a worker loaded before."""
-    z = (seed * SEED_MIX + epoch * 1_000_003 + index * 0xD1B54A32D192ED03) & _MASK64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return (z ^ (z >> 31)) >> 1  # 63 bits
-
-
-def seed_global_streams(seed: int) -> None:
-    """Seed the process's global torch CPU, ``random`` and NumPy streams (~8 us; ``torch.manual_seed``
-    costs 110 us, seeding every device type too): what a loader worker does before each sample."""
-    torch.default_generator.manual_seed(seed)
-    random.seed(seed)
-    np.random.seed(seed % (1 << 32))

@@ -167,9 +167,15 @@ class _Augmented(torch.utils.data.Dataset):
                              int(np.random.randint(0, 100))])
 
 
+def _sees_its_own_dataset(worker_id: int) -> None:
+    """A user's worker_init_fn that opens a file handle on its dataset: it must be given its own object."""
+    info = torch.utils.data.get_worker_info()
+    assert info is not None and isinstance(info.dataset, _Augmented), type(info.dataset)
+
+
 def _augmented(workers: int) -> ResumableLoader:
     return ResumableLoader(_Augmented(), ResumableSampler(24, seed=4, world_size=2, rank=1), batch_size=3,
-                           num_workers=workers)
+                           num_workers=workers, worker_init_fn=_sees_its_own_dataset)
 
 
 def test_worker_transforms_draw_the_same_numbers_after_a_restore_at_any_batch() -> None:

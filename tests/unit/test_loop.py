@@ -28,7 +28,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, RandomSampler, Subset
 
 from ckptless.errors import ConfigError
 from ckptless.loop import LOOP_ENTRY, LoopRunner
@@ -309,24 +309,51 @@ class BatchedAugmented(Augmented):
         return [self[i] for i in indices]
 
 
-@pytest.mark.parametrize(("persistent", "dataset"), [(False, Squares), (True, Squares), (False, Augmented),
-                                                     (False, BatchedAugmented)])
-def test_loader_workers_resume_mid_epoch_exactly(persistent: bool, dataset: type[Squares]) -> None:
+WORKER_LOADERS: dict[str, Callable[[], DataLoader]] = {
+    "plain": lambda: DataLoader(Squares(24), batch_size=3, shuffle=True, num_workers=2),
+    "persistent": lambda: DataLoader(Squares(24), batch_size=3, shuffle=True, num_workers=2, persistent_workers=True),
+    "augmented": lambda: DataLoader(Augmented(24), batch_size=3, shuffle=True, num_workers=2),
+    "batched": lambda: DataLoader(BatchedAugmented(24), batch_size=3, shuffle=True, num_workers=2),
+    "subset": lambda: DataLoader(Subset(Augmented(40), list(range(0, 40, 2))[:24]), batch_size=3, shuffle=True,
+                                 num_workers=2),
+    "replacement": lambda: DataLoader(Augmented(6), batch_size=3, num_workers=2,
+                                      sampler=RandomSampler(range(6), replacement=True, num_samples=24)),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(WORKER_LOADERS))
+def test_loader_workers_resume_mid_epoch_exactly(kind: str) -> None:
     """Two worker processes (and persistent ones): a rollback into the middle of an earlier epoch. With
-    random transforms in the workers (was: other numbers after a mid-pass reopening, silently)."""
-    def make() -> DataLoader:
-        return DataLoader(dataset(24), batch_size=3, shuffle=True, num_workers=2, persistent_workers=persistent)
-    baseline = run_loop(make, epoch_loop, 2, {})
-    got = run_loop(make, epoch_loop, 2, {12: 5, 14: 9})
+    random transforms in the workers (was: other numbers after a mid-pass reopening, silently), through
+    ``Subset``'s batched fetch, and with indices drawn twice in a pass."""
+    baseline = run_loop(WORKER_LOADERS[kind], epoch_loop, 2, {})
+    got = run_loop(WORKER_LOADERS[kind], epoch_loop, 2, {12: 5, 14: 9})
     assert got.same(baseline) and got.calls == 3
+
+
+def test_an_index_drawn_twice_in_a_pass_gets_two_transforms() -> None:
+    """Seeded by (the pass, the batch's indices, the place in the batch), not by the index alone: an
+    oversampled index is not trained on as exact copies."""
+    from ckptless.sample_seeds import SeedPerSample
+
+    loader = DataLoader(Augmented(4), batch_size=4, num_workers=2, worker_init_fn=SeedPerSample(None),
+                        sampler=RandomSampler(range(4), replacement=True, num_samples=32,
+                                              generator=torch.Generator().manual_seed(3)))
+    rows: dict[int, set[tuple[int, ...]]] = {}
+    count: dict[int, int] = {}
+    for batch in loader:
+        for r in batch.tolist():
+            rows.setdefault(r[0], set()).add(tuple(r[1:]))
+            count[r[0]] = count.get(r[0], 0) + 1
+    assert all(len(rows[i]) == count[i] for i in rows), (rows, count)
 
 
 def test_worker_transforms_stay_independent_across_samples_and_epochs() -> None:
     """Seeded per sample from (the pass's base seed, the index): not one transform for every sample,
     nor the same transform for a sample in every epoch."""
-    from ckptless.passes import _SeedPerSample
+    from ckptless.sample_seeds import SeedPerSample
 
-    loader = DataLoader(Augmented(24), batch_size=3, shuffle=True, num_workers=2, worker_init_fn=_SeedPerSample(None))
+    loader = DataLoader(Augmented(24), batch_size=3, shuffle=True, num_workers=2, worker_init_fn=SeedPerSample(None))
     torch.manual_seed(0)
     rows = [{r[0]: tuple(r[1:]) for b in loader for r in b.tolist()} for _ in range(2)]  # two passes (epochs)
     assert len(set(rows[0].values())) == 24
