@@ -75,11 +75,11 @@ class LinkCheck:
 
     def republish(self, lease: int | None) -> None:
         """The agent's lease was renewed: its keys went with the old one; put ``links/<node>`` back (never raises)."""
-        self._lease = lease
-        if self._doc is None:
-            return
         try:
-            self._put(self._doc)
+            with self._lock:  # the document read under the lock: the probe's report may be being put
+                self._lease = lease
+                if self._doc is not None:
+                    self.client.put(self.keyspace.link(self.node_id), json.dumps(self._doc), lease=lease)
         except Exception as exc:  # noqa: BLE001 - telemetry
             log.warning("mirror link not published again: %s", exc)
 

@@ -121,7 +121,8 @@ def _release_of_a_thread_stuck_behind(start: Callable[[], None]) -> dict[str, An
 
 def hung_with_peer() -> dict[str, Any]:
     os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "0"  # nothing but the abort below may end the kernel
-    store = dist.TCPStore("127.0.0.1", 0, 2, True, timeout=timedelta(seconds=60))
+    # wait_for_workers=False: the peer that would connect is started below, once the port is known
+    store = dist.TCPStore("127.0.0.1", 0, 2, True, timeout=timedelta(seconds=60), wait_for_workers=False)
     peer = subprocess.Popen([sys.executable, __file__, "peer", str(store.port)], env=dict(os.environ))
     try:
         b = nccl.build(dist.PrefixStore("p/", store), 0, 2, TIMEOUT, "p", [0, 1], DEV)
