@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from ckptless import environment
+from ckptless import environment, sample_seeds
 from ckptless.errors import ConfigError, RecoveryError
 from ckptless.mirror.config import MirrorConfig
 from ckptless.state.registry import StateRegistry
@@ -119,6 +119,8 @@ class Job:
         gets them from a live replica instead of a mirror (docs/state.md, "Replicated state"); a DDP
         model and HSDP's replicated shards are found without it.
         """
+        for obj in objs.values():
+            sample_seeds.install(obj)  # a loader's workers seeded per sample before its first state_dict()
         self._rt.registry.protect(replicated_over, **objs)
         self._rt.layout_changed()
         self._rt.make_snapshot_writer()

@@ -47,7 +47,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from ckptless.errors import StateError
-from ckptless.sample_seeds import SeedPerSample
+from ckptless.sample_seeds import SeedPerSample, install
 from ckptless.state.registry import Stateful
 from ckptless.state.rng import RNGState
 
@@ -168,8 +168,7 @@ def open_pass(loader: Iterable[Any], pos: LoopPosition, resume: dict[str, Any] |
     what a later reopening needs), or reopened at ``pos``. ``resume`` is then the RNG streams of the
     resume version (``RNGState.state_dict()``), which they are left at: whatever the code before the
     pass drew again on its way here (a probe ``next(iter(loader))`` draws a base seed) is undone."""
-    if _seeds_per_sample(loader):
-        loader.worker_init_fn = SeedPerSample.around(loader.worker_init_fn)  # type: ignore[attr-defined]
+    install(loader)
     if resume is None:
         pos.cpu_rng = torch.get_rng_state()
         g = _generator_of(loader)
@@ -261,11 +260,3 @@ class _Reseed:
             pass
         if self.user is not None:
             self.user(worker_id)
-
-
-def _seeds_per_sample(loader: Any) -> bool:
-    """A map-style DataLoader whose pass loads in workers started for it: their samples are seeded one
-    by one (:class:`ckptless.sample_seeds.SeedPerSample`). Not with persistent workers: a pass's base
-    seed is theirs for every epoch, so a sample would draw the same transform each epoch."""
-    return (isinstance(loader, DataLoader) and loader.num_workers > 0 and not loader.persistent_workers
-            and loader.batch_sampler is not None and not isinstance(loader.dataset, IterableDataset))

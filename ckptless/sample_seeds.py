@@ -39,9 +39,9 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import get_worker_info
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-__all__ = ["SeedPerSample", "sample_seed", "seed_global_streams"]
+__all__ = ["SeedPerSample", "install", "sample_seed", "seed_global_streams", "wants_seeds"]
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +76,22 @@ def as_int(key: Any) -> int:
 
 def _batch_key(indices: list[Any]) -> int:
     return zlib.crc32(np.asarray([as_int(i) for i in indices], dtype=np.int64).tobytes())
+
+
+def wants_seeds(loader: Any) -> bool:
+    """A map-style DataLoader (or ``StatefulDataLoader``) whose passes load in workers started for
+    them. Not with persistent workers: a pass's base seed is theirs for every epoch, so a sample
+    would draw the same transform each epoch; nor ``batch_size=None`` (no batched fetch to take)."""
+    return (isinstance(loader, DataLoader) and loader.num_workers > 0 and not loader.persistent_workers
+            and loader.batch_sampler is not None and not isinstance(loader.dataset, IterableDataset))
+
+
+def install(loader: Any) -> None:
+    """Seed ``loader``'s workers per sample from now on (idempotent; anything else is left alone).
+    Before its first iterator: ``job.batches`` calls it at each pass, ``job.protect`` at once (a
+    protected ``StatefulDataLoader`` starts its workers at its first ``state_dict()``)."""
+    if wants_seeds(loader):
+        loader.worker_init_fn = SeedPerSample.around(loader.worker_init_fn)
 
 
 class SeedPerSample:

@@ -66,3 +66,24 @@ def test_user_error_propagates_out_of_the_loop(job: Job) -> None:
             with job.guard():
                 if step == 1:
                     raise ValueError("boom")
+
+
+def test_protect_seeds_a_loaders_workers_per_sample_before_its_first_state(job: Job) -> None:
+    """A StatefulDataLoader protected for a flat loop: job.protect wraps its worker_init_fn before the
+    first capture's state_dict() starts its workers (with a job.batches loop the pass installs it too)."""
+    from torch.utils.data import DataLoader
+
+    from ckptless.sample_seeds import SeedPerSample, install
+
+    stateful = pytest.importorskip("torchdata.stateful_dataloader")
+    data = list(range(8))
+    loader = stateful.StatefulDataLoader(data, batch_size=2, num_workers=2)
+    persistent = stateful.StatefulDataLoader(data, batch_size=2, num_workers=2, persistent_workers=True)
+    in_process = stateful.StatefulDataLoader(data, batch_size=2)
+    job.protect(seeded_loader=loader, persistent_loader=persistent, in_process_loader=in_process)
+    assert isinstance(loader.worker_init_fn, SeedPerSample)
+    assert persistent.worker_init_fn is None and in_process.worker_init_fn is None  # left as they were
+    plain = DataLoader(data, batch_size=2, num_workers=2)
+    install(plain)
+    install(plain)
+    assert isinstance(plain.worker_init_fn, SeedPerSample) and plain.worker_init_fn.user is None  # wrapped once

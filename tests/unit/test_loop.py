@@ -360,6 +360,35 @@ def test_worker_transforms_stay_independent_across_samples_and_epochs() -> None:
     assert sum(rows[0][i] != rows[1][i] for i in range(24)) >= 20
 
 
+@pytest.mark.parametrize("seeded", [True, False])
+def test_a_stateful_loader_restored_mid_epoch_draws_the_same_transforms_only_when_seeded(seeded: bool) -> None:
+    """The flat loop's path (a StatefulDataLoader protected with job.protect: its state_dict() captured,
+    load_state_dict() at a restore): torchdata's own resume draws other numbers in its workers; seeded
+    per sample (what job.protect installs) it draws the same."""
+    stateful = pytest.importorskip("torchdata.stateful_dataloader")
+    from ckptless.sample_seeds import install
+
+    def make() -> Any:
+        loader = stateful.StatefulDataLoader(Augmented(24), batch_size=3, shuffle=True, num_workers=2,
+                                             generator=torch.Generator().manual_seed(1))
+        if seeded:
+            install(loader)
+        return loader
+
+    it = iter(make())
+    full = [next(it) for _ in range(8)]
+    first = make()
+    it = iter(first)
+    for _ in range(3):
+        next(it)
+    state = first.state_dict()
+    restored = make()
+    restored.load_state_dict(state)
+    it = iter(restored)
+    same = all(torch.equal(next(it), want) for want in full[3:])
+    assert same == seeded
+
+
 @pytest.mark.parametrize("dataset", [Squares, Augmented])
 def test_stateful_dataloader_resumes_from_its_own_state(dataset: type[Squares]) -> None:
     """torchdata's StatefulDataLoader (shuffle, workers): reopened from its state before the batch. With
