@@ -7,7 +7,9 @@ image's decoding takes milliseconds). The same loader (batch 64, 2 workers)
 passes over it with its plain ``worker_init_fn`` and with
 :class:`ckptless.sample_seeds.SeedPerSample`, keyed by batch as ``job.batches``
 does and by sample as ``ckptless.data`` does; best of ``--reps`` passes each,
-interleaved.
+interleaved. Then, in the training process, what ``job.batches`` does per batch
+before each fetch (``LoopPosition.before_fetch``: the streams the fetch may draw
+from, NumPy's only without workers) and the bytes of the loop's image entry.
 
     .venv/bin/python bench/loader_seeding.py [--samples 16384] [--reps 7]
 """
@@ -18,11 +20,13 @@ import argparse
 import os
 import random
 import time
+import timeit
 
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from ckptless.passes import LoopPosition
 from ckptless.sample_seeds import SeedPerSample
 
 
@@ -65,7 +69,23 @@ def main() -> None:
     print("|---|---|---|---|")
     for name, t in best.items():
         print(f"| {name} | {t:.3f} | {t / args.samples * 1e6:.1f} | {t / best['plain']:.2f} |")
+    pos = LoopPosition()
+    for in_process in (False, True):
+        us = min(timeit.repeat(lambda: pos.before_fetch(in_process), number=2000, repeat=5)) / 2000 * 1e6
+        print(f"before each fetch ({'no workers: torch, random, NumPy' if in_process else 'workers: torch, random'}): "
+              f"{us:.1f} us")
+    pos.cpu_rng, pos.loader_rng = torch.get_rng_state(), torch.Generator().get_state()
+    entry = sum(t.numel() * t.element_size() for t in _tensors(pos.state_dict()))
+    print(f"the loop's image entry (opened pass, no workers): {entry / 1024:.1f} KiB of tensors")
     print(f"load average at end: {os.getloadavg()[0]:.2f}")
+
+
+def _tensors(tree: object) -> list[torch.Tensor]:
+    if isinstance(tree, torch.Tensor):
+        return [tree]
+    if isinstance(tree, dict):
+        return [t for v in tree.values() for t in _tensors(v)]
+    return []
 
 
 if __name__ == "__main__":

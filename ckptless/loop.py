@@ -107,8 +107,7 @@ class LoopRunner:
                 outcome = training.classify(rt, exc)
                 if isinstance(outcome, UserError):
                     exit_file.write("user_error", exit_file.summarize(exc))
-                    code = exc.code if isinstance(exc, SystemExit) and isinstance(exc.code, int) else 1
-                    exit_guard.set_exit_code(code)
+                    exit_guard.set_exit_code(1)  # (a SystemExit left through the branch above)
                     raise
             if outcome is not None:  # a fault: (outside the except block, which pins the failed communicator)
                 resume = self._send(outcome)

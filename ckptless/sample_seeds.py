@@ -24,8 +24,8 @@ process is untouched). Two keys:
   (the loader's seed, the epoch, the sample's index), so a transform is the
   same whichever rank or micro-batch loads the sample (``set_world``).
 
-Cost: ~10 us a sample, in the workers (``bench/loader_seeding.py``: 1.06-1.19x the
-plain loader's pass on a light 37 us sample).
+Cost: ~10 us a sample, in the workers (``bench/loader_seeding.py``: 1.0-1.3x the
+plain loader's pass on a light 35-49 us sample, on 2 shared cores).
 """
 
 from __future__ import annotations

@@ -96,7 +96,7 @@ class _State:
             if isinstance(cb, ExportableState):
                 kept.setdefault(type(cb).__name__, []).append(cb.state())
         t.state.stateful_callbacks = kept  # type: ignore[assignment]
-        doc = _json_of(t.state)
+        doc = dataclasses.asdict(t.state)  # a deep copy: the filter below leaves the Trainer's own alone
         doc["log_history"] = [{k: v for k, v in entry.items() if not k.endswith(_WALL_CLOCK)}
                               for entry in doc.get("log_history", [])]
         tr_loss = getattr(t, "_tr_loss", None)
@@ -131,11 +131,6 @@ class _State:
         t.current_flos = sd["flos"]
         # The run's final train_loss averages over the steps since this call began: since the job's start.
         t._initial_global_step = 0
-
-
-def _json_of(state: TrainerState) -> dict[str, Any]:
-    """What ``TrainerState.save_to_json`` writes, as a dict."""
-    return json.loads(json.dumps(dataclasses.asdict(state), sort_keys=True))
 
 
 class _Boundary(TrainerCallback):
@@ -193,7 +188,7 @@ class _Run:
         if t.state.global_step > 0:
             self.groups = [{k: v for k, v in g.items() if k != "params"} for g in t.optimizer.param_groups]  # type: ignore[union-attr]
             with open(os.path.join(self.resume_dir, "trainer_state.json"), "w") as f:
-                json.dump(_json_of(t.state), f, sort_keys=True)
+                json.dump(dataclasses.asdict(t.state), f, sort_keys=True)  # what TrainerState.save_to_json writes
             resume = self.resume_dir
         self._rng = RNGState().state_dict()
         eval_on_start = t.args.eval_on_start

@@ -83,7 +83,6 @@ class ResumableLoader:
         resume, self._reopen = self._reopen, None
         if resume is None:
             self.position.next_pass()
-            self.position.consumed = 0
         return self._pass(resume)
 
     def _pass(self, resume: dict[str, Any] | None) -> Iterator[Any]:
@@ -184,8 +183,8 @@ class _Boundary(pl.Callback):
 
 
 class _Run:
-    def __init__(self, job: Job, trainer: pl.Trainer, model: pl.LightningModule, loaders: list[ResumableLoader]) -> None:
-        self.job, self.trainer, self.model, self.loaders = job, trainer, model, loaders
+    def __init__(self, job: Job, trainer: pl.Trainer, model: pl.LightningModule, loader: ResumableLoader) -> None:
+        self.job, self.trainer, self.model, self.loader = job, trainer, model, loader
         self.restored: dict[str, Any] | None = None
         self._rng: dict[str, Any] | None = None
 
@@ -196,8 +195,7 @@ class _Run:
         return self.trainer.fit(model, ckpt_path=ckpt, **fit_kwargs)
 
     def step_begins(self, batch_idx: int) -> None:
-        for loader in self.loaders:
-            loader.at_batch(batch_idx)
+        self.loader.at_batch(batch_idx)
         if self._rng is not None:  # this call's first step: the streams as the resume version had them
             RNGState().load_state_dict(self._rng)
             self._rng = None
@@ -222,10 +220,9 @@ def fit(trainer: pl.Trainer, model: pl.LightningModule, train_dataloaders: Any =
         raise ConfigError("train_dataloaders", type(sampler).__name__, "give the loader a DistributedSampler: "
                           "Lightning does not inject one through ckptless's wrapper, and each rank would train on "
                           "the whole dataset")
-    loaders = [ResumableLoader(train_dataloaders)]
-    run = _Run(job, trainer, model, loaders)
+    run = _Run(job, trainer, model, ResumableLoader(train_dataloaders))
     trainer.strategy.checkpoint_io = _MemoryCheckpointIO(trainer.strategy.checkpoint_io, run)
     trainer.callbacks.append(_Boundary(run))  # type: ignore[attr-defined]
     job.protect(lightning=_LightningState(run))
-    return job.train(run.call, model, {"train_dataloaders": loaders[0], "val_dataloaders": val_dataloaders,
+    return job.train(run.call, model, {"train_dataloaders": run.loader, "val_dataloaders": val_dataloaders,
                                        **fit_kwargs})

@@ -27,6 +27,7 @@ from ckptless.goodput import (
     estimate,
 )
 from ckptless.goodput.ledger import EventKind
+from ckptless.mirror.link import MirrorLink
 from ckptless.report.loader import LoadedRun
 
 LABELS = {
@@ -141,10 +142,9 @@ def build_report(run: LoadedRun, baseline: LoadedRun | None = None,
 def _link_note(a: Any) -> str:
     """An agent's mirror-link measurement (launcher/mirror_link.py), as a line of the report."""
     rate = a.get("bits_per_s")
-    what = (f"{float(rate) / 1e9:.2f} Gb/s to {a.get('peer', '?')}" if isinstance(rate, (int, float)) and rate > 0
-            else str(a.get("error") or "not measured"))
-    return (f"mirrors of node {a.get('node', '?')}: {a.get('interface', '?')} {a.get('address', '?')} "
-            f"(chosen by {a.get('chosen_by', '?')}): {what}")
+    link = MirrorLink.from_json({**a, "address": a.get("address", "?"),
+                                 "bytes_per_s": rate / 8 if isinstance(rate, (int, float)) and rate > 0 else None})
+    return f"mirrors of node {a.get('node', '?')}: {link.describe()}"
 
 
 def incident_to_json(i: IncidentView) -> dict[str, Any]:

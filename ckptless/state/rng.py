@@ -38,6 +38,28 @@ from ckptless.state import devices
 _KEYS = {"python", "numpy", "torch", "cuda"}
 
 
+def python_tree(state: tuple[Any, ...]) -> dict[str, Any]:
+    """``random.getstate()`` as an image holds it: its 625 words as one tensor (images hold no tuples)."""
+    version, internal, gauss = state
+    return {"version": version, "state": torch.tensor(internal, dtype=torch.int64), "gauss": gauss}
+
+
+def python_from_tree(tree: dict[str, Any]) -> tuple[Any, ...]:
+    return int(tree["version"]), tuple(int(x) for x in tree["state"].tolist()), tree["gauss"]
+
+
+def numpy_tree(state: Any) -> dict[str, Any]:
+    """NumPy's legacy ``get_state()`` as an image holds it."""
+    name, key, pos, has_gauss, cached = state
+    return {"name": str(name), "key": torch.from_numpy(np.asarray(key, dtype=np.int64)), "pos": int(pos),
+            "has_gauss": int(has_gauss), "cached_gaussian": float(cached)}
+
+
+def numpy_from_tree(tree: dict[str, Any]) -> tuple[Any, ...]:
+    return (str(tree["name"]), np.asarray(tree["key"].numpy(), dtype=np.uint32), int(tree["pos"]),
+            int(tree["has_gauss"]), float(tree["cached_gaussian"]))
+
+
 class RNGState:
     """``Stateful`` snapshot/restore of all process-global generators.
 
@@ -46,21 +68,13 @@ class RNGState:
     """
 
     def state_dict(self) -> dict[str, Any]:
-        version, internal, gauss = random.getstate()
-        name, key, pos, has_gauss, cached = np.random.get_state(legacy=True)
         cuda: list[torch.Tensor] = []
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             own = devices.home()
             cuda = [torch.cuda.get_rng_state(own if own is not None else torch.cuda.current_device())]
         return {
-            "python": {"version": version, "state": torch.tensor(internal, dtype=torch.int64), "gauss": gauss},
-            "numpy": {
-                "name": str(name),
-                "key": torch.from_numpy(np.asarray(key, dtype=np.int64)),
-                "pos": int(pos),
-                "has_gauss": int(has_gauss),
-                "cached_gaussian": float(cached),
-            },
+            "python": python_tree(random.getstate()),
+            "numpy": numpy_tree(np.random.get_state(legacy=True)),
             "torch": torch.get_rng_state(),
             "cuda": cuda,
         }
@@ -70,16 +84,8 @@ class RNGState:
             got = sorted(state) if isinstance(state, dict) else type(state).__name__
             raise StateError(f"RNG state must have keys {sorted(_KEYS)}, got {got}")
         try:
-            py = state["python"]
-            py_state = (int(py["version"]), tuple(int(x) for x in py["state"].tolist()), py["gauss"])
-            nps = state["numpy"]
-            np_state = (
-                str(nps["name"]),
-                np.asarray(nps["key"].numpy(), dtype=np.uint32),
-                int(nps["pos"]),
-                int(nps["has_gauss"]),
-                float(nps["cached_gaussian"]),
-            )
+            py_state = python_from_tree(state["python"])
+            np_state = numpy_from_tree(state["numpy"])
             torch_state = state["torch"]
             cuda = list(state["cuda"])
         except (KeyError, TypeError, ValueError, AttributeError) as exc:

@@ -15,30 +15,19 @@ from pathlib import Path
 
 import pytest
 
-from ckptless.chaos.main import main
 from ckptless.chaos.schedule import Fault, FaultKind
 from ckptless.chaos.script import ScriptJob, compare_digests, plan_faults, points_spec
 from ckptless.errors import ConfigError
 from ckptless.report.loader import load_run
 from ckptless.report.model import build_report
 
+from ..harness.chaos_cli import run_chaos as _run
+from ..harness.chaos_cli import verdict as _verdict
 from ..harness.repo import SCRIPTS
 
 OK = SCRIPTS / "chaos_user_ok.py"
 NOPROTECT = SCRIPTS / "chaos_user_noprotect.py"
 SMALL = ["--nnodes", "1", "--nproc-per-node", "2"]
-
-
-def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str]:
-    code = main(list(argv))
-    out = capsys.readouterr()
-    return code, out.out + out.err
-
-
-def _verdict(text: str) -> str:
-    lines = [ln for ln in text.splitlines() if ln.startswith(("PASS ", "FAIL "))]
-    assert len(lines) == 1, text
-    return lines[0]
 
 
 # --- end to end ----------------------------------------------------------------------------------

@@ -26,20 +26,10 @@ from pathlib import Path
 
 import pytest
 
-from ckptless.chaos.main import main
-
+from ..harness.chaos_cli import passes
 from ..harness.repo import REPO, SCRIPTS
 
 SMALL = ["--nnodes", "1", "--nproc-per-node", "2"]
-
-
-def _chaos(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
-    code = main(list(argv))
-    out = capsys.readouterr()
-    text = out.out + out.err
-    verdicts = [ln for ln in text.splitlines() if ln.startswith(("PASS ", "FAIL "))]
-    assert code == 0 and len(verdicts) == 1 and verdicts[0].startswith("PASS "), text[-6000:]
-    return verdicts[0]
 
 
 def _steps(out: Path, scenario: str) -> int:
@@ -53,7 +43,7 @@ def _steps(out: Path, scenario: str) -> int:
 def test_ddp_trainer_class_killed_twice_mid_epoch_resumes_bitwise(tmp_path: Path,
                                                                   capsys: pytest.CaptureFixture[str]) -> None:
     # 512 samples / 2 ranks / 16 per batch = 16 steps an epoch: steps 21 and 38 are mid-epoch 1 and 2
-    line = _chaos(capsys, "run", "kill-twice", "--script", str(REPO / "examples" / "ddp_trainer.py"), *SMALL,
+    line = passes(capsys, "run", "kill-twice", "--script", str(REPO / "examples" / "ddp_trainer.py"), *SMALL,
                   "--rank", "0", "--at", "21,38", "--out", str(tmp_path), "--", "--epochs", "3", "--save-every", "1")
     assert "bitwise equal" in line and "generation 2" in line, line
     assert _steps(tmp_path, "kill-twice") == 48
@@ -66,7 +56,7 @@ def test_ddp_trainer_class_killed_twice_mid_epoch_resumes_bitwise(tmp_path: Path
 def test_gpt_trainer_killed_in_an_eval_pass_resumes_bitwise(tmp_path: Path,
                                                             capsys: pytest.CaptureFixture[str]) -> None:
     # 2 epochs of 19 train + 2 eval steps per rank: step 20 is the second batch of epoch 1's eval pass
-    line = _chaos(capsys, "run", "kill-worker", "--script", str(REPO / "examples" / "gpt_trainer.py"), *SMALL,
+    line = passes(capsys, "run", "kill-worker", "--script", str(REPO / "examples" / "gpt_trainer.py"), *SMALL,
                   "--at", "20", "--out", str(tmp_path), "--", "--epochs", "2")
     assert "bitwise equal" in line, line
     assert _steps(tmp_path, "kill-worker") == 42
@@ -78,7 +68,7 @@ def test_random_transforms_in_loader_workers_resume_bitwise(tmp_path: Path,
                                                             capsys: pytest.CaptureFixture[str]) -> None:
     # 256 samples / 2 ranks / 8 per batch = 16 steps an epoch: step 11 is mid-epoch 0, with both workers'
     # streams advanced by the samples they loaded (was: other transforms after the reopening, FAIL)
-    line = _chaos(capsys, "run", "kill-worker", "--script", str(SCRIPTS / "augmented_workers.py"), *SMALL,
+    line = passes(capsys, "run", "kill-worker", "--script", str(SCRIPTS / "augmented_workers.py"), *SMALL,
                   "--at", "11", "--out", str(tmp_path), "--", "--epochs", "2")
     assert "bitwise equal" in line, line
     assert _steps(tmp_path, "kill-worker") == 32

@@ -25,7 +25,7 @@ from ckptless.coordinator.embedded import EmbeddedEtcd
 from ..harness import nccl_like
 from ..harness.cluster import (Cluster, FaultFree, assert_bitwise_equal, assert_recovered, assert_survivors_kept_pids,
                                independent_pair, kill_when_paused, left_after_incident, new_cluster, ring_holders,
-                               wait_membership)
+                               wait_membership, wait_spare_standing_by)
 from ..harness.waiting import wait_json, wait_until
 
 # CI runs the NCCL-semantics variant; the Gloo twin is in the slow tier (see the module doc).
@@ -118,9 +118,6 @@ def test_worker_killed_spare_on_another_agent_takes_its_rank(module_etcd: Embedd
     every agent must still exit 0 at the end (the store's host waits for the spare's exit record).
     NCCL semantics: rank 0 dies inside the capture of version 5 (copies made, not yet handed to its
     mirror engine); Gloo: at the start of step 5."""
-    from ckptless.coordinator.keyspace import Keyspace
-    from ckptless.recovery.wire import spare_from_json
-
     chaos = tmp_path / "chaos"
     if backend == "nccl_like":
         # Issue 19's modes beside the fault: step-start capture ordering, and agents that count 4 GPUs
@@ -140,11 +137,7 @@ def test_worker_killed_spare_on_another_agent_takes_its_rank(module_etcd: Embedd
             pid = int(paused["pid"])
         else:
             pid = c.paused_pid(0)
-        with c.client() as cl:
-            def spare_stands_by_for_rank0() -> bool:
-                kvs, _ = cl.get_prefix(Keyspace(c.job_id).spares_prefix)
-                return any(spare_from_json(kv.value).standby_rank == 0 for kv in kvs)
-            wait_until(spare_stands_by_for_rank0, 120, "the spare standing by for rank 0")
+        wait_spare_standing_by(c, 0)
         os.kill(pid, signal.SIGKILL)
         c.wait()  # all three agents exit 0
     finally:

@@ -38,13 +38,12 @@ import pytest
 import torch
 
 from ckptless.coordinator.embedded import EmbeddedEtcd
-from ckptless.coordinator.keyspace import Keyspace
-from ckptless.recovery.wire import spare_from_json
 
 from ..harness import nccl_like
 from ..harness.cluster import (Cluster, FaultFree, assert_bitwise_equal, assert_survivors_kept_pids,
-                               independent_pair, left_after_incident, new_cluster, wait_membership)
-from ..harness.waiting import wait_json, wait_until
+                               independent_pair, left_after_incident, new_cluster, wait_membership,
+                               wait_spare_standing_by)
+from ..harness.waiting import wait_json
 
 EMULATED = os.environ.get("TEST_MULTI_GPU_ON_CPU")
 GPUS = int(EMULATED) if EMULATED else (torch.cuda.device_count() if torch.cuda.is_available() else 0)
@@ -161,11 +160,7 @@ def test_killed_inside_the_capture_a_spare_on_its_own_gpu_takes_the_rank(
     def kill_once_the_spare_stands_by() -> None:
         paused = wait_json(chaos / "paused_cap.json", 120)
         assert paused["point"] == "capture:r0:5"
-        with job.cluster.client() as cl:
-            def spare_stands_by_for_rank0() -> bool:
-                kvs, _ = cl.get_prefix(Keyspace(job.cluster.job_id).spares_prefix)
-                return any(spare_from_json(kv.value).standby_rank == 0 for kv in kvs)
-            wait_until(spare_stands_by_for_rank0, 120, "the spare standing by for rank 0")
+        wait_spare_standing_by(job.cluster, 0)
         os.kill(int(paused["pid"]), signal.SIGKILL)
 
     job.run(kill_once_the_spare_stands_by, spare=True)

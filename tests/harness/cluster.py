@@ -24,7 +24,7 @@ from ckptless.coordinator.keyspace import Keyspace
 from ckptless.chaos.scenario import bitwise_diff
 from ckptless.mirror.placement import compute_placement
 from ckptless.recovery.view import ExitRecord
-from ckptless.recovery.wire import Membership, membership_from_json
+from ckptless.recovery.wire import Membership, membership_from_json, spare_from_json
 
 from .repo import PYTHON, SCRIPTS, child_env
 from .waiting import wait_json, wait_until
@@ -192,6 +192,15 @@ def fault_free(endpoint: str, root: Path, **env: str) -> FaultFree:
     """The reference job (2 agents x 2 workers, K = 1) run without faults in ``root/baseline``."""
     c = new_cluster(endpoint, root, "baseline", **env)
     return FaultFree(c, run_fault_free(c))
+
+
+def wait_spare_standing_by(c: Cluster, rank: int, timeout: float = 120) -> None:
+    """Until a pre-built spare of ``c``'s job has published that it stands by as ``rank``."""
+    with c.client() as cl:
+        def standing_by() -> bool:
+            kvs, _ = cl.get_prefix(Keyspace(c.job_id).spares_prefix)
+            return any(spare_from_json(kv.value).standby_rank == rank for kv in kvs)
+        wait_until(standing_by, timeout, f"the spare standing by for rank {rank}")
 
 
 def kill_when_paused(c: Cluster, rank: int, *flags: str, sig: int = signal.SIGKILL, timeout: float = 240) -> None:

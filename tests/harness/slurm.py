@@ -13,9 +13,10 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 from pathlib import Path
+
+from ckptless.coordinator.embedded import free_port
 
 from .waiting import wait_until
 
@@ -30,12 +31,6 @@ def missing() -> str | None:
     if os.geteuid() != 0:
         return "a local slurmd needs root"
     return None
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class LocalSlurm:
@@ -60,7 +55,7 @@ class LocalSlurm:
                      f"--pid-file={r / 'munge' / 'munged.pid'}", f"--seed-file={r / 'munge' / 'munge.seed'}",
                      f"--log-file={r / 'munge' / 'munged.log'}"], "munged")
         wait_until(sock.exists, 20, "munged's socket", interval_s=0.05)
-        ctl, node = _free_port(), _free_port()
+        ctl, node = free_port(), free_port()
         memory = max(512, os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // (1 << 20) // 2)
         self.conf.write_text("\n".join([
             "ClusterName=ckptless", "SlurmctldHost=localhost", f"SlurmctldPort={ctl}", f"SlurmdPort={node}",

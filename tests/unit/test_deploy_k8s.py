@@ -46,6 +46,11 @@ def _pod(doc: dict[str, Any]) -> dict[str, Any]:
     return doc["spec"]["template"]
 
 
+def _doc(kind: str, name: str | None = None) -> dict[str, Any]:
+    """The one manifest of ``kind`` (named ``name``)."""
+    return next(d for _, d in _docs() if d["kind"] == kind and (name is None or d["metadata"]["name"] == name))
+
+
 def _lost(given: Any, kept: Any, path: str = "") -> list[str]:
     """Paths present in ``given`` that the model did not keep (unknown fields) or changed."""
     if isinstance(given, dict):
@@ -68,7 +73,8 @@ def test_every_manifest_round_trips_through_the_kubernetes_models() -> None:
     for name, doc in docs:
         model = MODEL[(doc["apiVersion"], doc["kind"])]
         obj = api._ApiClient__deserialize(doc, model)  # raises on a missing required field or a wrong type
-        assert not _lost(doc, api.sanitize_for_serialization(obj)), (name, model, _lost(doc, api.sanitize_for_serialization(obj)))
+        lost = _lost(doc, api.sanitize_for_serialization(obj))
+        assert not lost, (name, model, lost)
 
 
 def test_services_select_pods_and_workloads_select_their_own_template() -> None:
@@ -81,9 +87,9 @@ def test_services_select_pods_and_workloads_select_their_own_template() -> None:
         match = d["spec"].get("selector", {}).get("matchLabels")
         if match is not None:
             assert match.items() <= _pod(d)["metadata"]["labels"].items(), key
-    sts = next(d for _, d in _docs() if d["kind"] == "StatefulSet")
+    sts = _doc("StatefulSet")
     assert services[sts["spec"]["serviceName"]]["spec"]["clusterIP"] == "None"  # headless: member DNS names
-    job = next(d for _, d in _docs() if d["metadata"]["name"] == "ckptless-train" and d["kind"] == "Job")
+    job = _doc("Job", "ckptless-train")
     assert services[_pod(job)["spec"]["subdomain"]]["spec"]["clusterIP"] == "None"
 
 
@@ -127,7 +133,7 @@ def test_secrets_volumes_and_mounts_are_consistent_and_documented() -> None:
 
 
 def test_etcd_member_list_matches_the_statefulset() -> None:
-    sts = next(d for _, d in _docs() if d["kind"] == "StatefulSet")
+    sts = _doc("StatefulSet")
     name, svc, n = sts["metadata"]["name"], sts["spec"]["serviceName"], sts["spec"]["replicas"]
     args = " ".join(_pod(sts)["spec"]["containers"][0]["args"])
     cluster = re.search(r'--initial-cluster "([^"]+)"', args)
@@ -145,10 +151,10 @@ def _agent(d: dict[str, Any]) -> tuple[list[str], dict[str, str]]:
 
 
 def test_agents_parse_with_ckptless_run_and_agree_on_job_etcd_and_script() -> None:
-    client = next(d for _, d in _docs() if d["kind"] == "Service" and d["metadata"]["name"] == "ckptless-etcd-client")
+    client = _doc("Service", "ckptless-etcd-client")
     port = client["spec"]["ports"][0]["port"]
-    job = next(d for _, d in _docs() if d["kind"] == "Job" and d["metadata"]["name"] == "ckptless-train")
-    spares = next(d for _, d in _docs() if d["kind"] == "Deployment")
+    job = _doc("Job", "ckptless-train")
+    spares = _doc("Deployment")
     parsed = {}
     for key, d in (("training", job), ("spares", spares)):
         argv, env = _agent(d)
@@ -169,7 +175,7 @@ def test_agents_parse_with_ckptless_run_and_agree_on_job_etcd_and_script() -> No
 
 
 def test_the_auth_job_grants_the_keyspace_ckptless_uses() -> None:
-    auth = next(d for _, d in _docs() if d["kind"] == "Job" and d["metadata"]["name"] == "ckptless-etcd-auth")
+    auth = _doc("Job", "ckptless-etcd-auth")
     script = " ".join(_pod(auth)["spec"]["containers"][0]["args"])
     assert f"--prefix=true readwrite {ROOT}/" in script and "auth enable" in script
     user = next(e["value"] for _, d in _workloads() if d["kind"] == "Job" and d["metadata"]["name"] == "ckptless-train"
@@ -191,7 +197,7 @@ def test_kustomization_lists_every_manifest_and_the_image() -> None:
 def test_the_model_check_catches_a_misspelt_field_and_a_wrong_type() -> None:
     client = pytest.importorskip("kubernetes.client")
     api = client.ApiClient()
-    job = next(d for _, d in _docs() if d["kind"] == "Job" and d["metadata"]["name"] == "ckptless-train")
+    job = _doc("Job", "ckptless-train")
     bad = yaml.safe_load(yaml.safe_dump(job))
     _pod(bad)["spec"]["containers"][0]["imagePullPolicyy"] = "Always"
     assert _lost(bad, api.sanitize_for_serialization(api._ApiClient__deserialize(bad, "V1Job"))) == [

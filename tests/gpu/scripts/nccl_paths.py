@@ -100,9 +100,10 @@ def forming() -> dict[str, Any]:
             "released_after_s": time.monotonic() - t0, "thread_error": error}
 
 
-def _release_of_a_thread_stuck_behind(start: Callable[[], None]) -> dict[str, Any]:
+def _aborted_out_of(backend: Any, start: Callable[[], None]) -> dict[str, Any]:
     """``start()`` enqueues a kernel that never ends; a thread then waits in a CUDA sync, as the training
-    thread does at its next ``loss.item()``. Returns whether, and how soon, ``abort()`` released it."""
+    thread does at its next ``loss.item()``. If it is still there after 3 s, ``backend.abort()`` from this
+    thread: whether, and how soon, that released it (``stuck`` False: the kernel did not hang)."""
     outcome: list[str] = []
 
     def waiter() -> None:
@@ -116,7 +117,13 @@ def _release_of_a_thread_stuck_behind(start: Callable[[], None]) -> dict[str, An
     th = threading.Thread(target=waiter, daemon=True)
     th.start()
     th.join(3.0)
-    return {"stuck": th.is_alive(), "outcome": outcome, "thread": th}
+    if not th.is_alive():
+        return {"stuck": False, "outcome": outcome}
+    t0 = time.monotonic()
+    backend.abort()
+    th.join(30)
+    return {"stuck": True, "released": not th.is_alive(), "released_after_s": time.monotonic() - t0,
+            "outcome": outcome}
 
 
 def hung_with_peer() -> dict[str, Any]:
@@ -132,15 +139,10 @@ def hung_with_peer() -> dict[str, Any]:
         peer.send_signal(signal.SIGKILL)  # the peer dies with the communicator formed
         peer.wait(30)
     buf = torch.ones(1 << 20, device=DEV)
-    r = _release_of_a_thread_stuck_behind(lambda: b.allreduce([buf]).wait())
-    th = r.pop("thread")
+    r = _aborted_out_of(b, lambda: b.allreduce([buf]).wait())
     if not r["stuck"]:
         return {"failed": f"the all-reduce with a dead peer did not hang: {r['outcome']}"}
-    t0 = time.monotonic()
-    b.abort()
-    th.join(30)
-    return {"released": not th.is_alive(), "released_after_s": time.monotonic() - t0, "outcome": r["outcome"],
-            "gpus": 2}
+    return {**r, "gpus": 2}
 
 
 def peer() -> None:
@@ -149,7 +151,7 @@ def peer() -> None:
     b = nccl.build(dist.PrefixStore("p/", store), 1, 2, TIMEOUT, "p", [0, 1], DEV)
     nccl.check_members(b, DEV, 2, "the world-2 group", 60)
     store.set("peer_formed", "1")
-    time.sleep(120)  # bounded: the parent SIGKILLs this process at once
+    threading.Event().wait(120)  # a deadline, not a pause: the parent SIGKILLs this process as soon as it reads the key
 
 
 def hung() -> dict[str, Any]:
@@ -159,14 +161,10 @@ def hung() -> dict[str, Any]:
     b = nccl.build(dist.PrefixStore("h/", store), 0, 1, TIMEOUT, "h", [0], DEV)
     nccl.check_members(b, DEV, 1, "the world-1 group", 60)
     buf = torch.zeros(16, device=DEV)
-    r = _release_of_a_thread_stuck_behind(lambda: b.recv([buf], 0, 0))  # nobody sends: it would spin
-    th = r.pop("thread")
+    r = _aborted_out_of(b, lambda: b.recv([buf], 0, 0))  # nobody sends: it would spin
     if not r["stuck"]:
         return {"skipped": f"the self-receive did not hang: {r['outcome']}"}
-    t0 = time.monotonic()
-    b.abort()
-    th.join(30)
-    return {"released": not th.is_alive(), "released_after_s": time.monotonic() - t0, "outcome": r["outcome"]}
+    return r
 
 
 if __name__ == "__main__":
