@@ -31,6 +31,7 @@ from typing import Any, cast
 
 import torch.distributed as dist
 
+from ckptless import chaos_hooks
 from ckptless.errors import ConfigError, TransportError
 from ckptless.mirror import agreement
 from ckptless.mirror.transport import Deadline
@@ -283,6 +284,7 @@ def bind_all(store: dist.Store, generation: int, rank: int, world_size: int, tim
     if physical is not None:
         rank, world_size = physical
     arrive(store, generation, world_size, deadline, abort)
+    chaos_hooks.pause_point(f"bind:r{rank}:g{generation}", rank=rank, generation=generation)  # (chaos runs only)
     todo = groups()
     with _lock:
         early = _early_mirror.pop(generation, None)
@@ -334,11 +336,16 @@ def release_all(generation: int | None = None) -> reaper.Release:
 
 
 def collective_failed(generation: int, settle_s: float = 0.5) -> bool:
-    """Did a collective of ``generation`` fail? (Waits briefly for callbacks of completed futures.)"""
+    """Did a collective of ``generation`` fail? (Waits briefly for callbacks of completed futures.)
+
+    Also true when torch's own watchdog saw a failure of one of its communicators (``get_error``):
+    in error mode 2 it aborts the communicator by itself, after which the works ``wait()`` on
+    report success with garbage in their tensors, and no future fails (measured rule, torch 2.13
+    ``ProcessGroupNCCL.cpp`` S2:644-649, 857-926): a step that ran on it must never be protected."""
     end = time.monotonic() + settle_s
     while True:
         gs = groups()
-        if any(g.broken_generation == generation for g in gs):
+        if any(g.broken_generation == generation or g.backend_error(generation) is not None for g in gs):
             return True
         pending_done = False
         for g in gs:

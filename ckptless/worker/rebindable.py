@@ -49,6 +49,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch._C._distributed_c10d as _c10d
 from torch._C._distributed_c10d import _create_work_from_future
 
 from ckptless import environment
@@ -249,6 +250,24 @@ class RebindableGroup(dist.ProcessGroup):
                 self.broken_generation = generation
             backends = [b for b in self._backends if not isinstance(b, dist.ProcessGroupGloo)]
         return sum(forming.abort_async(b, generation) for b in backends)
+
+    def backend_error(self, generation: int) -> str | None:
+        """What torch's own machinery saw go wrong with a backend of ``generation`` (``Backend.get_error``:
+        TIMEOUT, COMM_ERROR, REMOTE_ERROR), or None. Gloo does not track it (raises: skipped). O(backends)."""
+        with self.lock:
+            if self.generation != generation:
+                return None
+            backends = [b for b in self._backends if not isinstance(b, dist.ProcessGroupGloo)]
+        success = getattr(_c10d, "ErrorType", None)
+        for b in backends:
+            try:
+                error = b.get_error()
+            except (AttributeError, RuntimeError):  # no such API (an older torch), or a backend without it
+                continue
+            if success is not None and error != success.SUCCESS:
+                self.mark_broken(generation)
+                return str(error)
+        return None
 
     def build(self, store: dist.Store, generation: int,
               physical: tuple[int, int] | None = None) -> tuple[dist.ProcessGroup, list[Any]]:

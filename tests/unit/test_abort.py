@@ -114,3 +114,21 @@ def test_the_mode_is_read_at_the_boundary() -> None:
     assert environment.ProcessEnv.from_mapping({"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}).nccl_error_handling == 2
     with pytest.raises(ConfigError, match="TORCH_NCCL_ASYNC_ERROR_HANDLING"):
         environment.ProcessEnv.from_mapping({"TORCH_NCCL_ASYNC_ERROR_HANDLING": "7"})
+
+
+class WatchdogSawIt(FakeNccl):
+    """A backend whose own watchdog saw a failure and aborted it (torch's error mode 2): its works report
+    success, only ``get_error()`` says so."""
+
+    def get_error(self) -> object:
+        import torch._C._distributed_c10d as c10d
+        return c10d.ErrorType.TIMEOUT
+
+
+def test_a_step_on_a_communicator_torch_aborted_by_itself_counts_as_failed(monkeypatch: pytest.MonkeyPatch) -> None:
+    g = RebindableGroup(0, 2, [0, 1], timedelta(seconds=5))
+    g.install(9, object(), [WatchdogSawIt()])  # type: ignore[arg-type]
+    monkeypatch.setattr(groups, "groups", lambda: [g])
+    monkeypatch.setattr(rebindable, "_broken_listeners", [])
+    assert groups.collective_failed(9, settle_s=0.0)
+    assert g.broken_generation == 9 and not groups.collective_failed(8, settle_s=0.0)
