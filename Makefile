@@ -70,8 +70,8 @@ test-all: $(STAMP) sysdeps
 # The GPU checks (issues 19, 36) on a machine with CUDA, results and timings in GPU_OUT: NCCL communicators
 # made and aborted without leaks, the abort path releasing a connect and a spinning kernel, the
 # asynchronous capture and restore bitwise (plain, DDP, FSDP2), the CUDA generator in a new process, a
-# job sharing the GPU killed and recovered bitwise, several ranks of real NCCL on the one GPU (NCCL_HOSTID). That machine reaches no index: tools/gpu_wheels.sh
-# fetches what it lacks into .whl/ first, here. Without CUDA every GPU test is skipped (exit 0).
+# job sharing the GPU killed and recovered bitwise, several ranks of real NCCL on the one GPU (NCCL_HOSTID).
+# That machine reaches no index: tools/gpu_wheels.sh fetches what it lacks into .whl/ first, here. Without CUDA every GPU test is skipped (exit 0).
 # `make bench-gpu GPU_OUT=...` is the GPU benchmark (bench/gpu.py, docs/benchmarks.md), the same set-up first.
 GPU_OUT ?= gpu-results
 test-gpu:
