@@ -1,6 +1,7 @@
 """Benchmark: what one recovery costs as the world grows (issue 20), on real jobs.
 
 Run:  .venv/bin/python bench/scale.py                       (W = 4 8 16 32; ~1 min per W on 2 cores)
+      .venv/bin/python bench/scale.py --worlds 4 32 --repeat 10  (issue 35's check: 20 runs, interleaved)
       .venv/bin/python bench/scale.py --worlds 4 8 --json scale.json
 
 Setup per W: a fresh embedded etcd (its counters are this job's alone), two
@@ -12,7 +13,9 @@ warm on its node.
 
 Columns (every time from the goodput ledgers, one monotonic clock):
 ``resumed_s`` kill -> every rank's first step after the recovery; ``learned_s``
-kill -> the last survivor's ``failure_detected`` (hop by hop before issue 20);
+kill -> the last survivor's ``failure_detected`` (hop by hop before issue 20); ``left_s`` the longest
+any survivor took to leave the failed generation (its ``generation_left``: issue 35, a teardown once
+sat 60-70 s here);
 ``planned_s`` kill -> the leader's ``plan_published``; ``sockets_before`` /
 ``sockets_after`` the most socket descriptors of a worker (``/proc/<pid>/fd``)
 before the kill and three steps after the recovery (``socket_kinds_*``: that
@@ -195,6 +198,7 @@ def run_one(world: int, state_bytes: int, step_sleep: float, work: Path, log: An
             c2 = etcd_counters(etcd.endpoint)
             resumed = max(e["t_monotonic"] for e in evs if e["kind"] == "first_step_after_recovery") - t_kill
             learned = max(e["t_monotonic"] for e in evs if e["kind"] == "failure_detected") - t_kill
+            left = max((float(e["attrs"]["seconds"]) for e in evs if e["kind"] == "generation_left"), default=float("nan"))
             plans = [e["t_monotonic"] for e in leader_events(gdir) if e["kind"] == "plan_published"]
             gen = max(e["generation"] for e in evs if e["kind"] == "first_step_after_recovery")
             target = max(e["step"] for e in evs if e["kind"] == "first_step_after_recovery") + 3
@@ -209,7 +213,7 @@ def run_one(world: int, state_bytes: int, step_sleep: float, work: Path, log: An
             for p in procs:
                 p.wait(300)
             mem = [json.loads(f.read_text()) for f in out.glob("mem_rank*.json")]
-            row = {"world": world, "resumed_s": resumed, "learned_s": learned,
+            row = {"world": world, "resumed_s": resumed, "learned_s": learned, "left_s": left,
                    "planned_s": (min(plans) - t_kill) if plans else float("nan"),
                    "sockets_before": sockets_before, "sockets_after": sockets_after,
                    "socket_kinds_before": kinds_before, "socket_kinds_after": kinds_after,
@@ -232,6 +236,7 @@ def main() -> int:
     ap.add_argument("--worlds", type=int, nargs="+", default=[4, 8, 16, 32])
     ap.add_argument("--state-kib", type=int, default=64)
     ap.add_argument("--step-sleep", type=float, default=0.2)
+    ap.add_argument("--repeat", type=int, default=1, help="run each W this many times (issue 35: 10 each at W 4 and 32)")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--work", type=Path, default=None,
                     help="keep each run's logs, ledgers and etcd here (default: a temporary directory, removed)")
@@ -240,14 +245,24 @@ def main() -> int:
         ap.error("--worlds: even sizes of at least 4 (two agents of W/2 ranks)")
     rows = []
     with tempfile.TemporaryDirectory(prefix="ckptless-scale-") as tmp:
-        for w in a.worlds:
-            rows.append(run_one(w, a.state_kib * 1024, a.step_sleep, a.work or Path(tmp),
-                                lambda s: print(s, flush=True)))
-    print("\n| W | kill -> resumed s | last survivor learns s | plan published s | sockets/worker before -> after "
-          "| etcd events/rank | etcd KiB/rank | idle etcd events/s | peak RSS MiB | CPU s in the window / cores | load |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+        for i in range(a.repeat):
+            for w in a.worlds:
+                work = (a.work or Path(tmp)) / f"try{i}"
+                work.mkdir(parents=True, exist_ok=True)
+                try:
+                    rows.append(run_one(w, a.state_kib * 1024, a.step_sleep, work, lambda s: print(s, flush=True)))
+                except RuntimeError as exc:  # a run that did not recover is a result too: counted, not hidden
+                    print(f"W={w} try {i}: {exc}", flush=True)
+                    rows.append({"world": w, "failed": str(exc), "load1": os.getloadavg()[0]})
+    print("\n| W | kill -> resumed s | last survivor learns s | longest leave s | plan published s | sockets/worker "
+          "before -> after | etcd events/rank | etcd KiB/rank | idle etcd events/s | peak RSS MiB | CPU s in the window / "
+          "cores | load |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['world']} | {r['resumed_s']:.2f} | {r['learned_s']:.3f} | {r['planned_s']:.2f} | "
+        if "failed" in r:
+            print(f"| {r['world']} | FAILED: {r['failed'][:80]} | | | | | | | | | | {r['load1']:.1f} |")
+            continue
+        print(f"| {r['world']} | {r['resumed_s']:.2f} | {r['learned_s']:.3f} | {r['left_s']:.3f} | {r['planned_s']:.2f} | "
               f"{r['sockets_before']} -> {r['sockets_after']} | {r['etcd_events_per_rank']:.1f} | "
               f"{r['etcd_kib_per_rank']:.1f} | {r['idle_events_s']:.1f} | {r['peak_rss_mib']:.0f} | "
               f"{r['window_cpu_s']:.2f} / {r['window_cpu_s'] / r['window_cpu_per_core_s']:.0f} = {r['window_cpu_per_core_s']:.2f} | "
