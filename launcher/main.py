@@ -31,6 +31,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         cfg = parse_args(list(sys.argv[1:] if argv is None else argv))
         check_implemented(cfg)
+        from ckptless.worker import nccl_env
+
+        for warning in nccl_env.check(environment.environ()):  # torch's NCCL settings: refused here, at start
+            logging.getLogger("ckptless.agent").warning("%s", warning)
         from ckptless.launcher.agent import NodeAgent
 
         agent = NodeAgent(cfg)

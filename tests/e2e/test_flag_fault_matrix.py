@@ -28,7 +28,12 @@ from ckptless.errors import ConfigError
 from ckptless.launcher.args import build_parser, parse_args
 
 from ..harness.cluster import TRAIN, Cluster, FaultFree, assert_bitwise_equal, descendants
-from ..harness.flag_matrix import BASE, BITWISE, ENDS, REFUSED, ROWS, FlagRow, job_args, jobs, rows_by_flag
+from ckptless.launcher import worker_env
+from ckptless.worker import nccl_env
+
+from ..harness import nccl_like
+from ..harness.flag_matrix import (BASE, BITWISE, ENDS, ENV_ROWS, REFUSED, ROWS, FlagRow, env_job, job_args, jobs,
+                                   rows_by_flag)
 from ..harness.repo import PYTHON
 from ..harness.rotation import ci_seed
 
@@ -172,3 +177,50 @@ def test_flag_job_with_a_kill(module_etcd: EmbeddedEtcd, tmp_path: Path, twin: d
 def test_each_flag_alone_with_a_kill(module_etcd: EmbeddedEtcd, tmp_path: Path, twin: dict[int, dict[str, object]],
                                      flag: str) -> None:
     _run_rows(module_etcd, tmp_path, [r for r in ROWS if r.flag == flag], twin)
+
+
+# --- torch's NCCL settings (ckptless/worker/nccl_env.py) set by the user, beside a fault ---------------------
+
+
+def test_every_nccl_setting_has_a_fault_case() -> None:
+    """A setting ckptless gives torch cannot land without a row: the value a user may set instead, and what
+    it does with a kill (or that it is refused at start)."""
+    covered = {r.var for r in ENV_ROWS}
+    wanted = {s.name for s in nccl_env.SETTINGS} | {"TORCH_NCCL_NONBLOCKING_TIMEOUT"}
+    assert wanted <= covered, f"torch NCCL settings without a matrix row: {sorted(wanted - covered)}"
+
+
+def test_every_accepted_nccl_setting_is_accepted_alone() -> None:
+    for row in (r for r in ENV_ROWS if r.outcome == BITWISE):
+        nccl_env.check({row.var: row.value, **dict(row.also)})
+
+
+@pytest.mark.parametrize("row", [r for r in ENV_ROWS if r.outcome == REFUSED], ids=lambda r: f"{r.var}={r.value}")
+def test_a_refused_nccl_setting_stops_the_launch_naming_it(row: Any) -> None:
+    env = {row.var: row.value, **dict(row.also)}
+    with pytest.raises(ConfigError, match=row.var):
+        worker_env.nccl_settings(env)
+
+
+@pytest.mark.rotating(2)  # CI budget: tests/harness/rotation.py
+def test_user_nccl_settings_with_a_kill(module_etcd: EmbeddedEtcd, tmp_path: Path,
+                                        twin: dict[int, dict[str, object]]) -> None:
+    """Every accepted row's value at once, on the NCCL-semantics backend, rank 1 SIGKILLed at step 5: bitwise,
+    and the user's values reached the workers (the launcher keeps them)."""
+    user = env_job()
+    out = tmp_path / "job"
+    out.mkdir()
+    c = Cluster(module_etcd.endpoint, out, f"matrix-env-{uuid.uuid4().hex[:6]}",
+                env={"REF_PAUSE_RANK": str(VICTIM), "REF_PAUSE_STEP": str(AT_STEP), **nccl_like.job_env(
+                    user["TORCH_NCCL_ASYNC_ERROR_HANDLING"]), **user})
+    try:
+        c.start_agent()
+        c.start_agent()
+        os.kill(c.paused_pid(VICTIM), signal.SIGKILL)
+        c.wait(timeout=180)
+    finally:
+        c.kill_all()
+    assert_bitwise_equal(c.finals(), twin)
+    text = c.log_text()
+    assert "tearing the process down" not in text and "Terminating the process" not in text
+    assert "TORCH_NCCL_ENABLE_MONITORING=1" in text, "the allowed-with-a-warning value was not warned about"

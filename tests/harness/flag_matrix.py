@@ -107,6 +107,54 @@ ROWS: tuple[FlagRow, ...] = (
 )
 
 
+@dataclass(frozen=True)
+class EnvRow:
+    """One of torch's NCCL variables that ckptless sets (ckptless/worker/nccl_env.py), set by the user instead:
+    the value tried beside one SIGKILL (on the NCCL-semantics backend), and the outcome it must give."""
+
+    var: str
+    value: str
+    outcome: str = BITWISE
+    also: tuple[tuple[str, str], ...] = ()  # other variables the value needs (set with it)
+    note: str = ""
+
+
+ENV_ROWS: tuple[EnvRow, ...] = (
+    EnvRow("TORCH_NCCL_ASYNC_ERROR_HANDLING", "0", note="0 keeps the process too: accepted"),
+    EnvRow("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1", outcome=REFUSED, note="torchrun's: tears survivors down"),
+    EnvRow("TORCH_NCCL_ENABLE_MONITORING", "1", note="with dumping off only a stuck watchdog ends a process: warned"),
+    EnvRow("TORCH_NCCL_DUMP_ON_TIMEOUT", "1", note="dumping with the monitor off ends nobody: accepted"),
+    EnvRow("TORCH_NCCL_DUMP_ON_TIMEOUT", "1", outcome=REFUSED, also=(("TORCH_NCCL_ENABLE_MONITORING", "1"),),
+           note="with the monitor on, every later replacement is ended"),
+    EnvRow("TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC", "500"),
+    EnvRow("TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC", "90"),
+    EnvRow("TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC", "20", outcome=REFUSED,
+           also=(("TORCH_NCCL_ENABLE_MONITORING", "1"), ("TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC", "15000")),
+           note="under the watchdog's post-error sleep, with the monitor on: a normal error looks like a hang"),
+    EnvRow("TORCH_NCCL_LOG_CPP_STACK_ON_UNCLEAN_SHUTDOWN", "1"),
+    EnvRow("TORCH_NCCL_NONBLOCKING_TIMEOUT", "45", note="the user's bound on an init in progress: kept"),
+)
+
+
+def env_job() -> dict[str, str]:
+    """The one job that carries the accepted rows' values at once: each variable's first row, skipping a row
+    whose value the ones before make a refused combination (accepted alone: checked apart)."""
+    from ckptless.errors import ConfigError
+    from ckptless.worker import nccl_env
+
+    env: dict[str, str] = {}
+    for r in ENV_ROWS:
+        if r.outcome != BITWISE or r.var in env:
+            continue
+        candidate = {**env, r.var: r.value, **dict(r.also)}
+        try:
+            nccl_env.check(candidate)
+        except ConfigError:
+            continue
+        env = candidate
+    return env
+
+
 def rows_by_flag() -> dict[str, FlagRow]:
     return {r.flag: r for r in ROWS if "=" not in r.flag}
 
