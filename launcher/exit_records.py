@@ -89,11 +89,11 @@ def _gpu_failed(st: NodeState, local_rank: int, worker_id: str, spare: bool, err
     bad, respawnable = st.slots.device_failed(local_rank)
     what = error.one_line() if error is not None else "no error recorded"
     if bad is None:
-        if error is not None and error.type == "SilentDataCorruption" and not st.slots.gpus:
-            # A CPU job's rank whose replicated state diverged (mirror/replica_check.py, policy replace):
-            # no GPU to mark; it starts again here, rebuilt from its replicas.
-            log.warning("%s left as corrupt (%s); a CPU node has no GPU to mark bad: its rank may start "
-                        "again here", worker_id, what)
+        if not st.slots.gpus:
+            # A CPU node (its device exits come from corrupt replicated state, mirror/replica_check.py, policy
+            # replace): no GPU to mark, never "its GPU failed"; it starts again here, rebuilt from its replicas.
+            log.warning("%s left as failed hardware (%s): its device or memory is suspect; a CPU node has no GPU "
+                        "to mark bad, so its rank may start again here", worker_id, what)
             return True
         log.warning("%s: its GPU failed (%s), and this agent does not know which GPU it used: its rank is "
                     "not started again on this node", worker_id, what)

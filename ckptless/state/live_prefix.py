@@ -86,6 +86,14 @@ class LivePrefix:
         flat = p.source.detach().reshape(-1).view(torch.uint8)
         return flat.numpy().data
 
+    def bytes_at(self, offset: int) -> memoryview | None:
+        """The live bytes of the prefix tensor laid out at ``offset`` (None: none is), read in place
+        (the replica check's per-tensor digests, :mod:`ckptless.mirror.replica_check`)."""
+        for p in self.pieces:
+            if p.entry.offset == offset:
+                return self._bytes_of(p)
+        return None
+
     def checksums(self, chunk_bytes: int) -> list[int]:
         """CRC32C of every chunk of the prefix as a capture would lay it out (zero padding included),
         read from the live tensors without copying them (crc32c releases the GIL)."""
