@@ -263,8 +263,8 @@ def describe(v: Verdict, version: int, tensor_name: Callable[[int], str], node_n
                  f"{', on several nodes' if len(p.nodes) > 1 else ''})")
         if v.why == "again":
             earlier = "; ".join(f"rank {s.rank} on {node_name(s.node)} at step {s.version}" for s in v.again)
-            return (f"{head}{who} {verb} again: a rank or node already replaced for corruption in this job "
-                    f"({earlier}); replacing it again would loop, so the job stops. It differs from {proof} in {what}")
+            return (f"{head}{who} {verb} again, in {what}: a rank or node already replaced for corruption in this job "
+                    f"({earlier}); replacing it again would loop, so the job stops ({proof} agree)")
         return f"{head}{who} {verb}: {'its' if len(odd) == 1 else 'their'} replicated state differs from {proof} in {what}"
     if v.why == "too_many":
         assert v.proven is not None
@@ -281,10 +281,10 @@ def describe(v: Verdict, version: int, tensor_name: Callable[[int], str], node_n
     if v.why == "one_node":
         return (f"{head}no majority on more than one node: {', '.join(parts)}; they differ in {what}. The larger "
                 "copy sits on one node, where one faulty node would put the same bytes, so no copy is proven right")
-    per_node = " (each copy on one node: either node may be the faulty one)" if all(
-        len(c.nodes) == 1 for c in groups) and len(e.set_nodes) > 1 and not e.dropped else ""
+    per_node = ("; each copy sits on one node, and either node may be the faulty one" if all(
+        len(c.nodes) == 1 for c in groups) and len(e.set_nodes) > 1 and not e.dropped else "")
     return (f"{head}no majority: {', '.join(parts)}; they differ in {what}. No copy is proven right (a tie, or more "
-            f"differing copies than equal ones){per_node}, so none is rebuilt from another")
+            f"differing copies than equal ones), so none is rebuilt from another and the job stops{per_node}")
 
 
 __all__ = ["MAX_COPIES", "MAX_RANKS", "MAX_STRIKES", "MAX_TENSORS", "VECTOR_LEN", "Copy", "Evidence", "Strike",
