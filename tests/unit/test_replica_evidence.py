@@ -29,12 +29,12 @@ CHUNK = 1 << 20
 TIMEOUT_S = 20.0
 
 
-def _replica() -> tuple[StateRegistry, nn.Module, torch.optim.Optimizer]:
-    torch.manual_seed(0)
+def _replica(over: list[int]) -> tuple[StateRegistry, nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(len(over) * 10 + over[0])  # each replica set its own model
     model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 4))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     reg = StateRegistry()
-    reg.protect(replicated_over=list(range(W)), model=model, optimizer=opt)
+    reg.protect(replicated_over=over, model=model, optimizer=opt)
     return reg, model, opt
 
 
@@ -61,12 +61,16 @@ def _round(engines: list[MirrorEngine], caps: list[Capturer], version: int, defe
 
 
 def _run(job: str, flipped: set[int], defer: bool, books: list[StrikeBook] | None = None,
-         policy: str = "replace") -> tuple[list[MirrorEngine], list[BaseException | None], float]:
+         policy: str = "replace", sets: list[list[int]] | None = None,
+         nodes: list[str] | None = None) -> tuple[list[MirrorEngine], list[BaseException | None], float]:
     """v1 committed everywhere; then v2 with the ``flipped`` ranks' moment flipped before the capture.
     Returns the engines, each one's error, and how long a wait for v2 took on rank 0."""
-    engines = engine_world(job, W, TIMEOUT_S, NODES, books, chunk_bytes=CHUNK, wire_bytes=CHUNK,
+    sets = sets or [list(range(W))]
+    nodes = nodes or NODES
+    world = len(nodes)
+    engines = engine_world(job, world, TIMEOUT_S, nodes, books, chunk_bytes=CHUNK, wire_bytes=CHUNK,
                            on_replica_mismatch=policy)
-    ranks = [_replica() for _ in range(W)]
+    ranks = [_replica(next(s for s in sets if r in s)) for r in range(world)]
     caps = [Capturer(reg, job, r, chunk_bytes=CHUNK) for r, (reg, *_) in enumerate(ranks)]
     for _, model, opt in ranks:
         _step(model, opt, 0)
@@ -153,6 +157,22 @@ def test_policy_stop_names_the_odd_rank_and_stops_every_rank() -> None:
         for r, err in enumerate(errors):
             assert isinstance(err, SilentDataCorruption) and not err.replace, (r, err)
         assert "rank 1 (on a) is the odd one" in str(errors[3]) and "policy: stop" in str(errors[3])
+    finally:
+        _close(engines)
+
+
+def test_each_replica_set_decides_from_its_own_members() -> None:
+    """Two sets of three interleaved over six ranks on three nodes (as HSDP's replicate groups): a flip in
+    rank 3 is found by its set {1, 3, 5} (its tree is not the mirror group's), the other set agrees."""
+    nodes = ["a", "a", "b", "b", "c", "c"]
+    books = [StrikeBook() for _ in nodes]
+    engines, errors, _ = _run("sets", {3}, defer=False, books=books, sets=[[0, 2, 4], [1, 3, 5]], nodes=nodes)
+    try:
+        assert isinstance(errors[3], SilentDataCorruption) and errors[3].replace, errors
+        assert "rank 3 (on b) is the odd one" in str(errors[3]) and "ranks 1, 5 hold (2 of 3" in str(errors[3])
+        assert [errors[r] for r in (0, 1, 2, 4, 5)] == [None] * 5
+        assert books[1].strikes == books[5].strikes == [rv.Strike(3, rv.node_key("b"), 2)]
+        assert books[0].strikes == books[2].strikes == books[4].strikes == []
     finally:
         _close(engines)
 
