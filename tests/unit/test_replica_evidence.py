@@ -29,9 +29,9 @@ CHUNK = 1 << 20
 TIMEOUT_S = 20.0
 
 
-def _replica(over: list[int]) -> tuple[StateRegistry, nn.Module, torch.optim.Optimizer]:
+def _replica(over: list[int], device: str = "cpu") -> tuple[StateRegistry, nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(len(over) * 10 + over[0])  # each replica set its own model
-    model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 4))
+    model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 4)).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     reg = StateRegistry()
     reg.protect(replicated_over=over, model=model, optimizer=opt)
@@ -41,7 +41,7 @@ def _replica(over: list[int]) -> tuple[StateRegistry, nn.Module, torch.optim.Opt
 def _step(model: nn.Module, opt: torch.optim.Optimizer, k: int) -> None:
     torch.manual_seed(100 + k)  # the same batch on every replica: they stay equal
     opt.zero_grad()
-    model(torch.randn(8, 16)).square().mean().backward()
+    model(torch.randn(8, 16).to(next(model.parameters()).device)).square().mean().backward()
     opt.step()
 
 
@@ -62,7 +62,8 @@ def _round(engines: list[MirrorEngine], caps: list[Capturer], version: int, defe
 
 def _run(job: str, flipped: set[int], defer: bool, books: list[StrikeBook] | None = None,
          policy: str = "replace", sets: list[list[int]] | None = None,
-         nodes: list[str] | None = None) -> tuple[list[MirrorEngine], list[BaseException | None], float]:
+         nodes: list[str] | None = None,
+         device: str = "cpu") -> tuple[list[MirrorEngine], list[BaseException | None], float]:
     """v1 committed everywhere; then v2 with the ``flipped`` ranks' moment flipped before the capture.
     Returns the engines, each one's error, and how long a wait for v2 took on rank 0."""
     sets = sets or [list(range(W))]
@@ -70,7 +71,7 @@ def _run(job: str, flipped: set[int], defer: bool, books: list[StrikeBook] | Non
     world = len(nodes)
     engines = engine_world(job, world, TIMEOUT_S, nodes, books, chunk_bytes=CHUNK, wire_bytes=CHUNK,
                            on_replica_mismatch=policy)
-    ranks = [_replica(next(s for s in sets if r in s)) for r in range(world)]
+    ranks = [_replica(next(s for s in sets if r in s), device) for r in range(world)]
     caps = [Capturer(reg, job, r, chunk_bytes=CHUNK) for r, (reg, *_) in enumerate(ranks)]
     for _, model, opt in ranks:
         _step(model, opt, 0)
@@ -101,10 +102,15 @@ def _close(engines: list[MirrorEngine]) -> None:
         e.close(10)
 
 
-@pytest.mark.parametrize("defer", [False, True], ids=["copied", "live-prefix"])
-def test_one_flipped_rank_is_named_with_the_one_tensor_that_differs(defer: bool) -> None:
+@pytest.mark.parametrize("defer,device", [
+    (False, "cpu"), (True, "cpu"),
+    pytest.param(False, "cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"))],
+    ids=["copied", "live-prefix", "cuda"])
+def test_one_flipped_rank_is_named_with_the_one_tensor_that_differs(defer: bool, device: str) -> None:
+    """(On a GPU the prefix is copied from device memory into the pinned capture buffer, where the
+    per-tensor digests are read.)"""
     books = [StrikeBook() for _ in range(W)]
-    engines, errors, took = _run(f"one-{defer}", {2}, defer, books)
+    engines, errors, took = _run(f"one-{defer}-{device}", {2}, defer, books, device=device)
     try:
         assert took < TIMEOUT_S / 2, f"the wait for an uncommittable version took {took:.1f}s"
         err = errors[2]
