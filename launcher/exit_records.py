@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 from dataclasses import replace
 
+from ckptless import environment
 from ckptless.launcher.completion import send_status
 from ckptless.launcher.node_state import NodeState
 from ckptless.launcher.respawn import reexec_when_assigned
@@ -89,9 +90,12 @@ def _gpu_failed(st: NodeState, local_rank: int, worker_id: str, spare: bool, err
     bad, respawnable = st.slots.device_failed(local_rank)
     what = error.one_line() if error is not None else "no error recorded"
     if bad is None:
-        if not st.slots.gpus:
-            # A CPU node (its device exits come from corrupt replicated state, mirror/replica_check.py, policy
-            # replace): no GPU to mark, never "its GPU failed"; it starts again here, rebuilt from its replicas.
+        cpu_job = not st.slots.gpus and environment.current().cuda_backend is None  # (as the agent decides)
+        if cpu_job or (error is not None and error.type == "SilentDataCorruption" and not st.slots.gpus):
+            # A rank whose replicated state the replica check found corrupt (mirror/replica_check.py, policy
+            # replace; on a CPU job the only device exit) on a node whose agent manages no GPU: none to mark,
+            # and never "its GPU failed" (issue 35: a CPU job said so); it starts again here, rebuilt from its
+            # replicas.
             log.warning("%s left as failed hardware (%s): its device or memory is suspect; a CPU node has no GPU "
                         "to mark bad, so its rank may start again here", worker_id, what)
             return True
