@@ -90,9 +90,9 @@ class MirrorEngine(OwnerPool):
         self.placement = placement or compute_placement(
             self.world_size, self.config.replicas, self.config.placement, node_of)
         self.job_id, self.generation = job_id, generation
-        # The replica check's evidence: where each rank runs, and the ranks this process saw replaced for
-        # corruption (the runtime's book outlives this engine: replica_check.StrikeBook).
-        self.layout = replica_check.Layout.of(node_of, self.world_size)
+        # The replica check's evidence: where each rank runs (read lazily: O(1) here), and the ranks this
+        # process saw replaced for corruption (the runtime's book outlives this engine: replica_check.StrikeBook).
+        self.layout = replica_check.Layout(node_of, self.world_size)
         self.strikes = strikes if strikes is not None else replica_check.StrikeBook()
         self._last_round: int | None = None  # the version of the newest round that ended
         # Files are keyed by this holder's rank and node: holders sharing a host never share a file.
@@ -248,8 +248,12 @@ class MirrorEngine(OwnerPool):
                                           recv_from=recv_from, buffer_base=entry.live.nbytes if entry.live else 0)
             outcome = self._agree(res, deadline, not diverged and untrusted is None, diverged)
             verdict: tuple[replica_verdict.Verdict, str] | None = None
-            if outcome.diverged and local is not None:  # some set diverged: every set decides from its evidence
-                verdict = replica_check.decide(self.group, local, manifest, self.layout, self.strikes, deadline)
+            if outcome.diverged and local is not None:  # some set diverged: every set decides from its evidence,
+                # on a deadline of its own (the transfer may have spent the round's)
+                verdict = replica_check.decide(
+                    self.group, local, manifest, self.layout, self.strikes, self.placement.holders,
+                    self.config.on_replica_mismatch,
+                    Deadline(min(self.config.timeout_s, replica_check.EVIDENCE_S)))
         except Exception as exc:  # any failure leaves the group in an unknown state
             log.error("mirror round v%d failed on rank %d: %s", manifest.version, self.rank, exc)
             with self._cond:
@@ -288,6 +292,8 @@ class MirrorEngine(OwnerPool):
             if not outcome.in_step:
                 self.error = MirrorError(f"ranks are out of step in round v{manifest.version}")
             self._last_round = manifest.version
+            # A deferred verdict is decided by the next round, at the latest (replica_verdict.decide).
+            self.strikes.deferred = verdict is not None and verdict[0].kind == "defer"
             if verdict is not None and local is not None:  # only the proven copy stays a restore source
                 found, keep = replica_check.settle(*verdict, local, self.config.on_replica_mismatch, self.layout,
                                                    self.strikes, first=self._first_of_set(manifest))

@@ -62,13 +62,13 @@ def _round(engines: list[MirrorEngine], caps: list[Capturer], version: int, defe
 
 def _run(job: str, flipped: set[int], defer: bool, books: list[StrikeBook] | None = None,
          policy: str = "replace", sets: list[list[int]] | None = None,
-         nodes: list[str] | None = None,
+         nodes: list[str] | None = NODES, world: int | None = None,
          device: str = "cpu") -> tuple[list[MirrorEngine], list[BaseException | None], float]:
     """v1 committed everywhere; then v2 with the ``flipped`` ranks' moment flipped before the capture.
-    Returns the engines, each one's error, and how long a wait for v2 took on rank 0."""
+    Returns the engines, each one's error, and how long a wait for v2 took on rank 0. ``nodes`` None:
+    no node layout (each rank its own host), ``world`` ranks."""
     sets = sets or [list(range(W))]
-    nodes = nodes or NODES
-    world = len(nodes)
+    world = len(nodes) if nodes is not None else (world or W)
     engines = engine_world(job, world, TIMEOUT_S, nodes, books, chunk_bytes=CHUNK, wire_bytes=CHUNK,
                            on_replica_mismatch=policy)
     ranks = [_replica(next(s for s in sets if r in s), device) for r in range(world)]
@@ -190,3 +190,99 @@ def test_replicas_that_agree_commit_as_before() -> None:
     finally:
         _close(engines)
 
+
+
+# --- a review of issue 35's verdict: deferral, holders, one node --------------------------------------------
+def _submit(e: MirrorEngine, cap: Capturer, version: int, defer: bool, abstain_with: nn.Module | None = None) -> None:
+    """Capture and submit; ``abstain_with``: bump that model's first parameter's version counter after a
+    deferred capture (bytes unchanged), so this rank's live prefix is untrusted and it abstains."""
+    plan = cap.plan()
+    buf = e.acquire_buffer(plan.nbytes(defer), shrink=defer)
+    img = cap.capture(version, 0, out=buf, checksum_now=False, plan=plan, defer_prefix=defer)
+    if abstain_with is not None:
+        with torch.no_grad():
+            next(abstain_with.parameters()).add_(0)
+    e.submit(img.manifest, img.buffer, live=img.live)
+
+
+def _settled(engines: list[MirrorEngine]) -> list[BaseException | None]:
+    for e in engines:
+        try:
+            e.wait_idle(TIMEOUT_S)
+        except SilentDataCorruption:
+            pass
+    return [e.error for e in engines]
+
+
+@pytest.mark.parametrize("abstains_again", [False, True], ids=["decided-next-round", "undecided-twice"])
+def test_an_abstaining_rank_defers_the_verdict_one_round(abstains_again: bool) -> None:
+    """A set of three on three nodes, rank 2 flipped at v2 while rank 0 abstains (its live prefix was
+    written under the capture): 1 vs 1 proves nothing, so nothing is committed and nobody is named; at v3
+    rank 0 is compared and rank 2 is replaced (it stopped the job before: a review of issue 35). A second
+    undecided round stops every rank."""
+    nodes = ["a", "b", "c"]
+    books = [StrikeBook() for _ in nodes]
+    job = f"defer-{abstains_again}"
+    engines = engine_world(job, 3, TIMEOUT_S, nodes, books, chunk_bytes=CHUNK, wire_bytes=CHUNK,
+                           on_replica_mismatch="replace")
+    try:
+        ranks = [_replica([0, 1, 2]) for _ in nodes]
+        caps = [Capturer(reg, job, r, chunk_bytes=CHUNK) for r, (reg, *_) in enumerate(ranks)]
+        for _, model, opt in ranks:
+            _step(model, opt, 0)
+        for e, cap in zip(engines, caps):
+            _submit(e, cap, 1, False)
+        assert all(e.wait_committed(1, TIMEOUT_S) for e in engines)
+        for r, (_, model, opt) in enumerate(ranks):
+            _step(model, opt, 1)
+            if r == 2:
+                _flip(opt)
+        for r, (e, cap) in enumerate(zip(engines, caps)):
+            _submit(e, cap, 2, r == 0, ranks[0][1] if r == 0 else None)
+        assert _settled(engines) == [None] * 3, "an undecided round named or stopped a rank"
+        assert all(e.committed_version == 1 for e in engines) and all(b.deferred for b in books)
+        for _, model, opt in ranks:
+            _step(model, opt, 2)
+        for r, (e, cap) in enumerate(zip(engines, caps)):
+            again = abstains_again and r == 0
+            _submit(e, cap, 3, again, ranks[0][1] if again else None)
+        errors = _settled(engines)
+        assert all(e.committed_version == 1 for e in engines)
+        if abstains_again:
+            for r, err in enumerate(errors):
+                assert isinstance(err, SilentDataCorruption) and not err.replace, (r, err)
+            assert "the previous round was deferred" in str(errors[1]), errors[1]
+        else:
+            assert isinstance(errors[2], SilentDataCorruption) and errors[2].replace, errors
+            assert "rank 2 (on c) is the odd one" in str(errors[2]), errors[2]
+            assert errors[:2] == [None, None] and not any(b.deferred for b in books)
+    finally:
+        _close(engines)
+
+
+def test_a_rank_and_its_only_holder_are_never_replaced_together() -> None:
+    """Six ranks, each its own host (no node layout: ring holders r -> r + 1), the same flip on ranks 2
+    and 3: rank 3 is rank 2's only holder, so replacing both would leave rank 2's private state in no
+    process. Every rank stops with one error naming both ranks, the tensor and why."""
+    engines, errors, _ = _run("orphan", {2, 3}, defer=False, sets=[list(range(6))], nodes=None, world=6)
+    try:
+        assert engines[0].placement.holders(2) == (3,)
+        for r, err in enumerate(errors):
+            assert isinstance(err, SilentDataCorruption) and not err.replace, (r, err)
+        text = str(errors[0])
+        assert "ranks 2, 3 are the odd ones" in text and "in optimizer.state.0.exp_avg;" in text, text
+        assert "rank 2 with its only holder rank 3" in text, text
+    finally:
+        _close(engines)
+
+
+def test_a_flipped_rank_of_a_set_on_one_node_stops_the_job() -> None:
+    """Four replicas on one node: counting ranks cannot tell a bad device from a bad node there, so even
+    one flipped rank of four is not replaced (docs/failure-model.md, "Whose copy is right")."""
+    engines, errors, _ = _run("one-node", {2}, defer=False, nodes=["box"] * 4)
+    try:
+        for r, err in enumerate(errors):
+            assert isinstance(err, SilentDataCorruption) and not err.replace, (r, err)
+        assert "Every replica runs on box" in str(errors[0]), errors[0]
+    finally:
+        _close(engines)
