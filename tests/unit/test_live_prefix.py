@@ -44,6 +44,10 @@ def test_live_checksums_equal_those_of_the_laid_out_bytes(specs: list[tuple[int,
     live.copy_into(out)
     assert live.checksums(chunk) == chunk_checksums(out, chunk, prefix)
     assert live.changed() is None
+    for p in live.pieces:  # each tensor's bytes by its offset (the replica check's per-tensor digests)
+        mv = live.bytes_at(p.entry.offset)
+        assert mv is not None and bytes(mv) == bytes(out[p.entry.offset: p.entry.offset + p.entry.nbytes].numpy())
+    assert live.bytes_at(prefix + 1) is None
     if live.pieces:
         live.pieces[0].source.view(-1)[:1].zero_()  # an in-place write bumps the version counter
         assert live.changed() is not None
