@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 from dataclasses import replace
 
+from ckptless import environment
 from ckptless.launcher.completion import send_status
 from ckptless.launcher.node_state import NodeState
 from ckptless.launcher.respawn import reexec_when_assigned
@@ -89,11 +90,18 @@ def _gpu_failed(st: NodeState, local_rank: int, worker_id: str, spare: bool, err
     bad, respawnable = st.slots.device_failed(local_rank)
     what = error.one_line() if error is not None else "no error recorded"
     if bad is None:
-        if error is not None and error.type == "SilentDataCorruption" and not st.slots.gpus:
-            # A CPU job's rank whose replicated state diverged (mirror/replica_check.py, policy replace):
-            # no GPU to mark; it starts again here, rebuilt from its replicas.
-            log.warning("%s left as corrupt (%s); a CPU node has no GPU to mark bad: its rank may start "
-                        "again here", worker_id, what)
+        # A CPU job as the agent decides it (agent.py gives such workers CKPTLESS_CUDA_BACKEND=none).
+        cpu_job = not st.slots.gpus and environment.current().cuda_backend in (None, "none")
+        if cpu_job or (error is not None and error.type == "SilentDataCorruption" and not st.slots.gpus):
+            # A rank whose replicated state the replica check found corrupt (mirror/replica_check.py, policy
+            # replace; on a CPU job the only device exit) on a node whose agent manages no GPU: none to mark,
+            # and never "its GPU failed" (issue 35: a CPU job said so); it starts again here, rebuilt from its
+            # replicas.
+            why = ("a CPU node has no GPU to mark bad" if cpu_job else "this agent assigns no GPU to its workers "
+                   f"(CUDA backend {environment.current().cuda_backend}, none counted for this node), so it marks "
+                   "none bad")
+            log.warning("%s left as failed hardware (%s): its device or memory is suspect; %s, so its rank may "
+                        "start again here", worker_id, what, why)
             return True
         log.warning("%s: its GPU failed (%s), and this agent does not know which GPU it used: its rank is "
                     "not started again on this node", worker_id, what)

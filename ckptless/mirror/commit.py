@@ -54,9 +54,10 @@ def round_ack(version: int, own_kept: bool, received_ok: Mapping[int, bool]) -> 
     return version if own_kept and all(received_ok.values()) else NO_ACK
 
 
-def encode(ack: int, version: int) -> list[int]:
-    """Vector reduced with MIN: [ack, version, -version]."""
-    return [ack, version, -version]
+def encode(ack: int, version: int, diverged: bool = False) -> list[int]:
+    """Vector reduced with MIN: [ack, version, -version, -1 if this rank's replicas diverged else 0]
+    (the last: every rank learns that some replica set must gather its evidence, replica_check.py)."""
+    return [ack, version, -version, -1 if diverged else 0]
 
 
 @dataclass(frozen=True)
@@ -64,12 +65,14 @@ class RoundOutcome:
     committed: int | None  # committed version after this round
     advanced: bool  # this round's version became committed
     in_step: bool  # all ranks mirrored the same version
+    diverged: bool = False  # some rank found its replicas' prefixes differ (replica_check.py)
 
 
 def decide(reduced: Sequence[int], previous: int | None) -> RoundOutcome:
-    """Interpret ``MIN([ack, v, -v])`` over all ranks given the previous committed version."""
-    min_ack, min_v, neg_max_v = reduced
+    """Interpret ``MIN([ack, v, -v(, diverged)])`` over all ranks given the previous committed version."""
+    min_ack, min_v, neg_max_v = reduced[:3]
+    diverged = len(reduced) > 3 and reduced[3] < 0
     in_step = min_v == -neg_max_v
     if in_step and min_ack == min_v and min_ack != NO_ACK and (previous is None or min_ack > previous):
-        return RoundOutcome(min_ack, True, True)
-    return RoundOutcome(previous, False, in_step)
+        return RoundOutcome(min_ack, True, True, diverged)
+    return RoundOutcome(previous, False, in_step, diverged)

@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from ckptless.errors import MirrorError, SilentDataCorruption, TransportError
-from ckptless.mirror import agreement, buffers, replica_check
+from ckptless.mirror import agreement, buffers, replica_check, replica_verdict
 from ckptless.mirror.commit import RoundOutcome, decide, encode, round_ack
 from ckptless.mirror.config import MirrorConfig
 from ckptless.mirror.partial import MISSING, Pair, PairSpec, check_pairs, digest, my_missing_pairs, split
@@ -81,6 +81,7 @@ class MirrorEngine(OwnerPool):
         store: PeerStore | None = None,
         on_commit: Callable[[int], None] | None = None,
         background: bool = True,
+        strikes: replica_check.StrikeBook | None = None,
     ) -> None:
         self.config = config or MirrorConfig()
         self.rank = group.rank()
@@ -89,6 +90,11 @@ class MirrorEngine(OwnerPool):
         self.placement = placement or compute_placement(
             self.world_size, self.config.replicas, self.config.placement, node_of)
         self.job_id, self.generation = job_id, generation
+        # The replica check's evidence: where each rank runs (read lazily: O(1) here), and the ranks this
+        # process saw replaced for corruption (the runtime's book outlives this engine: replica_check.StrikeBook).
+        self.layout = replica_check.Layout(node_of, self.world_size)
+        self.strikes = strikes if strikes is not None else replica_check.StrikeBook()
+        self._last_round: int | None = None  # the version of the newest round that ended
         # Files are keyed by this holder's rank and node: holders sharing a host never share a file.
         node = None if node_of is None else str(node_of[self.rank])
         self.store = store or PeerStore(job_id, generation, self.config.shm_dir, holder=self.rank, node=node)
@@ -171,11 +177,15 @@ class MirrorEngine(OwnerPool):
             self._queue.put((manifest, buffer, pairs))
 
     def wait_committed(self, version: int, timeout: float) -> bool:
-        """Block until ``version`` (or newer) is committed; False on timeout; raises if broken."""
+        """Block until ``version`` (or newer) is committed; False on timeout, or at once when every round
+        submitted has ended and none committed it (it never will: only a round commits); raises if broken."""
         end = time.monotonic() + timeout
         with self._cond:
             while self.committed_version is None or self.committed_version < version:
                 self._raise_if_broken()
+                if (self._last_round is not None and self._last_round >= version
+                        and not any(b.state in (QUEUED, INFLIGHT) for b in self._pool)):
+                    return False
                 left = end - time.monotonic()
                 if left <= 0:
                     return False
@@ -226,14 +236,24 @@ class MirrorEngine(OwnerPool):
                 with self._cond:
                     entry.manifest = manifest
             deadline = Deadline(self.config.timeout_s)
-            diverged = replica_check.check(self.group, self.rank, manifest, deadline,  # never committed if so
-                                           abstain=untrusted is not None)
+            live = entry.live
+            local = replica_check.check(self.group, self.rank, manifest, deadline,  # never committed if diverged
+                                        abstain=untrusted is not None, read=self._prefix_reader(buffer, live),
+                                        still_valid=lambda: live is None or live.changed() is None)
+            diverged = local is not None and local.diverged
             pairs = self._missing_pairs(manifest, deadline) if spec == MISSING else spec
             assert pairs is None or isinstance(pairs, frozenset)
             send_to, recv_from = split(pairs, self.rank, self.placement)
             res = self.transport.exchange(manifest, buffer, self.store, deadline, send_to=send_to,
                                           recv_from=recv_from, buffer_base=entry.live.nbytes if entry.live else 0)
-            outcome = self._agree(res, deadline, diverged is None and untrusted is None)
+            outcome = self._agree(res, deadline, not diverged and untrusted is None, diverged)
+            verdict: tuple[replica_verdict.Verdict, str] | None = None
+            if outcome.diverged and local is not None:  # some set diverged: every set decides from its evidence,
+                # on a deadline of its own (the transfer may have spent the round's)
+                verdict = replica_check.decide(
+                    self.group, local, manifest, self.layout, self.strikes, self.placement.holders,
+                    self.config.on_replica_mismatch,
+                    Deadline(min(self.config.timeout_s, replica_check.EVIDENCE_S)))
         except Exception as exc:  # any failure leaves the group in an unknown state
             log.error("mirror round v%d failed on rank %d: %s", manifest.version, self.rank, exc)
             with self._cond:
@@ -271,8 +291,13 @@ class MirrorEngine(OwnerPool):
                             manifest.version, self.rank, res.missing)
             if not outcome.in_step:
                 self.error = MirrorError(f"ranks are out of step in round v{manifest.version}")
-            if diverged is not None:  # never a restore source where this rank may hold the bad copy
-                self.error, keep = replica_check.settle(diverged, self.config.on_replica_mismatch, self.error)
+            self._last_round = manifest.version
+            # A deferred verdict is decided by the next round, at the latest (replica_verdict.decide).
+            self.strikes.deferred = verdict is not None and verdict[0].kind == "defer"
+            if verdict is not None and local is not None:  # only the proven copy stays a restore source
+                found, keep = replica_check.settle(*verdict, local, self.config.on_replica_mismatch, self.layout,
+                                                   self.strikes, first=self._first_of_set(manifest))
+                self.error = found or self.error
                 entry.manifest = entry.manifest if keep else None
             if untrusted is not None and self.live_torn is None:
                 self.live_torn = untrusted
@@ -282,6 +307,19 @@ class MirrorEngine(OwnerPool):
             files.sweep_others()
         if outcome.advanced and self.on_commit is not None and outcome.committed is not None:
             self.on_commit(outcome.committed)
+
+    def _prefix_reader(self, buffer: torch.Tensor, live: LivePrefix | None) -> replica_check.Reader:
+        """Where the replica check reads a prefix tensor's bytes: the live tensors of a deferred capture,
+        else the capture buffer (which holds the image from byte 0)."""
+        if live is not None:
+            return lambda e: live.bytes_at(e.offset)
+        return lambda e: buffer[e.offset: e.offset + e.nbytes].numpy().data
+
+    def _first_of_set(self, manifest: Manifest) -> bool:
+        from ckptless.state.replication import region_of
+
+        region = region_of(manifest)
+        return region is not None and region.ranks.at(0) == self.rank
 
     def _checksum(self, manifest: Manifest, buffer: torch.Tensor, entry: _Buf) -> tuple[Manifest, str | None]:
         """The image's chunk checksums, a deferred prefix's read from the live tensors; and why those
@@ -311,10 +349,11 @@ class MirrorEngine(OwnerPool):
                                                           held, deadline)
         return my_missing_pairs(self.rank, own, theirs, held, owner_digests)
 
-    def _agree(self, res: RoundResult, deadline: Deadline, own_ok: bool) -> RoundOutcome:
-        """The round's acks, reduced with MIN over the agreement tree (``2 * depth(W)`` hops)."""
+    def _agree(self, res: RoundResult, deadline: Deadline, own_ok: bool, diverged: bool = False) -> RoundOutcome:
+        """The round's acks, reduced with MIN over the agreement tree (``2 * depth(W)`` hops); also tells
+        every rank whether any rank's replicas diverged."""
         ok = {o: o in res.received for o in self.transport.owners}
-        vec = encode(round_ack(res.version, own_ok, ok), res.version)
+        vec = encode(round_ack(res.version, own_ok, ok), res.version, diverged)
         reduced = agreement.tree_allreduce(self.group, self.rank, self.world_size, vec, "min", deadline,
                                            "commit agreement")
         return decide(reduced, self.committed_version)

@@ -282,6 +282,9 @@ def _observe(state: State, view: JobView, now: float, cfg: LeaderConfig) -> Step
     errors = view.user_errors
     if errors:
         root = errors[0]
+        if root.error is not None and root.error.type == "SilentDataCorruption":  # replica_check.py's stop
+            return _end("failed", f"{root.describe()} (silent data corruption: replicas that must agree do not; the "
+                                  "job stops and is not restarted onto them)", root)
         return _end("failed", f"{root.describe()} (a user error: the job fails fast and is not restarted)", root)
     done = _completion(state, view)
     if done is not None:

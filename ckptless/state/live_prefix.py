@@ -28,6 +28,7 @@ take a GPU job's host copy to one). Pure data and local copies: no I/O.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -85,6 +86,17 @@ class LivePrefix:
     def _bytes_of(self, p: Piece) -> memoryview:
         flat = p.source.detach().reshape(-1).view(torch.uint8)
         return flat.numpy().data
+
+    @functools.cached_property
+    def _at(self) -> dict[int, Piece]:
+        return {p.entry.offset: p for p in self.pieces}
+
+    def bytes_at(self, offset: int) -> memoryview | None:
+        """The live bytes of the prefix tensor laid out at ``offset`` (None: none is), read in place
+        (the replica check's per-tensor digests, :mod:`ckptless.mirror.replica_check`). O(1) after one
+        O(T) index (a scan per call made naming T differing tensors O(T^2))."""
+        p = self._at.get(offset)
+        return None if p is None else self._bytes_of(p)
 
     def checksums(self, chunk_bytes: int) -> list[int]:
         """CRC32C of every chunk of the prefix as a capture would lay it out (zero padding included),

@@ -84,6 +84,14 @@ class ReplicaSet:
     def _index(self, rank: int) -> int:
         return self.listed.index(rank) if self.listed else (rank - self.first) // self.stride
 
+    def at(self, i: int) -> int:
+        """The set's ``i``-th rank, ascending."""
+        return self._at(i)
+
+    def index_of(self, rank: int) -> int:
+        """Where ``rank`` is in the set, ascending (it must be a member)."""
+        return self._index(rank)
+
     def neighbours(self, rank: int) -> tuple[int, int]:
         """(previous, next) around the set's ring: whom ``rank`` compares its prefix with."""
         i = self._index(rank)

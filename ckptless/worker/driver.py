@@ -168,8 +168,12 @@ class WorkerDriver:
             # The GPU failed: nothing more is asked of this process's CUDA context (see leave_now).
             exit_file.write("device", st.error)
             detail = st.error.traceback if st.error is not None else ""
-            print(f"{detail}[ckptless] rank {rank}: {st.message}; this process exits, and its rank is recovered "
-                  "without this GPU (a spare, or a respawn on another GPU)", file=sys.stderr, flush=True)
+            corrupt = st.error is not None and st.error.type == "SilentDataCorruption"
+            how = ("rebuilt from its replicas (its device or memory is suspect: a spare, or a respawn on another "
+                   "GPU where it has one)" if corrupt else "recovered without this GPU (a spare, or a respawn on "
+                   "another GPU)")
+            print(f"{detail}[ckptless] rank {rank}: {st.message}; this process exits, and its rank is {how}",
+                  file=sys.stderr, flush=True)
             exit_guard.leave_now(1)
         if st.kind in ("job_ended", "fenced"):
             exit_file.write(st.kind)

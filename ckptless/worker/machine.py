@@ -309,7 +309,9 @@ def step(state: State, event: Event, cfg: WorkerConfig) -> Step:
     if isinstance(event, UserError):
         return _fail("user_error", event.summary)
     if isinstance(event, DeviceFailed):
-        message = f"the GPU failed: {event.error.one_line()}"
+        # Corrupt replicated state (replica_check.py) is the device's or its memory's, GPU or not.
+        what = "its replicated state is corrupt" if event.error.type == "SilentDataCorruption" else "the GPU failed"
+        message = f"{what}: {event.error.one_line()}"
         return Failed("device", message, event.error), (Exit("device", message),)
 
     if isinstance(state, Joining):

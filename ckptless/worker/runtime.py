@@ -34,6 +34,7 @@ from ckptless.mirror.config import MirrorConfig
 from ckptless.mirror.mirror import MirrorEngine
 from ckptless.mirror.partial import PairSpec
 from ckptless.mirror.reattach import attach
+from ckptless.mirror.replica_check import StrikeBook
 from ckptless.mirror.store import PeerStore, StoredImage
 from ckptless.recovery.transfer import Received
 from ckptless.recovery.wire import Membership
@@ -125,6 +126,7 @@ class WorkerRuntime:
         self.user_exception: BaseException | None = None  # the user's error, re-raised from run()
         self.recoveries = 0
         self.notes = ReportNotes()
+        self.strikes = StrikeBook()  # ranks this process saw replaced for corruption (mirror/replica_check.py)
         self.transfer_ahead: TransferAhead | None = None
         # A pre-built spare's receive buffer and further pool buffers, faulted in while it waits.
         self.standby_buffers: list[torch.Tensor] = []
@@ -220,7 +222,7 @@ class WorkerRuntime:
             return None  # (a generation with fewer ranks is not mirrored: docs/failure-model.md, "Fewer ranks")
         if gen.engine is None:
             gen.engine = MirrorEngine(gen.mirror_group, self.ctx.job_id, self.mirror_config, generation=gen.number,
-                                      node_of=gen.node_of, store=self.open_peer_store())
+                                      node_of=gen.node_of, store=self.open_peer_store(), strikes=self.strikes)
             exit_guard.watch(gen.engine.thread_alive, gen.engine.join)
         return gen.engine
 

@@ -219,8 +219,9 @@ def _reprotected(rt: WorkerRuntime, resume_version: int) -> bool:
 
 
 def sdc_event(rt: WorkerRuntime, exc: SilentDataCorruption) -> Event:
-    """Replicas differ: this rank leaves as a failed device (the policy replaces an odd rank: its agent
-    marks its GPU bad and the rank is rebuilt from its replicas), or the job stops with the error."""
+    """Replicas differ: this rank leaves as a failed device (the policy replaces a rank the evidence
+    proves corrupt: its agent marks its GPU bad, if it has one, and the rank is rebuilt from its
+    replicas), or the job stops with the error (a stop, not the script's bug: the leader says so)."""
     if exc.replace:
         return DeviceFailed(exit_file.summarize(exc))
     rt.user_exception = exc
@@ -235,7 +236,8 @@ def final_commit(rt: WorkerRuntime) -> Event:
     reason = ""
     try:
         if not engine.wait_committed(rt.spec.steps, timeout=rt.mirror_config.timeout_s):
-            reason = f"the final version {rt.spec.steps} was not committed within {rt.mirror_config.timeout_s}s"
+            reason = (f"the final version {rt.spec.steps} was not committed (its mirror round ended without it, "
+                      f"or ran past {rt.mirror_config.timeout_s}s)")
     except SilentDataCorruption as exc:
         return sdc_event(rt, exc)
     except MirrorError as exc:

@@ -462,10 +462,10 @@ def test_a_flipped_bit_in_one_replica_stops_the_job_naming_ranks_tensor_and_step
     flipped = json.loads((out / "chaos" / "flipped_flip.json").read_text())
     assert flipped["object"] == "model", flipped
     text = c.log_text()
-    found = re.search(r"silent data corruption: at step 5 rank (\d)'s replicated state differs from (.*?) in "
-                      r"([^;]*); rank 2 is the odd one", text)
+    found = re.search(r"silent data corruption at step 5: rank 2 \(on [^)]*\) is the odd one: its replicated state "
+                      r"differs from the copy that ranks 0, 1, 3 hold \(3 of 4, on several nodes\) in ([^;(\n]*)", text)
     assert found is not None, text[-4000:]
-    assert "model.0.weight" in found.group(3), found.group(0)
+    assert found.group(1).strip() == "model.0.weight", found.group(0)  # that tensor, not every one of its chunk
     assert "SilentDataCorruption" in text
     assert not list(out.glob("final_rank*.pt")), "a rank finished the job after the corruption"
 
@@ -490,7 +490,8 @@ def test_a_flipped_bit_in_one_replica_is_replaced_and_the_run_ends_bitwise(modul
     for r in (0, 1, 3):
         assert int(finals[r]["recoveries"]) == 1, f"rank {r}: {finals[r]['recoveries']} recoveries"  # type: ignore[call-overload]
     text = c.log_text()
-    assert "rank 2 is the odd one" in text and "this rank leaves to be rebuilt from its replicas" in text, text[-3000:]
+    assert re.search(r"rank 2 \(on [^)]*\) is the odd one", text), text[-3000:]
+    assert "this rank leaves to be rebuilt from its replicas" in text, text[-3000:]
     assert re.search(r"rank 2: resumed at step \d+ in generation 1", text), text[-3000:]
 
 

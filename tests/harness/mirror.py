@@ -76,6 +76,29 @@ def engine_pair(job: str, timeout_s: float, **kw: Any) -> list[MirrorEngine]:
     return out
 
 
+def engine_world(job: str, world: int, timeout_s: float, node_of: list[str] | None = None,
+                 books: list[Any] | None = None, **kw: Any) -> list[MirrorEngine]:
+    """``world`` engines of one job on a real Gloo group in this process (one thread builds each rank's
+    group), configured by ``mirror_config(timeout_s=timeout_s, **kw)``; ``books``: each rank's
+    replica_check.StrikeBook (what the worker runtime hands its engines)."""
+    master = dist.TCPStore("127.0.0.1", 0, world, True, timeout=timedelta(seconds=20), wait_for_workers=False)
+    out: list[Any] = [None] * world
+
+    def make(rank: int) -> None:
+        store = master if rank == 0 else dist.TCPStore("127.0.0.1", master.port, world, False,
+                                                         timeout=timedelta(seconds=20))
+        pg = dist.ProcessGroupGloo(store, rank, world, timedelta(seconds=timeout_s))
+        out[rank] = MirrorEngine(pg, job, mirror_config(timeout_s=timeout_s, **kw), generation=0, node_of=node_of,
+                                 strikes=None if books is None else books[rank])
+
+    threads = [threading.Thread(target=make, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    return out
+
+
 def rss_bytes() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")

@@ -92,6 +92,15 @@ def test_a_failed_gpu_ends_the_worker_from_any_state(state: object) -> None:
     assert acts == (Exit("device", s.message),) and "the GPU failed" in s.message
 
 
+def test_a_rank_leaving_for_corrupt_replicated_state_does_not_say_its_gpu_failed() -> None:
+    """Issue 35, finding 9: the replica check's replacement leaves as a device (its agent marks its GPU
+    bad where it has one), but on a CPU job there is no GPU, and what failed is its state."""
+    error = ErrorSummary("SilentDataCorruption", "silent data corruption at step 5: rank 2 (on b) is the odd one")
+    s, _ = step(Training(0, 5), DeviceFailed(error), WorkerConfig())
+    assert isinstance(s, Failed) and s.kind == "device"
+    assert "GPU" not in s.message and s.message.startswith("its replicated state is corrupt"), s.message
+
+
 def test_the_worker_records_device_and_leaves_without_touching_cuda_again(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     path = tmp_path / "exit.json"

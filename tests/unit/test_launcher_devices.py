@@ -202,3 +202,28 @@ def test_a_respawn_is_put_on_its_gpu_and_one_with_no_gpu_left_is_recorded_at_onc
     rec = ExitRecord.from_json(box.puts[st.keyspace.worker_exit(1)])
     assert (rec.worker_id, rec.pid, rec.kind, rec.respawnable) == ("n/respawn-g1-r1", -1, "device", False)
     assert rec.outcome == "fault" and "no free good GPU" in rec.describe() and not st.slots.get(1).alive
+
+
+@pytest.mark.parametrize("backend", [None, "none", "gloo"])
+def test_a_corrupt_rank_on_a_node_without_gpus_says_why_none_is_marked_truthfully(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch, backend: str | None) -> None:
+    """Issue 35 (a review): the warning said "a CPU node" even on a GPU job whose agent assigns no GPU
+    (a CUDA backend set, none counted): there it names that, not a CPU node. Either way the rank may
+    start again here, and nothing says its GPU failed."""
+    from ckptless import environment
+
+    monkeypatch.setattr(environment, "_current", ProcessEnv.from_mapping(
+        {} if backend is None else {"CKPTLESS_CUDA_BACKEND": backend}))
+    st, box = _node(tmp_path, 0, 2, 0)
+    Path(st.exit_path(1)).write_text(json.dumps({"kind": "device", "pid": 41, "error": {
+        "type": "SilentDataCorruption", "message": "silent data corruption at step 5: rank 1 is the odd one",
+        "traceback": ""}}))
+    record_exit(st, WorkerExit(1, 41, 0, 1, None, 0.0, 1.0, False))
+    rec = ExitRecord.from_json(box.puts[st.keyspace.worker_exit(1)])
+    assert rec.respawnable
+    line = next(r.getMessage() for r in caplog.records if "left as failed hardware" in r.getMessage())
+    assert "GPU failed" not in line and "may start again here" in line, line
+    if backend == "gloo":
+        assert "CPU node" not in line and "assigns no GPU" in line and "gloo" in line, line
+    else:
+        assert "a CPU node has no GPU to mark bad" in line, line

@@ -103,6 +103,23 @@ def test_user_error_ends_the_job_without_a_plan() -> None:
     assert not ld.world.published
 
 
+def test_a_replica_mismatch_stop_ends_the_job_as_corruption_not_as_a_user_error() -> None:
+    """Issue 35, finding 9: the replica check's stop (mirror/replica_check.py) leaves like a user error
+    (never retried), but it is not the script's bug, and the job's end says so."""
+    from dataclasses import replace as with_
+
+    from ckptless.recovery.view import ErrorSummary
+
+    ld = fresh_leader()
+    ld.world.user_error(1)
+    ld.world.exits[1] = with_(ld.world.exits[1], error=ErrorSummary(
+        "SilentDataCorruption", "silent data corruption at step 5: no majority: ranks 0, 1 hold one copy, ..."))
+    state = ld.observe(0.1)
+    assert isinstance(state, Ended) and state.state == "failed"
+    assert "user error" not in state.reason and "silent data corruption: replicas that must agree do not" in state.reason
+    assert not ld.world.published
+
+
 def test_user_error_in_every_waiting_state_ends_the_job() -> None:
     for setup in ("collecting", "waiting", "formation"):
         ld = fresh_leader()
