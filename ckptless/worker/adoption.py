@@ -12,6 +12,9 @@ receives Y's image into them like any replacement.
 What can still tie the built objects to X, and is checked here (a failed check
 falls back to the re-exec, which is always correct):
 
+* a rank read by the setup (``worker/rank_reads.py``), seen from the process's
+  first line; a spare whose start was not watched is never adopted in place
+  (issue 35: a read before ``ckptless.init()`` used to go unseen);
 * a process group other than the default one (``new_group`` made while X: its
   membership was decided by X, and it cannot be re-ranked in place);
 * a protected DDP model (its reducer holds the default group object it was
@@ -54,6 +57,9 @@ def why_not(registry: StateRegistry, m: Membership, rank: int) -> str | None:
     read = rank_reads.reads()
     if read:
         return f"its setup read its rank ({read[0]}), so what it built is its standby rank's"
+    if not rank_reads.watched_from_start():
+        return ("its setup was not watched from its first line (it was not started by ckptless-run with "
+                "ckptless/worker/spare_site), so a rank read before ckptless.init() cannot be ruled out")
     extra = groups.user_groups()
     if extra:
         return f"its setup created process groups {extra} as its standby rank"
