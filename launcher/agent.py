@@ -161,11 +161,11 @@ class NodeAgent:
 
     def _serve_as_spares(self) -> LaunchConfig:
         """This node arrived after the job formed: from now on it is a spare-only node whose spares are
-        its --nproc-per-node workers (and its --spares), pre-built as the ranks whose node is gone."""
+        its --nproc-per-node workers (and its --spares), pre-built as the ranks whose node is gone, with
+        the spare flags it was given (--no-spare-prebuild, --no-spare-any-rank) like any spare."""
         st = self.state
         old = self.cfg
-        cfg = dataclasses.replace(old, nproc_per_node=0, spares=old.nproc_per_node + old.spares,
-                                  spare_any_rank=old.spare_prebuild)
+        cfg = dataclasses.replace(old, nproc_per_node=0, spares=old.nproc_per_node + old.spares)
         self.cfg = st.cfg = cfg
         st.spares = SparePool(st.keyspace, self.node_id, lambda: st.client, any_rank=cfg.spare_any_rank,
                               refill=cfg.spare_refill)
