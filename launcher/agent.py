@@ -387,10 +387,10 @@ class NodeAgent:
         if st.relay is not None:
             common["CKPTLESS_CONTROL_RELAY"] = st.relay.path
         parent = dict(environment.environ())
-        if cfg.spares and cfg.spare_prebuild:
-            # A pre-built spare's rank reads are watched from its script's first line (a read before
-            # ckptless.init() went unseen: issue 35). Every worker here gets the same PYTHONPATH, so a
-            # respawn still matches the fork server's start-up environment and is forked warm.
+        if cfg.spares:
+            # A spare's rank reads are watched from its script's first line (a read before ckptless.init()
+            # went unseen: issue 35). Every worker here gets the same PYTHONPATH, so a respawn still
+            # matches the fork server's start-up environment and is forked warm.
             parent["PYTHONPATH"] = spare_site.pythonpath(parent.get("PYTHONPATH"))
         if st.slots.gpus == 0 and environment.current().cuda_backend is None:
             # A node that offers no GPU (a CPU host, or CKPTLESS_NODE_GPUS=0 on a GPU host): its workers make

@@ -234,7 +234,7 @@ def _reseed() -> None:
 
 
 def _watch_rank_reads(env: dict[str, str]) -> None:
-    """A pre-built spare's rank reads are watched from its script's first line, as the sitecustomize of
+    """A spare's rank reads are watched from its script's first line, as the sitecustomize of
     ckptless/worker/spare_site does in a cold start (which ran in this server, not in the worker)."""
     from ckptless.worker import rank_reads  # imported with the preloads
 

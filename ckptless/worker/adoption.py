@@ -75,6 +75,21 @@ def why_not(registry: StateRegistry, m: Membership, rank: int) -> str | None:
     return None
 
 
+def why_not_waited(rt: WorkerRuntime, rank: int) -> str | None:
+    """Why a spare that waited in ``ckptless.init()`` for its rank (not pre-built) may not take ``rank``
+    in this process (None: it may). Until now its ``RANK`` said ``rt.ctx.rank`` (a placeholder), and a
+    script that read it before ``init()`` holds that rank's data and seeds (issue 35)."""
+    if rank == rt.ctx.rank:
+        return None  # what it was told is right (a spare restarted as its rank)
+    read = rank_reads.reads()  # all before init() returned: this runs inside it
+    if read:
+        return f"its script read its rank before ckptless.init() ({read[0]}), when RANK said {rt.ctx.rank}"
+    if not rank_reads.watched_from_start():
+        return ("its script was not watched from its first line (it was not started by ckptless-run with "
+                "ckptless/worker/spare_site), so a rank read before ckptless.init() cannot be ruled out")
+    return None
+
+
 def take_rank(rt: WorkerRuntime, rank: int, world_size: int) -> None:
     """Re-make what the spare's setup made for its standby rank, for ``rank`` (see module doc)."""
     groups.drop_default_group()
@@ -88,10 +103,11 @@ def take_rank(rt: WorkerRuntime, rank: int, world_size: int) -> None:
 
 
 def reexec(rt: WorkerRuntime, rank: int | None) -> None:
-    """A pre-built spare assigned a rank other than its standby one: its objects and groups were
-    built for the wrong rank, so it ends now and its agent starts it again (warm) as that rank."""
-    log.warning("spare %s was built as rank %s but assigned rank %s: restarting as rank %s",
-                rt.worker_id, rt.ctx.standby_rank, rank, rank)
+    """A spare assigned a rank its setup was not made for (its objects and groups, or what its script
+    read before ``ckptless.init()``, are another rank's): it ends now and its agent starts it again
+    (warm) as that rank, which is always correct."""
+    log.warning("spare %s was started as rank %s but assigned rank %s: restarting as rank %s",
+                rt.worker_id, rt.ctx.standby_rank if rt.prebuilt else rt.ctx.rank, rank, rank)
     exit_file.write("reexec")
     rt.heartbeat.close()
     logging.shutdown()

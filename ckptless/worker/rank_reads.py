@@ -16,18 +16,19 @@ imports, scans every variable at import), which ask for no rank. A spare whose
 setup read its rank restarts as the rank it is given (re-running the setup)
 instead of adopting it in place.
 
-Only a pre-built spare is watched, only until its setup ends (``run()`` or
-``steps()``), so no other process pays for it. Its environment is watched from
-its first line, before the script runs: ``ckptless-run`` starts it with
+Only a spare is watched, only until its setup ends (``run()`` or ``steps()``),
+so no other process pays for it. Its environment is watched from its first
+line, before the script runs: ``ckptless-run`` starts it with
 :mod:`ckptless.worker.spare_site` on its ``PYTHONPATH`` (a cold start) and its
 fork server calls :func:`at_process_start` in a warm one. A rank read before
 ``ckptless.init()`` is the common case (``rank = int(os.environ["RANK"])`` at
-the top of ``main()``, or a module-level constant): it returns the standby rank,
-and a spare watched only from ``init()`` took another rank with that rank's
-data and seeds, and the job ended exit 0 and wrong (issue 35). A spare whose
-start was not watched (another launcher, ``python -S``) is refused in-place
-adoption (:func:`watched_from_start`; ``worker/adoption.py``) and restarts as
-the lost rank. What is still not seen: ``from torch.distributed import
+the top of ``main()``, or a module-level constant): it returns the standby rank
+(a pre-built spare) or the placeholder ``0`` (a spare that waits in ``init()``
+for its rank, ``--no-spare-prebuild``), and such spares took other ranks with
+that rank's data and seeds: the job ended exit 0 and wrong (issue 35). A spare
+that read its rank, or whose start was not watched (another launcher,
+``python -S``: :func:`watched_from_start`), restarts as the rank it is given
+(``worker/adoption.py``). What is still not seen: ``from torch.distributed import
 get_rank`` bound before ``init()`` (before ``init()`` no default group exists,
 so it cannot answer a rank there anyway), and a rank that reaches the script
 by another way than these variables and calls (a file it wrote, its argv).
@@ -110,21 +111,22 @@ def _watched_get_rank(*args: Any, **kwargs: Any) -> int:
     return int(_saved["get_rank"](*args, **kwargs))
 
 
-def prebuilt_spare(env: Mapping[str, str]) -> bool:
-    """Whether a process started with ``env`` is a pre-built spare (it runs the setup as a standby rank)."""
-    return env.get("CKPTLESS_ROLE") == "spare" and bool(env.get("CKPTLESS_STANDBY_RANK"))
+def spare(env: Mapping[str, str]) -> bool:
+    """Whether a process started with ``env`` is a spare: its ``RANK`` names a rank it may not take (its
+    standby rank if pre-built, a placeholder if it waits in ``ckptless.init()``)."""
+    return env.get("CKPTLESS_ROLE") == "spare"
 
 
 def at_process_start(env: Mapping[str, str] | None = None) -> bool:
     """Before the script's first line (:mod:`ckptless.worker.spare_site`, or the fork server's new
-    worker with the ``env`` its agent built): a pre-built spare's environment is watched from here on.
-    Anything inherited is dropped first (a forked worker's server may have watched itself). Imports no
-    torch: it runs before the script, which may set what torch reads at import. True if watching."""
+    worker with the ``env`` its agent built): a spare's environment is watched from here on. Anything
+    inherited is dropped first (a forked worker's server may have watched itself). Imports no torch:
+    it runs before the script, which may set what torch reads at import. True if watching."""
     stop()
     with _lock:
         _reads.clear()
         _from_start[0] = False
-    if not prebuilt_spare(os.environ if env is None else env):
+    if not spare(os.environ if env is None else env):
         return False
     _watch_environ()
     _from_start[0] = True

@@ -441,7 +441,7 @@ os.close(fd)
 """
 
 
-def test_a_prebuilt_spares_first_line_is_watched_cold_and_warm(tmp_path: Path, fifo: Fifo, probe_dir: Path) -> None:
+def test_a_spares_first_line_is_watched_cold_and_warm(tmp_path: Path, fifo: Fifo, probe_dir: Path) -> None:
     """Issue 35: a cold start runs ckptless/worker/spare_site's sitecustomize; a warm one is forked from a
     server that ran it with its own environment, and watches from the worker's first line again."""
     (probe_dir / "spare_probe.py").write_text(SPARE_PROBE)
@@ -454,7 +454,7 @@ def test_a_prebuilt_spares_first_line_is_watched_cold_and_warm(tmp_path: Path, f
         respawn_warm(g)
         warm = json.loads(fifo.line())
         rec.wait_for(2)
-        respawn_warm(g, CKPTLESS_STANDBY_RANK="")  # re-executed as its rank: no longer pre-built
+        respawn_warm(g, CKPTLESS_ROLE="member")  # not a spare: not watched
         again = json.loads(fifo.line())
     finally:
         g.stop(5.0)

@@ -92,7 +92,7 @@ def test_stop_restores_what_it_replaced() -> None:
     assert rank_reads.reads() == []  # nothing recorded once stopped
 
 
-def test_a_prebuilt_spares_read_before_ckptless_is_imported_is_seen(tmp_path: Path) -> None:
+def test_a_spares_read_before_ckptless_is_imported_is_seen(tmp_path: Path) -> None:
     seen = _started(SPARE, tmp_path)
     assert seen["from_start"] is True and seen["watched"] == "_WatchedEnviron"
     assert seen["reads"] == [f"os.environ['RANK'] at {tmp_path / 'train.py'}:3"], seen
@@ -100,8 +100,14 @@ def test_a_prebuilt_spares_read_before_ckptless_is_imported_is_seen(tmp_path: Pa
     assert seen["path"] == [], "the script's sys.path must be the one it would have had"
 
 
+def test_a_spare_that_waits_for_its_rank_is_watched_too(tmp_path: Path) -> None:
+    """--no-spare-prebuild: RANK is a placeholder until ckptless.init() returns the real one."""
+    seen = _started({"CKPTLESS_ROLE": "spare", "CKPTLESS_STANDBY_RANK": ""}, tmp_path)
+    assert seen["from_start"] is True and seen["reads"] == [f"os.environ['RANK'] at {tmp_path / 'train.py'}:3"]
+
+
 def test_other_workers_are_not_watched(tmp_path: Path) -> None:
-    for env in ({"CKPTLESS_ROLE": "member"}, {"CKPTLESS_ROLE": "spare", "CKPTLESS_STANDBY_RANK": ""}):
+    for env in ({"CKPTLESS_ROLE": "member"}, {"CKPTLESS_ROLE": "replacement"}, {}):
         seen = _started(env, tmp_path)
         assert seen["from_start"] is False and seen["reads"] == [] and seen["watched"] == "_Environ", (env, seen)
 

@@ -1,9 +1,10 @@
 """The directory ``ckptless-run`` puts first on the ``PYTHONPATH`` of a node's workers when the node has
-pre-built spares: its ``sitecustomize`` starts watching a pre-built spare's rank reads before the
-script's first line (:mod:`ckptless.worker.rank_reads`).
+spares: its ``sitecustomize`` starts watching a spare's rank reads before the script's first line
+(:mod:`ckptless.worker.rank_reads`).
 
 Why a ``sitecustomize``: a script that reads ``RANK`` before ``ckptless.init()`` (at the top of ``main()``,
-or in a module-level constant before ``import ckptless``) reads its standby rank, and nothing of ckptless
+or in a module-level constant before ``import ckptless``) reads a rank the spare may not take (its
+standby rank, or the placeholder of a spare that waits for its rank), and nothing of ckptless
 runs before that line in a process started as ``python -u script``. Python imports ``sitecustomize`` from
 the path at start-up, before the script: the one place a cold start can be watched from without changing
 the command. Every worker of such a node gets the same ``PYTHONPATH`` (members too; the hook does nothing

@@ -1,9 +1,9 @@
-"""Python imports this at start-up, before the script, in every worker of a node with pre-built spares
+"""Python imports this at start-up, before the script, in every worker of a node with spares
 (``ckptless-run`` puts its directory first on their ``PYTHONPATH``; see ``__init__.py`` beside it).
 
 It leaves ``sys.path`` as the script would have had it (this directory removed), runs the
-``sitecustomize`` it shadows (the site's own, a test's, the chaos runner's), and then, in a pre-built
-spare only, starts watching the script's rank reads (:func:`ckptless.worker.rank_reads.at_process_start`):
+``sitecustomize`` it shadows (the site's own, a test's, the chaos runner's), and then, in a spare
+only, starts watching the script's rank reads (:func:`ckptless.worker.rank_reads.at_process_start`):
 reads made by the shadowed ``sitecustomize`` are not the script's. Imports no torch.
 """
 
