@@ -53,7 +53,8 @@ _lock = threading.Lock()
 _reads: list[str] = []
 _active = [False]  # os.environ is watched
 _from_start = [False]  # ... since before the script's first line (at_process_start)
-_saved: dict[str, Any] = {}
+_get_rank_watched = [False]
+_saved: dict[str, Any] = {}  # kept once saved: a setup may hold _watched_get_rank after stop()
 
 
 def _caller() -> str | None:
@@ -154,9 +155,10 @@ def start() -> None:
 
     _watch_environ()
     with _lock:
-        if "get_rank" not in _saved:
+        if not _get_rank_watched[0]:
             _saved["get_rank"] = dist.get_rank
             dist.get_rank = _watched_get_rank
+            _get_rank_watched[0] = True
 
 
 def stop() -> list[str]:
@@ -165,10 +167,11 @@ def stop() -> list[str]:
         if _active[0]:
             os.environ.__class__ = _saved.pop("environ_class")
             _active[0] = False
-        if "get_rank" in _saved:
+        if _get_rank_watched[0]:
             import torch.distributed as dist
 
-            dist.get_rank = _saved.pop("get_rank")
+            dist.get_rank = _saved["get_rank"]
+            _get_rank_watched[0] = False
         return list(_reads)
 
 

@@ -86,8 +86,11 @@ def test_stop_restores_what_it_replaced() -> None:
     before_class, before_get_rank = os.environ.__class__, dist.get_rank
     rank_reads.start()
     assert os.environ.__class__ is not before_class and dist.get_rank is not before_get_rank
+    held = dist.get_rank  # `from torch.distributed import get_rank` in the setup
     rank_reads.stop()
     assert os.environ.__class__ is before_class and dist.get_rank is before_get_rank
+    with pytest.raises((ValueError, RuntimeError)):  # still torch's own answer (no default group here)
+        held()
     os.environ.get("RANK")
     assert rank_reads.reads() == []  # nothing recorded once stopped
 
