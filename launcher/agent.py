@@ -69,6 +69,7 @@ from ckptless.launcher.workers import WorkerGroup
 from ckptless.metrics import MetricsExporter
 from ckptless.recovery.leader import RecoveryLeader
 from ckptless.recovery.leader_machine import LeaderConfig
+from ckptless.worker import spare_site
 from ckptless.worker.heartbeat import read_progress
 from ckptless.worker.ledger import leader_sink
 
@@ -160,11 +161,11 @@ class NodeAgent:
 
     def _serve_as_spares(self) -> LaunchConfig:
         """This node arrived after the job formed: from now on it is a spare-only node whose spares are
-        its --nproc-per-node workers (and its --spares), pre-built as the ranks whose node is gone."""
+        its --nproc-per-node workers (and its --spares), pre-built as the ranks whose node is gone, with
+        the spare flags it was given (--no-spare-prebuild, --no-spare-any-rank) like any spare."""
         st = self.state
         old = self.cfg
-        cfg = dataclasses.replace(old, nproc_per_node=0, spares=old.nproc_per_node + old.spares,
-                                  spare_any_rank=old.spare_prebuild)
+        cfg = dataclasses.replace(old, nproc_per_node=0, spares=old.nproc_per_node + old.spares)
         self.cfg = st.cfg = cfg
         st.spares = SparePool(st.keyspace, self.node_id, lambda: st.client, any_rank=cfg.spare_any_rank,
                               refill=cfg.spare_refill)
@@ -385,6 +386,12 @@ class NodeAgent:
                                           generation=0, recovery=st.recovery)
         if st.relay is not None:
             common["CKPTLESS_CONTROL_RELAY"] = st.relay.path
+        parent = dict(environment.environ())
+        if cfg.spares:
+            # A spare's rank reads are watched from its script's first line (a read before ckptless.init()
+            # went unseen: issue 35). Every worker here gets the same PYTHONPATH, so a respawn still
+            # matches the fork server's start-up environment and is forked warm.
+            parent["PYTHONPATH"] = spare_site.pythonpath(parent.get("PYTHONPATH"))
         if st.slots.gpus == 0 and environment.current().cuda_backend is None:
             # A node that offers no GPU (a CPU host, or CKPTLESS_NODE_GPUS=0 on a GPU host): its workers make
             # no CUDA context and no NCCL communicator (ckptless/worker/device.py), whatever torch can see.
@@ -401,7 +408,7 @@ class NodeAgent:
             extra = dict(common, CKPTLESS_WORKER_ID=worker_id, CKPTLESS_HEARTBEAT_FILE=hb,
                          CKPTLESS_EXIT_FILE=st.exit_path(lr), CKPTLESS_ROLE="spare" if spare else "member")
             extra.setdefault("CKPTLESS_PRELOAD", preload)
-            env = worker_env(layout, min(lr, max(cfg.nproc_per_node, 1) - 1), environment.environ(), extra)
+            env = worker_env(layout, min(lr, max(cfg.nproc_per_node, 1) - 1), parent, extra)
             if spare:  # the same spare env a --spare-refill spare gets (launcher/refill.py)
                 sb = standby[lr - cfg.nproc_per_node] if standby and cfg.spare_prebuild else None
                 standby_of[lr] = sb

@@ -384,8 +384,10 @@ def config_from_namespace(ns: argparse.Namespace, environ: Mapping[str, str] | N
     _check(not (ns.shm_off and ns.shm_dir), "shm_dir", ns.shm_dir, "--shm-dir and --no-shm-dir contradict each other")
     shm_dir = ns.shm_dir if ns.shm_dir else (None if ns.shm_off else default_shm_dir())
     # Any-rank adoption is the default for pre-built spares: a spare helps whichever rank is lost, and
-    # it is safe, since a spare whose setup read its rank restarts as the lost rank instead.
-    any_rank = ns.spares >= 1 and ns.spare_prebuild and not ns.spare_rank_bound
+    # it is safe, since a spare whose setup read its rank restarts as the lost rank instead. The policy is
+    # kept without --spares too: an agent that arrives after the job formed serves as spares (issue 35:
+    # --no-spare-any-rank was then ignored).
+    any_rank = ns.spare_prebuild and not ns.spare_rank_bound
     _check(ns.snapshot_every >= 0, "snapshot_every", ns.snapshot_every, "must be >= 0 (0 = off)")
     _check(ns.snapshot_every == 0 or bool(ns.snapshot_dir), "snapshot_dir", ns.snapshot_dir,
            "--snapshot-every needs --snapshot-dir")

@@ -70,6 +70,7 @@ def _server_main(sock_fd: int, path0: str) -> None:
     sock.send(json.dumps({"ready": True, "pid": os.getpid(), "preloaded": names,
                           "seconds": time.monotonic() - t0}).encode())
     req, code = _serve(sock, keep)
+    _watch_rank_reads(req["env"])
     _run(req, code)
 
 
@@ -230,6 +231,14 @@ def _reseed() -> None:
         np_random.seed()
     if (mp_process := sys.modules.get("multiprocessing.process")) is not None:
         mp_process.current_process().authkey = os.urandom(32)
+
+
+def _watch_rank_reads(env: dict[str, str]) -> None:
+    """A spare's rank reads are watched from its script's first line, as the sitecustomize of
+    ckptless/worker/spare_site does in a cold start (which ran in this server, not in the worker)."""
+    from ckptless.worker import rank_reads  # imported with the preloads
+
+    rank_reads.at_process_start(env)
 
 
 def _run(req: dict[str, Any], code: Any) -> None:

@@ -101,6 +101,11 @@ def adopt(rt: WorkerRuntime, m: Membership) -> None:
         if why is not None:
             log.warning("spare %s cannot take rank %s as built: %s", rt.worker_id, assigned, why)
             adoption.reexec(rt, assigned)
+    elif first and rt.ctx.role == "spare" and not rt.prebuilt and assigned is not None:
+        why = adoption.why_not_waited(rt, assigned)
+        if why is not None:
+            log.warning("spare %s cannot take rank %s in this process: %s", rt.worker_id, assigned, why)
+            adoption.reexec(rt, assigned)
     rt.seen = m
     if other_rank:
         assert assigned is not None

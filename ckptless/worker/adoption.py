@@ -12,6 +12,9 @@ receives Y's image into them like any replacement.
 What can still tie the built objects to X, and is checked here (a failed check
 falls back to the re-exec, which is always correct):
 
+* a rank read by the setup (``worker/rank_reads.py``), seen from the process's
+  first line; a spare whose start was not watched is never adopted in place
+  (issue 35: a read before ``ckptless.init()`` used to go unseen);
 * a process group other than the default one (``new_group`` made while X: its
   membership was decided by X, and it cannot be re-ranked in place);
 * a protected DDP model (its reducer holds the default group object it was
@@ -54,6 +57,9 @@ def why_not(registry: StateRegistry, m: Membership, rank: int) -> str | None:
     read = rank_reads.reads()
     if read:
         return f"its setup read its rank ({read[0]}), so what it built is its standby rank's"
+    if not rank_reads.watched_from_start():
+        return ("its setup was not watched from its first line (it was not started by ckptless-run with "
+                "ckptless/worker/spare_site), so a rank read before ckptless.init() cannot be ruled out")
     extra = groups.user_groups()
     if extra:
         return f"its setup created process groups {extra} as its standby rank"
@@ -66,6 +72,21 @@ def why_not(registry: StateRegistry, m: Membership, rank: int) -> str | None:
             if (type(held) is int and held != rank
                     and not callable(getattr(target, "set_world", None))):  # ours are re-ranked in take_rank
                 return f"protected {name!r} holds rank {held} from the setup and cannot be told the new one"
+    return None
+
+
+def why_not_waited(rt: WorkerRuntime, rank: int) -> str | None:
+    """Why a spare that waited in ``ckptless.init()`` for its rank (not pre-built) may not take ``rank``
+    in this process (None: it may). Until now its ``RANK`` said ``rt.ctx.rank`` (a placeholder), and a
+    script that read it before ``init()`` holds that rank's data and seeds (issue 35)."""
+    if rank == rt.ctx.rank:
+        return None  # what it was told is right (a spare restarted as its rank)
+    read = rank_reads.reads()  # all before init() returned: this runs inside it
+    if read:
+        return f"its script read its rank before ckptless.init() ({read[0]}), when RANK said {rt.ctx.rank}"
+    if not rank_reads.watched_from_start():
+        return ("its script was not watched from its first line (it was not started by ckptless-run with "
+                "ckptless/worker/spare_site), so a rank read before ckptless.init() cannot be ruled out")
     return None
 
 
@@ -82,10 +103,11 @@ def take_rank(rt: WorkerRuntime, rank: int, world_size: int) -> None:
 
 
 def reexec(rt: WorkerRuntime, rank: int | None) -> None:
-    """A pre-built spare assigned a rank other than its standby one: its objects and groups were
-    built for the wrong rank, so it ends now and its agent starts it again (warm) as that rank."""
-    log.warning("spare %s was built as rank %s but assigned rank %s: restarting as rank %s",
-                rt.worker_id, rt.ctx.standby_rank, rank, rank)
+    """A spare assigned a rank its setup was not made for (its objects and groups, or what its script
+    read before ``ckptless.init()``, are another rank's): it ends now and its agent starts it again
+    (warm) as that rank, which is always correct."""
+    log.warning("spare %s was started as rank %s but assigned rank %s: restarting as rank %s",
+                rt.worker_id, rt.ctx.standby_rank if rt.prebuilt else rt.ctx.rank, rank, rank)
     exit_file.write("reexec")
     rt.heartbeat.close()
     logging.shutdown()

@@ -10,14 +10,28 @@ rank 0's data (issue 17). So while a pre-built spare runs its setup, the ways
 a script learns its rank are watched: the ``RANK``/``LOCAL_RANK``/``GROUP_RANK``
 /``ROLE_RANK`` variables through ``os.environ``, ``torch.distributed.get_rank()``
 and ``job.rank``. Reads from ckptless's or torch's own code are not the
-script's and are ignored. A spare whose setup read its rank restarts as the
-rank it is given (re-running the setup) instead of adopting it in place.
+script's and are ignored, and so are whole copies and walks of the environment
+(``os.environ.copy()`` for a child; ``os.environ.items()``: tqdm, which torch
+imports, scans every variable at import), which ask for no rank. A spare whose
+setup read its rank restarts as the rank it is given (re-running the setup)
+instead of adopting it in place.
 
-Only a pre-built spare is watched, only until its setup ends (``run()`` or
-``steps()``), so no other process pays for it. What is not seen: a rank read
-before ``ckptless.init()`` (it returns the standby rank, so the script would
-not have been given another), ``from os import environ`` bound before the watch
-started, and ``from torch.distributed import get_rank`` bound before it.
+Only a spare is watched, only until its setup ends (``run()`` or ``steps()``),
+so no other process pays for it. Its environment is watched from its first
+line, before the script runs: ``ckptless-run`` starts it with
+:mod:`ckptless.worker.spare_site` on its ``PYTHONPATH`` (a cold start) and its
+fork server calls :func:`at_process_start` in a warm one. A rank read before
+``ckptless.init()`` is the common case (``rank = int(os.environ["RANK"])`` at
+the top of ``main()``, or a module-level constant): it returns the standby rank
+(a pre-built spare) or the placeholder ``0`` (a spare that waits in ``init()``
+for its rank, ``--no-spare-prebuild``), and such spares took other ranks with
+that rank's data and seeds: the job ended exit 0 and wrong (issue 35). A spare
+that read its rank, or whose start was not watched (another launcher,
+``python -S``: :func:`watched_from_start`), restarts as the rank it is given
+(``worker/adoption.py``). What is still not seen: ``from torch.distributed import
+get_rank`` bound before ``init()`` (before ``init()`` no default group exists,
+so it cannot answer a rank there anyway), and a rank that reaches the script
+by another way than these variables and calls (a file it wrote, its argv).
 """
 
 from __future__ import annotations
@@ -25,9 +39,8 @@ from __future__ import annotations
 import os
 import sys
 import threading
+from collections.abc import Mapping
 from typing import Any
-
-import torch.distributed as dist
 
 RANK_VARIABLES = frozenset({"RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK"})
 # Frames skipped on the way to the script's own: mapping plumbing, and stdlib code that copies the whole
@@ -38,8 +51,10 @@ _INTERNAL = ("ckptless", "torch", "os", "_collections_abc", "collections", "impo
 
 _lock = threading.Lock()
 _reads: list[str] = []
-_active = [False]
-_saved: dict[str, Any] = {}
+_active = [False]  # os.environ is watched
+_from_start = [False]  # ... since before the script's first line (at_process_start)
+_get_rank_watched = [False]
+_saved: dict[str, Any] = {}  # kept once saved: a setup may hold _watched_get_rank after stop()
 
 
 def _caller() -> str | None:
@@ -56,6 +71,8 @@ def _caller() -> str | None:
             return None
         if top not in _INTERNAL:
             return f"{frame.f_code.co_filename}:{frame.f_lineno}"
+        if module in ("_collections_abc", "collections.abc") and frame.f_code.co_name == "__iter__":
+            return None  # os.environ.items()/.values() walking every variable (tqdm's settings scan at import)
         frame = frame.f_back  # type: ignore[assignment]
     return None
 
@@ -95,26 +112,66 @@ def _watched_get_rank(*args: Any, **kwargs: Any) -> int:
     return int(_saved["get_rank"](*args, **kwargs))
 
 
-def start() -> None:
-    """Watch the script's rank reads from now on (a pre-built spare, before its setup)."""
+def spare(env: Mapping[str, str]) -> bool:
+    """Whether a process started with ``env`` is a spare: its ``RANK`` names a rank it may not take (its
+    standby rank if pre-built, a placeholder if it waits in ``ckptless.init()``)."""
+    return env.get("CKPTLESS_ROLE") == "spare"
+
+
+def at_process_start(env: Mapping[str, str] | None = None) -> bool:
+    """Before the script's first line (:mod:`ckptless.worker.spare_site`, or the fork server's new
+    worker with the ``env`` its agent built): a spare's environment is watched from here on. Anything
+    inherited is dropped first (a forked worker's server may have watched itself). Imports no torch:
+    it runs before the script, which may set what torch reads at import. True if watching."""
+    stop()
     with _lock:
-        if _active[0]:
-            return
         _reads.clear()
-        _saved["environ_class"] = os.environ.__class__
-        _saved["get_rank"] = dist.get_rank
-        os.environ.__class__ = _WatchedEnviron
-        dist.get_rank = _watched_get_rank
-        _active[0] = True
+        _from_start[0] = False
+    if not spare(os.environ if env is None else env):
+        return False
+    _watch_environ()
+    _from_start[0] = True
+    return True
+
+
+def watched_from_start() -> bool:
+    """Whether every rank read of this process's script could be seen (see :func:`at_process_start`)."""
+    return _from_start[0]
+
+
+def _watch_environ() -> None:
+    with _lock:
+        if not _active[0]:
+            _reads.clear()
+            _saved["environ_class"] = os.environ.__class__
+            os.environ.__class__ = _WatchedEnviron
+            _active[0] = True
+
+
+def start() -> None:
+    """Watch the script's rank reads from now on (a pre-built spare, before its setup); the reads seen
+    since :func:`at_process_start` are kept, and ``torch.distributed.get_rank`` is watched from here."""
+    import torch.distributed as dist  # here: at_process_start runs before the script imports torch
+
+    _watch_environ()
+    with _lock:
+        if not _get_rank_watched[0]:
+            _saved["get_rank"] = dist.get_rank
+            dist.get_rank = _watched_get_rank
+            _get_rank_watched[0] = True
 
 
 def stop() -> list[str]:
     """Stop watching (the setup ended); returns the reads seen."""
     with _lock:
         if _active[0]:
-            os.environ.__class__ = _saved["environ_class"]
-            dist.get_rank = _saved["get_rank"]
+            os.environ.__class__ = _saved.pop("environ_class")
             _active[0] = False
+        if _get_rank_watched[0]:
+            import torch.distributed as dist
+
+            dist.get_rank = _saved["get_rank"]
+            _get_rank_watched[0] = False
         return list(_reads)
 
 

@@ -54,6 +54,7 @@ def test_why_not_names_what_ties_the_spare_to_its_standby_rank() -> None:
     from ckptless.recovery.decision import Assignment, RecoveryPlan
     from ckptless.recovery.wire import Membership
     from ckptless.state.registry import StateRegistry
+    from ckptless.worker import rank_reads
     from ckptless.worker.adoption import why_not
 
     class ShardReader:  # user state that remembers the rank it read for, and cannot be told another
@@ -71,9 +72,17 @@ def test_why_not_names_what_ties_the_spare_to_its_standby_rank() -> None:
     m = Membership(1, 2, "h", 1, plan.assignments, plan)
     ok = StateRegistry()
     ok.protect(data=ResumableSampler(8, seed=0, rank=0, world_size=2))  # ours: re-ranked by set_world
-    assert why_not(ok, m, 1) is None
-    tied = StateRegistry()
-    tied.protect(reader=ShardReader(0))
-    assert "holds rank 0" in (why_not(tied, m, 1) or "")
-    unplanned = Membership(1, 2, "h", 1, plan.assignments, RecoveryPlan(**{**plan.__dict__, "adopt_prebuilt": ()}))
-    assert "layout" in (why_not(ok, unplanned, 1) or "")
+    # issue 35: a process not watched from its first line may have read its rank unseen
+    assert "not watched from its first line" in (why_not(ok, m, 1) or "")
+    assert rank_reads.at_process_start({"CKPTLESS_ROLE": "spare", "CKPTLESS_STANDBY_RANK": "0"})
+    rank_reads.stop()  # as a spare's setup ends; its start was watched
+    try:
+        assert why_not(ok, m, 1) is None
+        tied = StateRegistry()
+        tied.protect(reader=ShardReader(0))
+        assert "holds rank 0" in (why_not(tied, m, 1) or "")
+        unplanned = Membership(1, 2, "h", 1, plan.assignments,
+                               RecoveryPlan(**{**plan.__dict__, "adopt_prebuilt": ()}))
+        assert "layout" in (why_not(ok, unplanned, 1) or "")
+    finally:
+        assert not rank_reads.at_process_start({})  # this test process is no spare

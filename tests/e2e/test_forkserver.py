@@ -29,6 +29,7 @@ from ckptless.launcher.forkserver import WarmPlan, main_path0, plan, startup_mis
 from ckptless.launcher.worker_env import RUN_PATH_CODE
 from ckptless.launcher.worker_logs import WorkerLogs, make_log_layout, make_run_log_dir
 from ckptless.launcher.workers import WorkerGroup
+from ckptless.worker import spare_site
 
 from ..harness.processes import Fifo, Recorder, alive, wait_dead
 
@@ -427,3 +428,36 @@ def test_plan_and_startup_rules(tmp_path: Path) -> None:
     assert main_path0(WarmPlan("script", "s.py", ()), cwd) == os.path.realpath(cwd)
     assert main_path0(WarmPlan("module", "m", ()), cwd) == os.path.realpath(cwd)
     assert main_path0(WarmPlan("code", "c", ()), cwd) == ""
+
+
+SPARE_PROBE = """
+import os
+rank = os.environ["RANK"]  # before anything of ckptless is imported
+import json
+from ckptless.worker import rank_reads
+fd = os.open(os.environ["PROBE_FIFO"], os.O_WRONLY)
+os.write(fd, (json.dumps({"reads": rank_reads.reads(), "from_start": rank_reads.watched_from_start()}) + "\\n").encode())
+os.close(fd)
+"""
+
+
+def test_a_spares_first_line_is_watched_cold_and_warm(tmp_path: Path, fifo: Fifo, probe_dir: Path) -> None:
+    """Issue 35: a cold start runs ckptless/worker/spare_site's sitecustomize; a warm one is forked from a
+    server that ran it with its own environment, and watches from the worker's first line again."""
+    (probe_dir / "spare_probe.py").write_text(SPARE_PROBE)
+    env = {"PYTHONPATH": spare_site.pythonpath(str(probe_dir)), "CKPTLESS_ROLE": "spare",
+           "CKPTLESS_STANDBY_RANK": "0", "RANK": "2"}
+    rec = Recorder()
+    g = started(make_group(tmp_path, fifo, [str(probe_dir / "spare_probe.py")], env, rec))
+    try:
+        cold = json.loads(fifo.line())
+        respawn_warm(g)
+        warm = json.loads(fifo.line())
+        rec.wait_for(2)
+        respawn_warm(g, CKPTLESS_ROLE="member")  # not a spare: not watched
+        again = json.loads(fifo.line())
+    finally:
+        g.stop(5.0)
+    read = f"os.environ['RANK'] at {probe_dir / 'spare_probe.py'}:3"
+    assert cold == warm == {"reads": [read], "from_start": True}, (cold, warm)
+    assert again == {"reads": [], "from_start": False}

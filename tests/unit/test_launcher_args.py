@@ -297,6 +297,14 @@ def test_spare_options_parse_and_read_their_env() -> None:
     assert env.spare_refill and env.spare_any_rank
 
 
+def test_the_any_rank_policy_is_kept_without_spares() -> None:
+    """An agent that arrives after the job formed serves as spares (launcher/agent.py, _serve_as_spares):
+    it keeps the policy it was started with (issue 35: --no-spare-any-rank was ignored there)."""
+    assert A.parse_args(["t.py"], environ={}).spare_any_rank
+    assert not A.parse_args(["--no-spare-any-rank", "t.py"], environ={}).spare_any_rank
+    assert not A.parse_args(["--no-spare-prebuild", "t.py"], environ={}).spare_any_rank
+
+
 def test_lost_node_shrink_needs_a_node_range() -> None:
     """``--lost-node shrink`` keeps at least MIN nodes: with MIN == MAX it could never shrink (one clear error)."""
     cfg = A.parse_args(["--nnodes", "1:2", "--rdzv-endpoint", "h", "--lost-node", "shrink", "t.py"], environ={})

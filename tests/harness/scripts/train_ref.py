@@ -32,9 +32,12 @@ Environment knobs for fault injection by the test (which sends the real signal):
                    if set, the setup shifts the data by draws from the global torch RNG (which
                    the script never seeds): a replacement's setup must draw the same numbers
   REF_SETUP_READS_RANK
-                   if set, the setup reads os.environ["RANK"] and shifts its (unprotected) data
-                   by it, as scripts that shard data at setup do: a pre-built spare built as
-                   another rank must not take this rank with its objects as built
+                   if set, the setup reads os.environ["RANK"], shifts its (unprotected) data by it
+                   and seeds torch, random and NumPy per rank, as scripts that shard data and seed
+                   per rank at setup do: a pre-built spare built as another rank must not take this
+                   rank with its objects as built. ``early``: the same, with RANK read at import,
+                   before ckptless is imported (a module-level constant); any other value: after
+                   ckptless.init(). Both give the same states.
   REF_LOOP_API     if set, train with ``for step in job.steps(n): with job.guard(): ...`` instead of run()
   REF_DEVICE       ``cuda``: train on the rank's GPU (``job.device``), deterministic algorithms on
                    (the GPU tests, tests/gpu: dropout then draws from the CUDA generator)
@@ -49,6 +52,10 @@ import os
 import random
 import sys
 import time
+
+# REF_SETUP_READS_RANK=early: the rank read before anything of ckptless is imported (nothing of it can
+# see this line unless the process was watched from its first line: ckptless/worker/spare_site).
+RANK_AT_IMPORT = os.environ.get("RANK") if os.environ.get("REF_SETUP_READS_RANK") == "early" else None
 
 import numpy as np
 import torch
@@ -102,7 +109,11 @@ def main() -> None:
     if os.environ.get("REF_UNSEEDED_DATA"):
         xs = xs + 0.01 * torch.randn(xs.shape)  # the global generator, seeded by nobody but ckptless
     if os.environ.get("REF_SETUP_READS_RANK"):
-        xs = xs + 0.01 * int(os.environ["RANK"])  # this rank's data, decided at setup and not protected
+        rank_at_setup = int(RANK_AT_IMPORT if RANK_AT_IMPORT is not None else os.environ["RANK"])
+        xs = xs + 0.01 * rank_at_setup  # this rank's data, decided at setup and not protected
+        torch.manual_seed(1000 + rank_at_setup)  # per-rank seeds (the streams are protected: restored)
+        random.seed(1000 + rank_at_setup)
+        np.random.seed(1000 + rank_at_setup)
     dataset = torch.utils.data.TensorDataset(xs, ys)
     loader = ResumableLoader(dataset, ResumableSampler(len(dataset), seed=3), batch_size=8,
                              num_workers=int(os.environ.get("REF_LOADER_WORKERS", "0")))
