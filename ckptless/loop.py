@@ -38,6 +38,7 @@ from typing import Any
 
 from ckptless.errors import ConfigError, RecoveryError
 from ckptless.passes import AFTER_EPOCHS, LoopPosition, is_stateful, open_pass
+from ckptless.sample_seeds import refuse_unreproducible
 from ckptless.state.rng import RNGState
 from ckptless.worker import exit_file, exit_guard, training
 from ckptless.worker.driver import WorkerDriver
@@ -237,6 +238,11 @@ class LoopRunner:
 
     def batches(self, loader: Iterable[Any]) -> Iterator[Any]:
         self._check_running("job.batches")
+        try:
+            refuse_unreproducible(loader)  # at the first pass: never trained on until a recovery shows it
+        except ConfigError as exc:
+            self._fatal = exc
+            raise
         k = self._passes
         self._passes += 1
         outside = not self._in_epochs

@@ -72,3 +72,14 @@ def test_random_transforms_in_loader_workers_resume_bitwise(tmp_path: Path,
                   "--at", "11", "--out", str(tmp_path), "--", "--epochs", "2")
     assert "bitwise equal" in line, line
     assert _steps(tmp_path, "kill-worker") == 32
+
+
+@pytest.mark.timeout(300)
+def test_random_transforms_in_persistent_loader_workers_resume_bitwise(tmp_path: Path,
+                                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    # Issue 35, finding 7: the same with persistent_workers=True, killed mid-epoch 1 (step 20), when the
+    # workers were started an epoch earlier (was: FAIL, other transforms after the reopening, nothing said)
+    line = passes(capsys, "run", "kill-worker", "--script", str(SCRIPTS / "augmented_workers.py"), *SMALL,
+                  "--at", "20", "--out", str(tmp_path), "--", "--epochs", "2", "--persistent")
+    assert "bitwise equal" in line, line
+    assert _steps(tmp_path, "kill-worker") == 32

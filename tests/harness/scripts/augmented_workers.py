@@ -38,10 +38,12 @@ class Augmented(Dataset[tuple[torch.Tensor, torch.Tensor]]):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--persistent", action="store_true", help="persistent_workers=True (issue 35, finding 7)")
     args = parser.parse_args()
     job = ckptless.init()
     data = Augmented(256)
-    loader = DataLoader(data, batch_size=8, sampler=DistributedSampler(data, shuffle=True, seed=1), num_workers=2)
+    loader = DataLoader(data, batch_size=8, sampler=DistributedSampler(data, shuffle=True, seed=1), num_workers=2,
+                        persistent_workers=args.persistent)
     model = DDP(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1)))
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
     job.protect(model=model, optimizer=optimizer)
