@@ -55,7 +55,7 @@ from ckptless.sample_seeds import SeedPerSample, install, pass_seed_slot, refuse
 from ckptless.state.registry import Stateful
 from ckptless.state.rng import RNGState, numpy_from_tree, numpy_tree, python_from_tree, python_tree
 
-__all__ = ["AFTER_EPOCHS", "LoopPosition", "is_stateful", "open_pass"]
+__all__ = ["AFTER_EPOCHS", "LoopPosition", "is_stateful", "open_pass", "stop_workers"]
 
 AFTER_EPOCHS = -2
 """``LoopPosition.ordinal`` of a pass made after the ``job.epochs`` loop ended (-1: no epoch loop yet)."""
@@ -125,6 +125,10 @@ class LoopPosition:
     def next_pass(self) -> None:
         self.pass_index += 1
         self.consumed, self.opened, self.loader_state = 0, False, None
+
+    def at_start(self) -> bool:
+        """Version 0's position: nothing of the loop ran (every later version has a pass open)."""
+        return self.ordinal == -1 and not self.opened and self.pass_index == 0 and self.consumed == 0
 
     def copy(self) -> LoopPosition:
         other = LoopPosition()
@@ -215,9 +219,7 @@ def _start_seeded_workers(loader: DataLoader[Any]) -> None:
     it = getattr(loader, "_iterator", None)
     if it is not None and getattr(it, "_worker_init_fn", None) is loader.worker_init_fn:
         return
-    if it is not None:
-        it._shutdown_workers()
-        loader._iterator = None
+    stop_workers(loader)
     g = _generator_of(loader)
     cpu, own = torch.get_rng_state(), g.get_state() if g is not None else None
     try:
@@ -226,6 +228,14 @@ def _start_seeded_workers(loader: DataLoader[Any]) -> None:
         torch.set_rng_state(cpu)
         if g is not None and own is not None:
             g.set_state(own)
+
+
+def stop_workers(loader: DataLoader[Any]) -> None:
+    """End ``loader``'s persistent workers (its next ``iter()`` starts new ones)."""
+    it = getattr(loader, "_iterator", None)
+    if it is not None:
+        it._shutdown_workers()
+        loader._iterator = None
 
 
 def _rest_of(loader: DataLoader[Any], pos: LoopPosition) -> Iterator[Any]:

@@ -25,7 +25,7 @@ from ckptless.errors import ConfigError
 from ckptless.loop import LOOP_ENTRY, LoopRunner
 from ckptless.sample_seeds import SeedPerSample, install, seeds_per_pass, unreproducible
 
-from .test_loop import Augmented, Counting, FakeDriver, Squares
+from .test_loop import Augmented, Counting, FakeDriver, Squares, epoch_loop, run_loop
 
 stateful = pytest.importorskip("torchdata.stateful_dataloader")
 
@@ -125,3 +125,15 @@ def test_install_gives_persistent_workers_one_shared_slot() -> None:
     install(loader)
     assert isinstance(init, SeedPerSample) and loader.worker_init_fn is init and init.user is print
     assert init.shared is not None and init.shared.is_shared()
+
+
+@pytest.mark.parametrize("plan", [{3: 0}, {1: 0}, {9: 0, 12: 10}])
+def test_a_rollback_to_version_0_with_a_probe_resumes_exactly(plan: dict[int, int]) -> None:
+    """The DDP tutorial's probe starts the persistent workers in the first epoch, drawing torch's base seed:
+    a survivor rolled back to version 0 (a failure before version 1 was committed) starts them again, so its
+    probe draws as the original's did (was: the survivor's probe reused them, drew nothing, and every later
+    dropout mask and pass seed differed)."""
+    def make() -> Any:
+        return DataLoader(Augmented(24), batch_size=3, shuffle=True, num_workers=2, persistent_workers=True)
+    baseline = run_loop(make, epoch_loop, 2, {})
+    assert run_loop(make, epoch_loop, 2, plan).same(baseline)
