@@ -119,7 +119,8 @@ class Job:
         gets them from a live replica instead of a mirror (docs/state.md, "Replicated state"); a DDP
         model and HSDP's replicated shards are found without it.
         """
-        for obj in objs.values():
+        for name, obj in objs.items():
+            sample_seeds.refuse_unreproducible(obj, name)  # persistent workers a recovery cannot reproduce
             sample_seeds.install(obj)  # a loader's workers seeded per sample before its first state_dict()
         self._rt.registry.protect(replicated_over, **objs)
         self._rt.layout_changed()

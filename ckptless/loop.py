@@ -33,11 +33,13 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+import weakref
 from collections.abc import Callable, Generator, Iterable, Iterator
 from typing import Any
 
 from ckptless.errors import ConfigError, RecoveryError
-from ckptless.passes import AFTER_EPOCHS, LoopPosition, is_stateful, open_pass
+from ckptless.passes import AFTER_EPOCHS, LoopPosition, is_stateful, open_pass, stop_workers
+from ckptless.sample_seeds import refuse_unreproducible, seeds_per_pass
 from ckptless.state.rng import RNGState
 from ckptless.worker import exit_file, exit_guard, training
 from ckptless.worker.driver import WorkerDriver
@@ -73,6 +75,7 @@ class LoopRunner:
         self._shift = 0  # recorded ordinal - this call's index: a range that starts elsewhere now
         self._after_epochs = False  # the job.epochs loop of this call ended
         self._open_loops: list[Iterator[Any]] = []
+        self._persistent: list[weakref.ref[Any]] = []  # loaders with persistent workers job.batches saw
 
     # --- the function ----------------------------------------------------------------------------
     def run(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -123,6 +126,13 @@ class LoopRunner:
             gen.close()  # type: ignore[attr-defined]
         self._open_loops = []
         self._target = self.position.copy()
+        if self._target.at_start():
+            # Back to version 0: the original run made its persistent workers in this call (torch draws a
+            # base seed there, e.g. at a probe `next(iter(loader))`), as a replacement will; so do we.
+            for ref in self._persistent:
+                loader = ref()
+                if loader is not None:
+                    stop_workers(loader)
         self._in_epochs, self._after_epochs, self._passes, self._shift = False, False, 0, 0
         # Resuming mid-pass: the streams are the resume version's now; code on the way back to the
         # pass may draw again, and reopening it puts them back here (ckptless.passes.open_pass).
@@ -237,6 +247,13 @@ class LoopRunner:
 
     def batches(self, loader: Iterable[Any]) -> Iterator[Any]:
         self._check_running("job.batches")
+        try:
+            refuse_unreproducible(loader)  # at the first pass: never trained on until a recovery shows it
+        except ConfigError as exc:
+            self._fatal = exc
+            raise
+        if seeds_per_pass(loader) and all(ref() is not loader for ref in self._persistent):
+            self._persistent.append(weakref.ref(loader))
         k = self._passes
         self._passes += 1
         outside = not self._in_epochs

@@ -30,9 +30,12 @@ Randomness drawn while a batch loads in this process (``num_workers=0``: a
 random crop from ``torch``, ``random`` or ``np.random``) is reproduced at any
 batch, from the streams recorded before each fetch. Randomness *inside* a
 worker is reproduced at any batch too: a DataLoader's workers seed their
-streams before each sample from the pass's base seed and the sample's index
-(:mod:`ckptless.sample_seeds`), except persistent workers, where it is reproduced
-at a pass's start only (docs/state.md, "Your own loop").
+streams before each sample from the pass's base seed and the sample's place
+(:mod:`ckptless.sample_seeds`). Persistent workers too: each pass opened draws a
+base seed for them as a non-persistent loader's iterator does (their own, drawn
+once, would serve every epoch), and they are started without drawing from any
+stream; a persistent loader whose workers cannot be seeded so is refused at
+start (docs/state.md, "Your own loop").
 """
 
 from __future__ import annotations
@@ -48,11 +51,11 @@ from torch.utils.data import DataLoader, IterableDataset
 from torch.utils.data._utils.worker import _generate_state
 
 from ckptless.errors import StateError
-from ckptless.sample_seeds import SeedPerSample, install
+from ckptless.sample_seeds import SeedPerSample, install, pass_seed_slot, refuse_unreproducible
 from ckptless.state.registry import Stateful
 from ckptless.state.rng import RNGState, numpy_from_tree, numpy_tree, python_from_tree, python_tree
 
-__all__ = ["AFTER_EPOCHS", "LoopPosition", "is_stateful", "open_pass"]
+__all__ = ["AFTER_EPOCHS", "LoopPosition", "is_stateful", "open_pass", "stop_workers"]
 
 AFTER_EPOCHS = -2
 """``LoopPosition.ordinal`` of a pass made after the ``job.epochs`` loop ended (-1: no epoch loop yet)."""
@@ -123,6 +126,10 @@ class LoopPosition:
         self.pass_index += 1
         self.consumed, self.opened, self.loader_state = 0, False, None
 
+    def at_start(self) -> bool:
+        """Version 0's position: nothing of the loop ran (every later version has a pass open)."""
+        return self.ordinal == -1 and not self.opened and self.pass_index == 0 and self.consumed == 0
+
     def copy(self) -> LoopPosition:
         other = LoopPosition()
         other.load_state_dict(self.state_dict())
@@ -161,21 +168,22 @@ def open_pass(loader: Iterable[Any], pos: LoopPosition, resume: dict[str, Any] |
     what a later reopening needs), or reopened at ``pos``. ``resume`` is then the RNG streams of the
     resume version (``RNGState.state_dict()``), which they are left at: whatever the code before the
     pass drew again on its way here (a probe ``next(iter(loader))`` draws a base seed) is undone."""
+    refuse_unreproducible(loader)
     install(loader)
+    slot = pass_seed_slot(loader)
     if resume is None:
         pos.cpu_rng = torch.get_rng_state()
         g = _generator_of(loader)
         pos.loader_rng = g.get_state() if g is not None else _EMPTY
-        # A DataLoader draws its workers' base seed when its iterator is made, except a persistent one's reuse.
-        pos.base_draw = isinstance(loader, DataLoader) and not (loader.persistent_workers
-                                                                and getattr(loader, "_iterator", None) is not None)
+        # A DataLoader draws its workers' base seed when its iterator is made; for persistent workers
+        # the pass draws it (their iterator is made drawing nothing), so that it differs every pass.
+        pos.base_draw = isinstance(loader, DataLoader)
+        if slot is not None:
+            assert isinstance(loader, DataLoader)
+            _start_seeded_workers(loader)
+            slot.fill_(_draw_base(loader))
         pos.opened = True
         return iter(loader)
-    if isinstance(loader, DataLoader) and loader.persistent_workers and loader.num_workers > 0 \
-            and getattr(loader, "_iterator", None) is None:
-        # A fresh process (a replacement): make the persistent iterator now, so that the next pass
-        # reuses it and draws no base seed, as the original's did (its draws are overwritten below).
-        iter(loader)
     torch.set_rng_state(pos.cpu_rng)
     g = _generator_of(loader)
     if g is not None and pos.loader_rng.numel():
@@ -196,11 +204,43 @@ def open_pass(loader: Iterable[Any], pos: LoopPosition, resume: dict[str, Any] |
         RNGState().load_state_dict(resume)  # (the loader's generator stays where the pass's opening left it)
 
 
+def _draw_base(loader: DataLoader[Any]) -> int:
+    """Exactly the draw DataLoader's iterator makes for its workers' base seed (torch/utils/data/dataloader.py)."""
+    return int(torch.empty((), dtype=torch.int64).random_(generator=loader.generator).item())
+
+
+def _start_seeded_workers(loader: DataLoader[Any]) -> None:
+    """``loader``'s persistent workers, started with its per-pass seeding, the streams left as they were.
+
+    Making the iterator draws a base seed and primes a pass (a shuffling sampler's draw): undone, so
+    that where the workers start (a replacement at its first pass, the original at its first) changes
+    no stream. Workers started before the seeding was installed (a probe ``next(iter(loader))`` before
+    the first ``job.batches``) are replaced: they would draw from their own streams."""
+    it = getattr(loader, "_iterator", None)
+    if it is not None and getattr(it, "_worker_init_fn", None) is loader.worker_init_fn:
+        return
+    stop_workers(loader)
+    g = _generator_of(loader)
+    cpu, own = torch.get_rng_state(), g.get_state() if g is not None else None
+    try:
+        loader._iterator = loader._get_iterator()
+    finally:
+        torch.set_rng_state(cpu)
+        if g is not None and own is not None:
+            g.set_state(own)
+
+
+def stop_workers(loader: DataLoader[Any]) -> None:
+    """End ``loader``'s persistent workers (its next ``iter()`` starts new ones)."""
+    it = getattr(loader, "_iterator", None)
+    if it is not None:
+        it._shutdown_workers()
+        loader._iterator = None
+
+
 def _rest_of(loader: DataLoader[Any], pos: LoopPosition) -> Iterator[Any]:
     """The rest of a map-style pass: its index batches replayed, the trained ones skipped unloaded."""
-    base = 0
-    if pos.base_draw:  # exactly the draw DataLoader's iterator makes (torch/utils/data/dataloader.py)
-        base = int(torch.empty((), dtype=torch.int64).random_(generator=loader.generator).item())
+    base = _draw_base(loader) if pos.base_draw else 0
     batches = iter(loader.batch_sampler)  # type: ignore[arg-type]
     for _ in itertools.islice(batches, pos.consumed):  # the trained batches: indices only, nothing loaded
         pass
@@ -213,7 +253,7 @@ def _rest_of(loader: DataLoader[Any], pos: LoopPosition) -> Iterator[Any]:
     kwargs: dict[str, Any] = {}
     if loader.num_workers > 0:
         init = loader.worker_init_fn
-        if isinstance(init, SeedPerSample):  # the samples seeded from the original pass's base, not this one's
+        if isinstance(init, SeedPerSample):  # seeded from the original pass's base (a persistent one's slot's)
             init = SeedPerSample(init.user, base)
         kwargs = {"prefetch_factor": loader.prefetch_factor, "multiprocessing_context": loader.multiprocessing_context,
                   "worker_init_fn": _Reseed(base, init) if pos.base_draw else init}

@@ -24,6 +24,18 @@ process is untouched). Two keys:
   (the loader's seed, the epoch, the sample's index), so a transform is the
   same whichever rank or micro-batch loads the sample (``set_world``).
 
+Persistent workers (issue 35) live across passes, so their base seed is one
+for the whole job: keyed by it, a sample would get one transform for every
+epoch. They read the pass's base from a shared-memory slot instead
+(``shared``), which ``job.batches`` fills before each pass with a seed drawn
+as a non-persistent loader's iterator draws its workers' base
+(:func:`ckptless.passes.open_pass`); a reopened pass's one-pass workers get
+that draw again, so they key every sample as the persistent workers did.
+What a pass cannot be reopened from exactly is refused at start
+(:func:`unreproducible`): persistent workers of a stateful loader (its own
+resume), of an ``IterableDataset`` (no per-sample fetch to seed) and
+without a batched fetch (``batch_size=None``).
+
 Cost: ~10 us a sample, in the workers (``bench/loader_seeding.py``: 1.0-1.3x the
 plain loader's pass on a light 35-49 us sample, on 2 shared cores).
 """
@@ -41,7 +53,11 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-__all__ = ["SeedPerSample", "install", "sample_seed", "seed_global_streams", "wants_seeds"]
+from ckptless.errors import ConfigError
+from ckptless.state.registry import Stateful
+
+__all__ = ["SeedPerSample", "install", "pass_seed_slot", "refuse_unreproducible", "sample_seed",
+           "seed_global_streams", "seeds_per_pass", "unreproducible", "wants_seeds"]
 
 log = logging.getLogger(__name__)
 
@@ -80,10 +96,49 @@ def _batch_key(indices: list[Any]) -> int:
 
 def wants_seeds(loader: Any) -> bool:
     """A map-style DataLoader (or ``StatefulDataLoader``) whose passes load in workers started for
-    them. Not with persistent workers: a pass's base seed is theirs for every epoch, so a sample
-    would draw the same transform each epoch; nor ``batch_size=None`` (no batched fetch to take)."""
+    them. Not persistent workers (:func:`seeds_per_pass`: their base seed is theirs for every epoch,
+    so keyed by it a sample would draw the same transform each epoch); nor ``batch_size=None`` (no
+    batched fetch to take)."""
     return (isinstance(loader, DataLoader) and loader.num_workers > 0 and not loader.persistent_workers
             and loader.batch_sampler is not None and not isinstance(loader.dataset, IterableDataset))
+
+
+def seeds_per_pass(loader: Any) -> bool:
+    """A torch ``DataLoader`` (not a stateful one) whose persistent workers fetch map-style batches:
+    seeded per sample from a base ``job.batches`` gives each pass (module doc)."""
+    return (isinstance(loader, DataLoader) and loader.num_workers > 0 and loader.persistent_workers
+            and loader.batch_sampler is not None and not isinstance(loader.dataset, IterableDataset)
+            and not isinstance(loader, Stateful))
+
+
+def unreproducible(loader: Any) -> str | None:
+    """Why a pass over ``loader`` reopened after a recovery would load other samples than the original
+    pass loaded (a random transform drawn in a worker), silently; None where ckptless reopens it
+    exactly. Persistent workers only: their global streams carry over from every earlier pass, which
+    no reopening can replay, unless seeded per pass (:func:`seeds_per_pass`)."""
+    if not isinstance(loader, DataLoader) or loader.num_workers == 0 or not loader.persistent_workers \
+            or seeds_per_pass(loader):
+        return None
+    if isinstance(loader.dataset, IterableDataset):
+        return "an IterableDataset has no per-sample fetch to seed"
+    if loader.batch_sampler is None:
+        return "batch_size=None leaves no batched fetch to seed"
+    return "its own resume restarts workers whose streams the original's had advanced over earlier epochs"
+
+
+def refuse_unreproducible(loader: Any, name: str | None = None) -> None:
+    """The one line a script gets at start for a loader whose workers a recovery cannot reproduce,
+    instead of training on other random transforms after the first recovery (issue 35)."""
+    why = unreproducible(loader)
+    if why is None:
+        return
+    what = f"loader {name!r}" if name else "a loader"
+    fix = ("pass persistent_workers=False" if not isinstance(loader, Stateful) else
+           "pass persistent_workers=False, or iterate a torch DataLoader with job.batches")
+    raise ConfigError("persistent_workers", True,
+                      f"{what} ({type(loader).__name__} over {type(loader.dataset).__name__}) loads in persistent "
+                      f"workers, whose random transforms a pass reopened after a recovery would not draw again: "
+                      f"{why}; {fix}")
 
 
 def install(loader: Any) -> None:
@@ -92,6 +147,14 @@ def install(loader: Any) -> None:
     protected ``StatefulDataLoader`` starts its workers at its first ``state_dict()``)."""
     if wants_seeds(loader):
         loader.worker_init_fn = SeedPerSample.around(loader.worker_init_fn)
+    elif seeds_per_pass(loader):
+        loader.worker_init_fn = SeedPerSample.per_pass(loader.worker_init_fn)
+
+
+def pass_seed_slot(loader: Any) -> torch.Tensor | None:
+    """The shared slot a persistent loader's workers read each pass's base from (None: not such a loader)."""
+    init = getattr(loader, "worker_init_fn", None)
+    return init.shared if isinstance(init, SeedPerSample) and seeds_per_pass(loader) else None
 
 
 class SeedPerSample:
@@ -99,15 +162,24 @@ class SeedPerSample:
 
     ``seed``: the base of the seeds; ``None`` takes the pass's base seed from the worker
     (``WorkerInfo.seed - id``); a reopened pass gives the original pass's. ``epoch``: key by
-    (seed, epoch, index) instead of by batch (module doc)."""
+    (seed, epoch, index) instead of by batch (module doc). ``shared``: persistent workers read the
+    base from this one-element shared-memory tensor at each batch (filled before each pass)."""
 
     def __init__(self, user: Callable[[int], None] | None, seed: int | None = None,
-                 epoch: int | None = None) -> None:
-        self.user, self.seed, self.epoch = user, seed, epoch
+                 epoch: int | None = None, shared: torch.Tensor | None = None) -> None:
+        self.user, self.seed, self.epoch, self.shared = user, seed, epoch, shared
 
     @classmethod
     def around(cls, init: Callable[[int], None] | None) -> SeedPerSample:
         return init if isinstance(init, cls) else cls(init)
+
+    @classmethod
+    def per_pass(cls, init: Callable[[int], None] | None) -> SeedPerSample:
+        """For persistent workers: the base from a shared slot, set before each pass."""
+        if isinstance(init, cls) and init.shared is not None:
+            return init
+        user = init.user if isinstance(init, cls) else init
+        return cls(user, shared=torch.zeros((), dtype=torch.int64).share_memory_())
 
     def __call__(self, worker_id: int) -> None:
         if self.user is not None:
@@ -115,12 +187,13 @@ class SeedPerSample:
         info = get_worker_info()
         if info is None:
             return
-        base = self.seed if self.seed is not None else info.seed - info.id
-        epoch, dataset = self.epoch, info.dataset
+        fixed = self.seed if self.seed is not None else info.seed - info.id
+        epoch, dataset, shared = self.epoch, info.dataset, self.shared
         own = getattr(dataset, "__getitems__", None)
         batched = own if own and getattr(own, "__module__", None) != _TORCH_DELEGATES else None
 
         def seeds(indices: list[Any], first_only: bool = False) -> list[int]:
+            base = int(shared) if shared is not None else fixed  # a persistent worker: this pass's base
             if epoch is not None:
                 return [sample_seed(base, epoch, as_int(i)) for i in indices[:1 if first_only else None]]
             key = _batch_key(indices)  # once a batch

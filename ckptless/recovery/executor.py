@@ -71,6 +71,8 @@ class RestoreInputs:
     # (worker/actions.py): what this rank received there (None: it received nothing).
     transfers_done: bool = False
     received_early: Received | None = None
+    # The newest version this process trained to (None: it trained nothing yet, a replacement).
+    trained: int | None = None
 
     @property
     def rank(self) -> int:
@@ -297,7 +299,22 @@ def _from_disk(decision: DiskFallback, inputs: RestoreInputs) -> RestoreOutcome:
     _discard_newer_own(inputs, loaded)
     if inputs.membership.generation == 0:  # a whole-job restart: the worker logs the previous run's loss
         log.info("rank %d: restored disk snapshot of step %d (%s)", inputs.rank, loaded, decision.reason)
-    else:
-        log.warning("rank %d: restored disk snapshot of step %d (%d steps lost: %s)",
-                    inputs.rank, loaded, decision.steps_lost, decision.reason)
-    return RestoreOutcome(loaded, "disk", 0, decision.steps_lost)
+        return RestoreOutcome(loaded, "disk", 0, decision.steps_lost)
+    lost, line = disk_restore_line(inputs.rank, loaded, inputs.trained, decision.steps_lost, decision.reason)
+    log.warning("%s", line)
+    return RestoreOutcome(loaded, "disk", 0, lost)
+
+
+def disk_restore_line(rank: int, loaded: int, trained: int | None, planned: int, reason: str) -> tuple[int, str]:
+    """The steps a fall-back to disk costs this rank, and the line that says so.
+
+    The plan counts from the newest version captured in memory, which lags the steps trained where
+    versions are not captured every step (a job with fewer ranks is not mirrored; ``--mirror-every``
+    > 1): issue 35 saw "2 steps lost" when 9 were trained again. A rank that trained counts its own
+    steps past the snapshot; a replacement, which trained none, says what the plan saw, as a floor."""
+    if trained is None:
+        return planned, (f"rank {rank}: restored disk snapshot of step {loaded} (at least {planned} steps lost: "
+                         f"the newest version captured in memory was {loaded + planned}; {reason})")
+    lost = max(0, trained - loaded)
+    return lost, (f"rank {rank}: restored disk snapshot of step {loaded} ({lost} steps lost: this rank had "
+                  f"trained to step {trained}; {reason})")

@@ -29,7 +29,7 @@ from dataclasses import dataclass, replace
 from typing import Literal, Union
 
 from ckptless.recovery.decision import Decision, DiskFallback, RecoveryPlan, Unrecoverable, WaitForReplacement
-from ckptless.recovery.view import ExitRecord, JobStatus, JobView
+from ckptless.recovery.view import ExitRecord, JobStatus, JobView, finished_line
 
 
 @dataclass(frozen=True)
@@ -318,7 +318,7 @@ def _completion(state: State, view: JobView) -> Step | None:
     if rest:
         actions = (Log("warning", f"ranks {sorted(rest)} died after the job's final version was committed; "
                                   "not recovered (training is complete)"),)
-    st, acts = _end("succeeded", f"all {m.world_size} ranks finished")
+    st, acts = _end("succeeded", finished_line(m))
     return st, acts + actions
 
 

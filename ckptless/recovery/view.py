@@ -97,10 +97,12 @@ class ExitRecord:
 
     def describe(self) -> str:
         err = f": {self.error.one_line()}" if self.error is not None else ""
+        # A spare's record has no rank (-1): it is named by its worker id (was logged as "rank -1").
+        who, ids = (f"rank {self.rank}", [self.worker_id]) if self.rank >= 0 else (f"spare {self.worker_id}", [])
         if self.pid < 0:  # its agent never started it (a respawn with no GPU left)
-            return f"rank {self.rank} ({self.worker_id}) was not started{err}"
+            return f"{who}{''.join(f' ({i})' for i in ids)} was not started{err}"
         how = f"signal {self.signal}" if self.signal is not None else f"exit code {self.exitcode}"
-        return f"rank {self.rank} ({self.worker_id}, pid {self.pid}) ended by {how}{err}"
+        return f"{who} ({', '.join([*ids, f'pid {self.pid}'])}) ended by {how}{err}"
 
     def to_json(self) -> bytes:
         return json.dumps({
@@ -392,3 +394,16 @@ def parse_records(
     return JobView(membership, by_rank, frozenset(nodes), reps, frozenset(ready_ranks),
                    tuple(sorted(spare_workers, key=lambda w: w.worker_id)), st, incident_open, tuple(bad),
                    frozenset(bad_reports), ported, by_worker)
+
+
+def finished_line(m: Membership) -> str:
+    """The success line. With fewer ranks (never grown back) a hosted rank finished only as its host's
+    micro-batches: no process of its own ran the script past the last step, so what the script writes at
+    its end (a final state, a file per rank) was not written for it (was: "all 4 ranks finished")."""
+    hosted = m.hosted
+    if not hosted:
+        return f"all {m.world_size} ranks finished"
+    hosts = sorted({r for r in map(m.rank_of, hosted.values()) if r is not None})
+    return (f"all {m.world_size} ranks' steps finished on {m.world_size - len(hosted)} processes: ranks "
+            f"{sorted(hosted)} ran as micro-batches hosted by ranks {hosts} (the job never grew back), so no "
+            f"process of theirs ran the script past its last step and wrote their final state")

@@ -61,7 +61,7 @@ def _inputs(rt: WorkerRuntime, gen: Generation) -> RestoreInputs:
                          node_id=rt.ctx.node_id, into=rt.standby_buffers[0] if rt.standby_buffers else None,
                          own_images_trusted=engine_pool_in_memory(rt),
                          restored_early=gen.restored_early, transfers_done=gen.transfers_done,
-                         received_early=gen.received)
+                         received_early=gen.received, trained=rt.trained)
 
 
 def roll_back_early(rt: WorkerRuntime, gen: Generation) -> None:
@@ -122,6 +122,7 @@ def restore_state(rt: WorkerRuntime, a: RestoreState) -> Event:
                                else bad_snapshot)
         return RestoreFailed(reason)
     rt.notes = ReportNotes()
+    rt.trained = out.resume_step  # the timeline goes on from here: a later fall-back counts from it
     g = a.generation
     if out.source == "disk":
         lost = out.steps_lost

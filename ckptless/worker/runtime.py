@@ -125,6 +125,7 @@ class WorkerRuntime:
         self.spec: RunSpec | None = None  # what run()/steps() was asked to train
         self.user_exception: BaseException | None = None  # the user's error, re-raised from run()
         self.recoveries = 0
+        self.trained: int | None = None  # the newest version this process trained to (None: none yet)
         self.notes = ReportNotes()
         self.strikes = StrikeBook()  # ranks this process saw replaced for corruption (mirror/replica_check.py)
         self.transfer_ahead: TransferAhead | None = None
@@ -266,6 +267,7 @@ class WorkerRuntime:
         ``mirrored``: the heartbeat also tells the agent the generation, the committed version and
         the replica bytes held (a job without recovery has none of them)."""
         self.registry.step_done()  # protected objects that track per-step facts (a DDP reducer's phase)
+        self.trained = step
         if mirrored:
             self.heartbeat.beat(step, generation=generation, committed=self.committed_version,
                                 replica_bytes=self.peer_store.bytes_held if self.peer_store is not None else 0,

@@ -313,6 +313,11 @@ WORKER_LOADERS: dict[str, Callable[[], DataLoader]] = {
     "plain": lambda: DataLoader(Squares(24), batch_size=3, shuffle=True, num_workers=2),
     "persistent": lambda: DataLoader(Squares(24), batch_size=3, shuffle=True, num_workers=2, persistent_workers=True),
     "augmented": lambda: DataLoader(Augmented(24), batch_size=3, shuffle=True, num_workers=2),
+    # issue 35, finding 7 (was: other transforms after the rollback: their streams carried over every pass)
+    "persistent_augmented": lambda: DataLoader(Augmented(24), batch_size=3, shuffle=True, num_workers=2,
+                                               persistent_workers=True),
+    "persistent_batched": lambda: DataLoader(BatchedAugmented(24), batch_size=3, num_workers=2,
+                                             persistent_workers=True),
     "batched": lambda: DataLoader(BatchedAugmented(24), batch_size=3, shuffle=True, num_workers=2),
     "subset": lambda: DataLoader(Subset(Augmented(40), list(range(0, 40, 2))[:24]), batch_size=3, shuffle=True,
                                  num_workers=2),

@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import argparse
 import random
+from collections.abc import Iterator
 
 import numpy as np
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset
 
 import ckptless
 
@@ -35,20 +36,37 @@ class Augmented(Dataset[tuple[torch.Tensor, torch.Tensor]]):
         return self.x[i] + jitter, self.y[i]
 
 
+class Stream(IterableDataset[tuple[torch.Tensor, torch.Tensor]]):
+    """The same samples as a stream (``--iterable``): its persistent workers cannot be seeded per sample."""
+
+    def __init__(self, data: Augmented) -> None:
+        self.data = data
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        return (self.data[i] for i in range(len(self.data)))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--persistent", action="store_true", help="persistent_workers=True (issue 35, finding 7)")
+    parser.add_argument("--iterable", action="store_true", help="the data as an IterableDataset (refused persistent)")
     args = parser.parse_args()
     job = ckptless.init()
     data = Augmented(256)
-    loader = DataLoader(data, batch_size=8, sampler=DistributedSampler(data, shuffle=True, seed=1), num_workers=2)
+    if args.iterable:
+        loader = DataLoader(Stream(data), batch_size=8, num_workers=2, persistent_workers=args.persistent)
+    else:
+        loader = DataLoader(data, batch_size=8, sampler=DistributedSampler(data, shuffle=True, seed=1), num_workers=2,
+                            persistent_workers=args.persistent)
     model = DDP(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1)))
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
     job.protect(model=model, optimizer=optimizer)
 
     def train(epochs: int) -> None:
         for epoch in ckptless.epochs(range(epochs)):
-            loader.sampler.set_epoch(epoch)  # type: ignore[attr-defined]
+            if isinstance(loader.sampler, DistributedSampler):
+                loader.sampler.set_epoch(epoch)
             for x, y in ckptless.batches(loader):
                 optimizer.zero_grad()
                 torch.nn.functional.mse_loss(model(x), y).backward()
