@@ -18,6 +18,7 @@ from dataclasses import replace
 from ckptless.mirror.placement import compute_placement
 from ckptless.recovery.facts import (
     MAX_VERSIONS_PER_OWNER,
+    NodeLocalCopy,
     NodeLocalImage,
     PlanningFacts,
     PlanPolicy,
@@ -112,7 +113,10 @@ def node_local_images(view: JobView, lost: frozenset[int], notes: list[str]) -> 
     m = view.membership
     assert m is not None
     out = []
+    hosted = m.hosted
     for rank in sorted(lost):
+        if rank in hosted:  # no process of its own: the exit record there is its host's (its image is a replica)
+            continue
         rec = view.current_exit(rank)
         if rec is None or rec.local_image is None:
             continue
@@ -124,6 +128,34 @@ def node_local_images(view: JobView, lost: frozenset[int], notes: list[str]) -> 
             continue
         out.append(img)
     return tuple(out)
+
+
+def node_copies(view: JobView, dead_nodes: frozenset[str]) -> tuple[NodeLocalCopy, ...]:
+    """R11's facts: every copy dead workers left in the node-local tier of a node still alive.
+
+    From the newest exit record of each rank (its own image and the replicas it held, as its agent
+    verified them), unless a later process of that rank runs on that node now: it owns those files
+    (it re-attached its predecessor's replicas and may have rewritten them, and its first commit
+    removes older own images). Any other process leaves them alone: the files are named by (job,
+    node, rank), and a node's files are removed only once its agent is gone or the job ended. A
+    hosted rank has no process at all, so its records stay good. O(records + copies).
+    """
+    m = view.membership
+    assert m is not None
+    out: dict[tuple[str, int, int, int], NodeLocalCopy] = {}
+    for rank, rec in sorted(view.exits.items()):
+        if rec.node_id not in view.live_nodes or rec.node_id in dead_nodes or not 0 <= rank < m.world_size:
+            continue
+        now = m.worker_of(rank)
+        if now.source != "hosted" and now.worker_id != rec.worker_id and now.node_id == rec.node_id:
+            continue
+        img = rec.local_image
+        own = () if img is None or img.rank != rank else (
+            NodeLocalCopy(rank, rank, rec.node_id, img.version, img.n_chunks, img.generation),)
+        for c in (*own, *rec.local_replicas):
+            if c.holder == rank and c.node_id == rec.node_id and c.owner < m.world_size:
+                out.setdefault(c.key, c)
+    return tuple(out[k] for k in sorted(out))
 
 
 def no_respawn_ranks(view: JobView, lost: frozenset[int]) -> frozenset[int]:
@@ -180,6 +212,7 @@ def build_facts(
         last_resume=_last_resume(m.decision),
         # A hosted rank's "node" is its host's, which runs a rank already (no device is free there).
         no_respawn=no_respawn_ranks(view, lost) | frozenset(m.hosted),
+        node_copies=node_copies(view, dead_nodes),
     )
     return facts, notes
 
