@@ -15,6 +15,7 @@ import time
 
 from ckptless.errors import TransportError
 from ckptless.recovery.decision import RecoveryPlan
+from ckptless.recovery.executor import adopt_copies
 from ckptless.recovery.transfer import Received, execute_transfers
 from ckptless.recovery.wire import Membership
 from ckptless.worker import exit_guard, groups
@@ -76,6 +77,8 @@ def _transfer_now(rt: WorkerRuntime, m: Membership, deadline: float) -> Received
                                   deadline, lambda: abort_reason(rt, m.generation),
                                   peers=mirror_peers(m, rank, rt.replicas, rt.mirror_config.placement))
     try:
+        # R11 first: a copy this survivor takes from its node's memory serves stripes below.
+        adopt_copies(m.decision, rt.worker_id, rt.peer_store, rt.ctx.shm_dir or None, rt.ctx.job_id, rt.ctx.node_id)
         return execute_transfers(m.decision, m, rt.worker_id, rt.peer_store, rt.ctx.collective_timeout_s,
                                  into=rt.standby_buffers[0] if rt.standby_buffers else None, group=pg,
                                  own=rt.own_images)
