@@ -215,7 +215,8 @@ def _from_memory(plan: RecoveryPlan, inputs: RestoreInputs) -> RestoreOutcome:
     if local is not None:  # before the collective transfers: a bad copy fails this generation at once
         _restore_node_local(local, inputs)
     if not inputs.transfers_done:  # (when they ran ahead, the adoptions ran before them: worker/ahead.py)
-        adopt_copies(plan, inputs.worker_id, inputs.peer_store, inputs.replica_dir, inputs.job_id, inputs.node_id)
+        adopt_copies(plan, inputs.worker_id, inputs.peer_store, inputs.replica_dir, inputs.job_id, inputs.node_id,
+                     for_transfers=True)
     if inputs.transfers_done:
         received = inputs.received_early
     else:
@@ -268,9 +269,11 @@ def _restore_node_local(local: LocalRestore, inputs: RestoreInputs) -> None:
 
 
 def adopt_copies(plan: RecoveryPlan, worker_id: str, store: PeerStore | None, shm_dir: str | None, job_id: str,
-                 node_id: str | None) -> int:
+                 node_id: str | None, for_transfers: bool = False) -> int:
     """R11: take the node-local copies the plan names for this worker into its peer store, each re-verified
     (every chunk), before it serves stripes from them or hosts their rank. Returns how many it took.
+    ``for_transfers``: only those of images the plan transfers (the rest are for hosting, taken when the
+    worker starts hosting: a respawn opens its store only then).
 
     Idempotent (a copy already held is skipped): the transfers run ahead for survivors, and a hosting
     survivor may take one there and look again when it starts hosting. Raises ``IntegrityError`` (the
@@ -279,7 +282,8 @@ def adopt_copies(plan: RecoveryPlan, worker_id: str, store: PeerStore | None, sh
     from ckptless.mirror.reattach import open_copy
     from ckptless.state.replication import held_from
 
-    mine = [a for a in plan.adoptions if a.worker_id == worker_id]
+    sent = {t.owner for t in plan.transfers}
+    mine = [a for a in plan.adoptions if a.worker_id == worker_id and (not for_transfers or a.owner in sent)]
     if not mine:
         return 0
     if store is None or not shm_dir:

@@ -134,20 +134,23 @@ def node_copies(view: JobView, dead_nodes: frozenset[str]) -> tuple[NodeLocalCop
     """R11's facts: every copy dead workers left in the node-local tier of a node still alive.
 
     From the newest exit record of each rank (its own image and the replicas it held, as its agent
-    verified them), unless a later process of that rank runs on that node now: it owns those files
-    (it re-attached its predecessor's replicas and may have rewritten them, and its first commit
-    removes older own images). Any other process leaves them alone: the files are named by (job,
-    node, rank), and a node's files are removed only once its agent is gone or the job ended. A
-    hosted rank has no process at all, so its records stay good. O(records + copies).
+    verified them), unless a later process of that rank runs on that node now and has resumed: it
+    owns those files (its mirror rounds rewrite the replicas it re-attached, and its first commit
+    removes older own images). One that has not resumed (``view.fresh``: a respawn whose restore
+    failed, say) has changed nothing yet. Any other process leaves them alone: the files are named
+    by (job, node, rank), and a node's files are removed only once its agent is gone or the job
+    ended. A hosted rank has no process at all, so its records stay good. O(records + copies).
     """
     m = view.membership
     assert m is not None
     out: dict[tuple[str, int, int, int], NodeLocalCopy] = {}
+    fresh = view.fresh
     for rank, rec in sorted(view.exits.items()):
         if rec.node_id not in view.live_nodes or rec.node_id in dead_nodes or not 0 <= rank < m.world_size:
             continue
         now = m.worker_of(rank)
-        if now.source != "hosted" and now.worker_id != rec.worker_id and now.node_id == rec.node_id:
+        if (now.source != "hosted" and now.worker_id != rec.worker_id and now.node_id == rec.node_id
+                and rank not in fresh):
             continue
         img = rec.local_image
         own = () if img is None or img.rank != rank else (

@@ -138,14 +138,19 @@ def trusted_ceiling(facts: PlanningFacts) -> int | None:
     return max(commits, default=-1)
 
 
-def resume_version(facts: PlanningFacts, assignments: list[Assignment] | None = None) -> int | None:
-    """R4: newest version every rank can get, or None if there is none."""
+def common_versions(facts: PlanningFacts, assignments: list[Assignment] | None = None) -> frozenset[int]:
+    """R4's candidates: the versions every rank can get (capped as R4 caps)."""
     avail = available_versions(facts, assignments)
     common = frozenset.intersection(*avail.values())
     cap = trusted_ceiling(facts)
     if cap is not None:
         common = frozenset(v for v in common if v <= cap)
-    return max(common, default=None)
+    return common
+
+
+def resume_version(facts: PlanningFacts, assignments: list[Assignment] | None = None) -> int | None:
+    """R4: newest version every rank can get, or None if there is none."""
+    return max(common_versions(facts, assignments), default=None)
 
 
 def _replica_index(facts: PlanningFacts) -> dict[tuple[int, int], list[tuple[int, str, int]]]:
@@ -313,10 +318,15 @@ def plan_recovery(facts: PlanningFacts) -> Decision:
                                  f"snapshot exists; ranks without a usable image: {list(missing)}",
                                  missing)
     if unassigned and version is not None and facts.policy.lost_node == "shrink":  # R10: fewer ranks
-        shrunk, adopted, why_not = host_lost_ranks(facts, assignments, version,
-                                                   usable_node_local(facts, assignments))
-        if shrunk:
-            return _memory_plan(facts, new_gen, shrunk, version, newest_seen, adopted)
+        # The newest common version at which no byte moves: every survivor holds it in its own memory.
+        # (The newest of all may need a transfer to a survivor; an older one every survivor kept then
+        # goes on at once, where the alternative is to wait for a replacement.)
+        local, why_not = usable_node_local(facts, assignments), ""
+        for v in sorted(common_versions(facts, assignments), reverse=True):
+            shrunk, adopted, why = host_lost_ranks(facts, assignments, v, local)
+            if shrunk:
+                return _memory_plan(facts, new_gen, shrunk, v, newest_seen, adopted)
+            why_not = why_not or why
         return WaitForReplacement(facts.job_id, facts.generation, tuple(sorted(unassigned)), "memory",
                                   f"{_why_waiting(facts, unassigned)}; not going on with fewer ranks: {why_not}")
     if unassigned:

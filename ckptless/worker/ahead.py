@@ -13,6 +13,7 @@ from __future__ import annotations
 import threading
 import time
 
+from ckptless import chaos_hooks
 from ckptless.errors import TransportError
 from ckptless.recovery.decision import RecoveryPlan
 from ckptless.recovery.executor import adopt_copies
@@ -76,9 +77,11 @@ def _transfer_now(rt: WorkerRuntime, m: Membership, deadline: float) -> Received
     pg = groups.form_mirror_group(rt.store_for(m), m.generation, rank, m.world_size, rt.ctx.collective_timeout_s,
                                   deadline, lambda: abort_reason(rt, m.generation),
                                   peers=mirror_peers(m, rank, rt.replicas, rt.mirror_config.placement))
+    chaos_hooks.pause_point(f"transfers:r{rank}", rank=rank, generation=m.generation)  # chaos runs only
     try:
         # R11 first: a copy this survivor takes from its node's memory serves stripes below.
-        adopt_copies(m.decision, rt.worker_id, rt.peer_store, rt.ctx.shm_dir or None, rt.ctx.job_id, rt.ctx.node_id)
+        adopt_copies(m.decision, rt.worker_id, rt.peer_store, rt.ctx.shm_dir or None, rt.ctx.job_id, rt.ctx.node_id,
+                     for_transfers=True)
         return execute_transfers(m.decision, m, rt.worker_id, rt.peer_store, rt.ctx.collective_timeout_s,
                                  into=rt.standby_buffers[0] if rt.standby_buffers else None, group=pg,
                                  own=rt.own_images)
