@@ -19,7 +19,8 @@ from pathlib import Path
 import torch
 
 from ckptless import chaos_hooks
-from ckptless.errors import IntegrityError, RecoveryError, SnapshotError, UnrecoverableError
+from ckptless.errors import (IntegrityError, ManifestError, NodeCopyError, RecoveryError, SnapshotError,
+                             UnrecoverableError)
 from ckptless.mirror import ownimage
 from ckptless.mirror.store import PeerStore, StoredImage
 from ckptless.recovery.facts import ReplicaFact, WorkerReport
@@ -293,12 +294,18 @@ def adopt_copies(plan: RecoveryPlan, worker_id: str, store: PeerStore | None, sh
         held = store.get(a.owner, a.version)
         if held is not None and held.manifest.generation == a.generation:
             continue
-        if a.holder == a.owner:  # that rank's own image: the whole image, kept from held_from() on like a replica
-            m, buf = ownimage.open_verified(shm_dir, job_id, node_id, a.owner, a.version, a.n_chunks, a.generation)
-            part = buf[held_from(m): m.total_bytes]
-        else:
-            m, part = open_copy(shm_dir, job_id, node_id, a.holder, a.owner, a.version, a.generation, a.n_chunks)
-        store.take_copy(m, part)
+        try:
+            if a.holder == a.owner:  # that rank's own image: the whole image, kept from held_from() on
+                m, buf = ownimage.open_verified(shm_dir, job_id, node_id, a.owner, a.version, a.n_chunks,
+                                                a.generation)
+                part = buf[held_from(m): m.total_bytes]
+            else:
+                m, part = open_copy(shm_dir, job_id, node_id, a.holder, a.owner, a.version, a.generation, a.n_chunks)
+            store.take_copy(m, part)
+        except (IntegrityError, ManifestError, OSError, RuntimeError) as exc:
+            raise NodeCopyError((a.node_id, a.holder, a.owner, a.version),
+                                f"rank {a.owner}'s image of v{a.version} in rank {a.holder}'s files on {a.node_id}: "
+                                f"{exc}") from exc
         taken += 1
         log.warning("%s: took rank %d's image of v%d from this node's memory (left by rank %d's worker, %d bytes)",
                     worker_id, a.owner, a.version, a.holder, m.total_bytes)

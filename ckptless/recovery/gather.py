@@ -130,7 +130,8 @@ def node_local_images(view: JobView, lost: frozenset[int], notes: list[str]) -> 
     return tuple(out)
 
 
-def node_copies(view: JobView, dead_nodes: frozenset[str]) -> tuple[NodeLocalCopy, ...]:
+def node_copies(view: JobView, dead_nodes: frozenset[str],
+                bad: frozenset[tuple[str, int, int, int]] = frozenset()) -> tuple[NodeLocalCopy, ...]:
     """R11's facts: every copy dead workers left in the node-local tier of a node still alive.
 
     From the newest exit record of each rank (its own image and the replicas it held, as its agent
@@ -139,7 +140,9 @@ def node_copies(view: JobView, dead_nodes: frozenset[str]) -> tuple[NodeLocalCop
     removes older own images). One that has not resumed (``view.fresh``: a respawn whose restore
     failed, say) has changed nothing yet. Any other process leaves them alone: the files are named
     by (job, node, rank), and a node's files are removed only once its agent is gone or the job
-    ended. A hosted rank has no process at all, so its records stay good. O(records + copies).
+    ended. A hosted rank has no process at all, so its records stay good. ``bad``: copies a worker
+    failed to adopt (gone, or corrupt since its agent checked): left out, so a re-plan does not pick
+    them again. O(records + copies).
     """
     m = view.membership
     assert m is not None
@@ -156,7 +159,7 @@ def node_copies(view: JobView, dead_nodes: frozenset[str]) -> tuple[NodeLocalCop
         own = () if img is None or img.rank != rank else (
             NodeLocalCopy(rank, rank, rec.node_id, img.version, img.n_chunks, img.generation),)
         for c in (*own, *rec.local_replicas):
-            if c.holder == rank and c.node_id == rec.node_id and c.owner < m.world_size:
+            if c.holder == rank and c.node_id == rec.node_id and c.owner < m.world_size and c.key not in bad:
                 out.setdefault(c.key, c)
     return tuple(out[k] for k in sorted(out))
 
@@ -181,6 +184,7 @@ def build_facts(
     placement: str,
     snapshot_step: int | None,
     policy: PlanPolicy | None = None,
+    bad_copies: frozenset[tuple[str, int, int, int]] = frozenset(),
 ) -> tuple[PlanningFacts, list[str]]:
     """Facts for :func:`ckptless.recovery.plan.plan_recovery`, plus notes on what was excluded."""
     m = view.membership
@@ -215,7 +219,7 @@ def build_facts(
         last_resume=_last_resume(m.decision),
         # A hosted rank's "node" is its host's, which runs a rank already (no device is free there).
         no_respawn=no_respawn_ranks(view, lost) | frozenset(m.hosted),
-        node_copies=node_copies(view, dead_nodes),
+        node_copies=node_copies(view, dead_nodes, bad_copies | view.bad_copies),
     )
     return facts, notes
 
@@ -256,7 +260,8 @@ def keep_fresh_sources(decision: Decision, view: JobView) -> Decision:
 def plan_from_view(
     view: JobView, job_id: str, lost: frozenset[int], replicas: int, placement: str,
     snapshot_step: int | None, policy: PlanPolicy | None = None,
+    bad_copies: frozenset[tuple[str, int, int, int]] = frozenset(),
 ) -> tuple[Decision, list[str]]:
     """Facts from the view, the pure planner, and the fresh-source rule: what the leader publishes."""
-    facts, notes = build_facts(view, job_id, lost, replicas, placement, snapshot_step, policy)
+    facts, notes = build_facts(view, job_id, lost, replicas, placement, snapshot_step, policy, bad_copies)
     return keep_fresh_sources(plan_recovery(facts), view), notes

@@ -220,14 +220,19 @@ class ReportRecord:
     report: WorkerReport
     reason: str = ""
     bad_snapshot: int | None = None
+    # node-local copies (node, holder, owner, version) this worker failed to adopt (R11): never planned again
+    bad_copies: tuple[tuple[str, int, int, int], ...] = ()
 
 
-def report_record_to_json(report: WorkerReport, reason: str, bad_snapshot: int | None = None) -> bytes:
+def report_record_to_json(report: WorkerReport, reason: str, bad_snapshot: int | None = None,
+                          bad_copies: tuple[tuple[str, int, int, int], ...] = ()) -> bytes:
     from ckptless.recovery.wire import report_to_json
 
     doc = json.loads(report_to_json(report))
     doc["reason"] = reason[:500]
     doc["bad_snapshot"] = bad_snapshot
+    if bad_copies:
+        doc["bad_copies"] = [list(k) for k in bad_copies]
     return json.dumps(doc).encode()
 
 
@@ -237,9 +242,10 @@ def report_record_from_json(raw: bytes) -> ReportRecord:
         reason = str(doc.get("reason", ""))
         bad = doc.get("bad_snapshot")
         bad_snapshot = None if bad is None else int(bad)
+        copies = tuple((str(n), int(h), int(o), int(v)) for n, h, o, v in doc.get("bad_copies", ()))
     except (ValueError, AttributeError, TypeError) as exc:
         raise RecoveryError(f"worker report is malformed: {raw[:200]!r}") from exc
-    return ReportRecord(report_from_json(raw), reason, bad_snapshot)
+    return ReportRecord(report_from_json(raw), reason, bad_snapshot, copies)
 
 
 @dataclass(frozen=True)
@@ -271,6 +277,11 @@ class JobView:
     @property
     def generation(self) -> int:
         return -1 if self.membership is None else self.membership.generation
+
+    @property
+    def bad_copies(self) -> frozenset[tuple[str, int, int, int]]:
+        """Node-local copies a worker of this generation failed to adopt (R11)."""
+        return frozenset(k for r in self.reports.values() for k in r.bad_copies)
 
     @property
     def bad_snapshots(self) -> frozenset[int]:

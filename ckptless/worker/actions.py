@@ -136,6 +136,8 @@ def _form(rt: WorkerRuntime, a: FormGroups) -> Event:
         reason = str(exc)
     except (IntegrityError, RecoveryError) as exc:  # from the transfers run ahead
         reason = f"{type(exc).__name__}: {exc}"
+        if isinstance(exc, IntegrityError):
+            rt.notes = rt.notes.failed(exc)
     if reason:
         rt.forget_store()  # a broken client never recovers (a partition, a store restart): connect anew
         return FormFailed(reason)

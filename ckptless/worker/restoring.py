@@ -87,7 +87,8 @@ def _start_hosting(rt: WorkerRuntime, gen: Generation, version: int) -> Event | 
     if isinstance(plan, RecoveryPlan) and plan.adoptions:  # R11: copies its node kept, taken first
         try:
             adopt_copies(plan, rt.worker_id, rt.peer_store, rt.ctx.shm_dir or None, rt.ctx.job_id, rt.ctx.node_id)
-        except (IntegrityError, OSError, RuntimeError) as exc:
+        except IntegrityError as exc:
+            rt.notes = rt.notes.failed(exc)
             return RestoreFailed(f"cannot take a node-local copy to host from: {exc}")
     for r in gen.hosted:
         held = rt.peer_store.get(r, version) if rt.peer_store is not None else None
@@ -121,13 +122,13 @@ def restore_state(rt: WorkerRuntime, a: RestoreState) -> Event:
         reason = str(exc)
     except (TransportError, IntegrityError, SnapshotError) as exc:
         reason = f"{type(exc).__name__}: {exc}"
+        rt.notes = rt.notes.failed(exc)
     except (StateError, UnrecoverableError, RecoveryError) as exc:
         internal = f"cannot restore generation {a.generation}'s state: {type(exc).__name__}: {exc}"
     if internal:
         return Internal(internal)
-    if reason:  # the next report re-reads every replica (and names a snapshot that failed to load)
-        rt.notes = ReportNotes(recheck=True, bad_snapshot=rt.notes.bad_snapshot if bad_snapshot is None
-                               else bad_snapshot)
+    if reason:  # the next report re-reads every replica (and names a snapshot or a node copy that failed)
+        rt.notes = rt.notes.failed(bad_snapshot=bad_snapshot)
         return RestoreFailed(reason)
     rt.notes = ReportNotes()
     g = a.generation
@@ -225,7 +226,7 @@ def report(rt: WorkerRuntime, a: Report) -> Event:
     if not groups.user_groups() and hosted.why_not_shrinkable(rt.registry, hosted.ddp_modules(rt.registry)) is None:
         rep = replace(rep, can_host=True)  # its state can run a lost rank's micro-batches (--lost-node shrink)
     try:
-        rt.control.report(a.generation, rt.rank, rep, a.reason, rt.notes.bad_snapshot)
+        rt.control.report(a.generation, rt.rank, rep, a.reason, rt.notes.bad_snapshot, rt.notes.bad_copies)
     except CoordinatorUnavailable as exc:
         return CoordinatorLost(str(exc))
     faulthandler.cancel_dump_traceback_later()

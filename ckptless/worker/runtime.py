@@ -74,6 +74,15 @@ class ReportNotes:
 
     recheck: bool = False  # the last restore failed: re-read every replica's checksums before reporting
     bad_snapshot: int | None = None  # the disk snapshot of this step failed to load: the plan must skip it
+    bad_copies: tuple[tuple[str, int, int, int], ...] = ()  # node-local copies that failed adoption (R11)
+
+    def failed(self, exc: BaseException | None = None, bad_snapshot: int | None = None) -> ReportNotes:
+        """After a failed restore: re-read every replica, and name what failed (kept until a restore succeeds)."""
+        from ckptless.errors import NodeCopyError
+
+        copies = self.bad_copies + ((exc.key,) if isinstance(exc, NodeCopyError) and exc.key not in self.bad_copies
+                                    else ())
+        return ReportNotes(True, self.bad_snapshot if bad_snapshot is None else bad_snapshot, copies)
 
 
 @dataclass

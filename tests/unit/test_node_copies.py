@@ -277,3 +277,48 @@ def test_membership_with_a_respawn_that_hosts_names_it_a_process() -> None:
                                   Assignment(2, "a/respawn-g2-r1", "a", "hosted"), Assignment(3, "a/w0", "a", "hosted")))
     assert m.physical("a/respawn-g2-r1") == (1, 2) and m.hosted_by("a/respawn-g2-r1") == [2]
     assert m.rank_of("a/respawn-g2-r1") == 1
+
+
+def test_a_copy_a_worker_failed_to_adopt_is_never_planned_again() -> None:
+    """Gone, or corrupt since its agent checked it: the adopter's report names it (re-planning with it would
+    fail the same way, generation after generation)."""
+    from ckptless.errors import NodeCopyError
+    from ckptless.recovery.view import ReportRecord, report_record_from_json, report_record_to_json
+    from ckptless.worker.runtime import ReportNotes
+
+    d, _ = _finding5_overlap()
+    assert isinstance(d, RecoveryPlan) and d.adoptions
+    key = ("n1", 3, 1, 4)
+    notes = ReportNotes().failed(NodeCopyError(key, "gone"))
+    assert notes.recheck and notes.bad_copies == (key,) and notes.failed(NodeCopyError(key, "x")).bad_copies == (key,)
+    w = SimWorld()
+    w.nodes |= {"n2"}
+    w.spares = [Worker(f"n2/spare{i}", "n2") for i in range(2)]
+    w.kill(3)
+    w.exits[3] = replace(w.exits[3], local_image=NodeLocalImage(3, "n1", w.committed, 3, 0),
+                         local_replicas=(NodeLocalCopy(1, 3, "n1", w.committed, 3, 0),))
+    w.lose_node("n0")
+    w.report(2)
+    rec = w.reports[2]
+    w.reports[2] = report_record_from_json(report_record_to_json(rec.report, "restore failed", None, (key,)))
+    assert w.reports[2] == ReportRecord(rec.report, "restore failed", None, (key,))
+    d2, _ = plan_from_view(w.view(), "job", frozenset({3}), 1, "ring", None)
+    assert isinstance(d2, Unrecoverable) and d2.lost_ranks_without_replica == (1,), d2  # the one copy of rank 1
+    d3, _ = plan_from_view(w.view(), "job", frozenset({3}), 1, "ring", 2)
+    assert isinstance(d3, DiskFallback)
+
+
+def test_a_later_process_of_the_rank_that_never_resumed_changed_none_of_its_files() -> None:
+    """A respawn whose restore failed (or that has not run yet): its predecessor's copies on its node are good."""
+    w = SimWorld()
+    cp = NodeLocalCopy(1, 3, "n1", w.committed, 3, 0)
+    w.exits[3] = ExitRecord(3, "n1/w1", "n1", 1, None, 9, 0.0, local_replicas=(cp,))
+    d = RecoveryPlan("job", 1, tuple(Assignment(a.rank, "n1/respawn-g1-r3" if a.rank == 3 else a.worker_id,
+                                                a.node_id, "respawn" if a.rank == 3 else "survivor")
+                                     for a in w.membership.ranks), (3,), w.committed, (), (), True, (), 0)
+    w.publish(d)
+    facts, _ = build_facts(w.view(), "job", frozenset(), 1, "ring", None)
+    assert facts.node_copies == (cp,), "not resumed: fresh"
+    w.ready = {3}
+    facts, _ = build_facts(w.view(), "job", frozenset(), 1, "ring", None)
+    assert facts.node_copies == (), "resumed: its mirror rounds own those files now"
