@@ -29,7 +29,7 @@ from ckptless.recovery.facts import (
 )
 from ckptless.recovery.decision import Assignment, Decision, DiskFallback, RecoveryPlan
 from ckptless.recovery.plan import plan_recovery
-from ckptless.recovery.view import JobView, ReportRecord
+from ckptless.recovery.view import ExitRecord, JobView, ReportRecord
 
 
 def empty_report(worker_id: str) -> WorkerReport:
@@ -134,8 +134,10 @@ def node_copies(view: JobView, dead_nodes: frozenset[str],
                 bad: frozenset[tuple[str, int, int, int]] = frozenset()) -> tuple[NodeLocalCopy, ...]:
     """R11's facts: every copy dead workers left in the node-local tier of a node still alive.
 
-    From the newest exit record of each rank (its own image and the replicas it held, as its agent
-    verified them), unless a later process of that rank runs on that node now and has resumed: it
+    From the newest exit record of each rank on each node (its own image and the replicas it held, as
+    its agent verified them; a later record of the rank from another node does not hide it: a spare
+    that took the rank and died elsewhere left those files alone), unless a later process of that
+    rank runs on that node now and has resumed: it
     owns those files (its mirror rounds rewrite the replicas it re-attached, and its first commit
     removes older own images). One that has not resumed (``view.fresh``: a respawn whose restore
     failed, say) has changed nothing yet. Any other process leaves them alone: the files are named
@@ -148,7 +150,12 @@ def node_copies(view: JobView, dead_nodes: frozenset[str],
     assert m is not None
     out: dict[tuple[str, int, int, int], NodeLocalCopy] = {}
     fresh = view.fresh
-    for rank, rec in sorted(view.exits.items()):
+    newest: dict[tuple[int, str], ExitRecord] = {}  # (rank, node) -> its newest record (every incarnation's)
+    for rec in (*view.exits.values(), *view.worker_exits.values()):
+        prev = newest.get((rec.rank, rec.node_id))
+        if rec.rank >= 0 and (prev is None or (rec.time, rec.worker_id) > (prev.time, prev.worker_id)):
+            newest[(rec.rank, rec.node_id)] = rec
+    for (rank, _), rec in sorted(newest.items()):
         if rec.node_id not in view.live_nodes or rec.node_id in dead_nodes or not 0 <= rank < m.world_size:
             continue
         now = m.worker_of(rank)

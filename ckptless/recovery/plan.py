@@ -314,8 +314,9 @@ def plan_recovery(facts: PlanningFacts) -> Decision:
         missing = _ranks_without_replica(facts, assignments)
         if facts.snapshot_step is None:
             return Unrecoverable(facts.job_id, facts.generation,
-                                 "no version is available for every rank in memory and no disk "
-                                 f"snapshot exists; ranks without a usable image: {list(missing)}",
+                                 "no version is available for every rank in memory (of a live process, or "
+                                 "of a live node: R11) and no disk snapshot exists; ranks without a usable "
+                                 f"image: {list(missing)}",
                                  missing)
     if unassigned and version is not None and facts.policy.lost_node == "shrink":  # R10: fewer ranks
         # The newest common version at which no byte moves: every survivor holds it in its own memory.

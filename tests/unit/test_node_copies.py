@@ -322,3 +322,32 @@ def test_a_later_process_of_the_rank_that_never_resumed_changed_none_of_its_file
     w.ready = {3}
     facts, _ = build_facts(w.view(), "job", frozenset(), 1, "ring", None)
     assert facts.node_copies == (), "resumed: its mirror rounds own those files now"
+
+
+def test_a_record_from_another_node_does_not_hide_the_copies_an_older_one_names() -> None:
+    """Finding 5 after the first plan was out: rank 3's spare died on the spare node (a newer record of rank 3);
+    rank 3's first worker's files on node n1 are untouched, and its record there still counts."""
+    w = SimWorld()
+    cp = NodeLocalCopy(1, 3, "n1", w.committed, 3, 0)
+    w.exits[3] = ExitRecord(3, "n1/w1", "n1", 1, None, 9, 1.0, local_replicas=(cp,))
+    view = w.view()
+    newer = ExitRecord(3, "s/spare0", "s", 2, 1, None, 2.0, kind="fault")
+    view = replace(view, exits={**view.exits, 3: newer}, worker_exits={**view.worker_exits, "s/spare0": newer})
+    facts, _ = build_facts(view, "job", frozenset(), 1, "ring", None)
+    assert facts.node_copies == (cp,)
+
+
+def test_a_rank_killed_before_it_learned_the_newest_commit_leaves_an_older_image_one_error_names_it() -> None:
+    """Its node kept its own image of v3 only (the manifest is written at the commit its engine had not seen
+    yet), the survivors hold v4 and newer: no version is complete anywhere, so one error names rank 3."""
+    w = SimWorld()
+    w.nodes |= {"n2"}
+    w.spares = [Worker(f"n2/spare{i}", "n2") for i in range(2)]
+    w.kill(3)
+    w.exits[3] = replace(w.exits[3], local_image=NodeLocalImage(3, "n1", w.committed - 1, 3, 0),
+                         local_replicas=(NodeLocalCopy(1, 3, "n1", w.committed, 3, 0),))
+    w.lose_node("n0")
+    w.report(2)
+    d, _ = plan_from_view(w.view(), "job", frozenset({3}), 1, "ring", None)
+    assert isinstance(d, Unrecoverable) and d.lost_ranks_without_replica == (3,), d
+    assert "of a live node" in d.reason
