@@ -170,3 +170,23 @@ def test_a_host_killed_while_shrunk_without_its_own_copy_is_hosted_too() -> None
     assert [(a.owner, a.holder) for a in d.adoptions] == [(1, 1), (2, 1)]
     assert all(isinstance(a, Adoption) and a.worker_id == "n0/w0" for a in d.adoptions)
 
+
+
+def test_goes_on_at_the_newest_version_every_survivor_holds_itself() -> None:
+    """The newest common version (6) would need a transfer to rank 1, which has not captured it: R10 goes on
+    at 5, which every survivor holds in its own memory, instead of waiting for a replacement."""
+    from ckptless.recovery import PlanningFacts, RankSlot, ReplicaFact, Worker, WorkerReport
+
+    holders = {0: (1, 2), 1: (2, 0), 2: (0, 1)}
+    members = tuple(RankSlot(r, Worker(f"{n}/w{r}", n), r != 2) for r, n in enumerate("abc"))
+
+    def rep(r: int, local: set[int]) -> WorkerReport:
+        held = tuple(ReplicaFact(o, v, 4) for o in sorted(holders) if r in holders[o] for v in (5, 6))
+        return WorkerReport(f"{'abc'[r]}/w{r}", max(local), 5, frozenset(local), held, can_host=True)
+
+    f = PlanningFacts("j", 3, 3, members, (rep(0, {5, 6}), rep(1, {5})), (), holders, None, frozenset({"c"}),
+                      PlanPolicy(lost_node="shrink"))
+    d = plan_recovery(f)
+    assert isinstance(d, RecoveryPlan), d  # was: waiting, "survivors [1] do not hold version 6"
+    assert d.resume_version == 5 and d.hosted == {2: "a/w0"} and d.transfers == ()
+    assert [(b.rank, b.from_version, b.to_version) for b in d.rollbacks] == [(0, 6, 5)]
