@@ -191,7 +191,12 @@ def reference(module_etcd: EmbeddedEtcd, tmp_path_factory: pytest.TempPathFactor
 
 
 @pytest.mark.rotating(2)
-@pytest.mark.parametrize("when", ["before_publish", "after_publish"])
+@pytest.mark.parametrize("when", [
+    "before_publish",
+    # The spare given rank 3 spends torch's TCPStore connect retries on the dead leader's store (~70 s here:
+    # a 30 s timeout, retried) before its formation fails: make test-all.
+    pytest.param("after_publish", marks=pytest.mark.slow),
+])
 def test_a_rank_then_its_holders_node_lost_the_copies_on_its_node_are_used(
         module_etcd: EmbeddedEtcd, tmp_path: Path, reference: FaultFree, when: str) -> None:
     chaos = tmp_path / "chaos"
