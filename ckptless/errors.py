@@ -102,6 +102,16 @@ class IntegrityError(StateError):
     """Bytes failed checksum verification (a corrupt replica or transfer)."""
 
 
+class NodeCopyError(IntegrityError):
+    """A node-local copy the plan had this worker adopt (R11) is gone, differs from the plan, or no longer
+    checks. ``key`` = (node, holder, owner, version) names it: the worker's next report says so, and the
+    leader never plans with it again (else every re-plan would pick it anew)."""
+
+    def __init__(self, key: tuple[str, int, int, int], message: str) -> None:
+        self.key = key
+        super().__init__(message)
+
+
 class SilentDataCorruption(IntegrityError):
     """Replicas that must hold the same state bitwise do not (``ckptless.mirror.replica_check``).
 

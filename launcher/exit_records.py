@@ -25,7 +25,7 @@ from ckptless.launcher.completion import send_status
 from ckptless.launcher.node_state import NodeState
 from ckptless.launcher.respawn import reexec_when_assigned
 from ckptless.launcher.worker_process import WorkerExit
-from ckptless.recovery.facts import NodeLocalImage
+from ckptless.recovery.facts import NodeLocalCopy, NodeLocalImage
 from ckptless.recovery.view import ErrorSummary, ExitRecord, JobStatus
 from ckptless.worker import exit_file
 
@@ -64,7 +64,7 @@ def record_exit(st: NodeState, ex: WorkerExit) -> None:
                 m = None
             img = None if m is None else NodeLocalImage(rank, st.node_id, m.version, len(m.chunk_checksums),
                                                         m.generation)
-            return replace(rec, local_image=img).to_json()
+            return replace(rec, local_image=img, local_replicas=_local_replicas(shm, st, rank)).to_json()
 
         st.outbox.put(st.keyspace.worker_exit(rank), with_local_image, f"the exit of rank {rank}")
     elif slot.rank is not None:
@@ -82,6 +82,28 @@ def record_exit(st: NodeState, ex: WorkerExit) -> None:
             # No recovery: like torchrun, the first failure ends the job (first writer wins).
             send_status(st, JobStatus("failed", rec.describe(), rec))
     st.wake.set()
+
+
+def _local_replicas(shm: str, st: NodeState, rank: int) -> tuple[NodeLocalCopy, ...]:
+    """The replicas the dead worker of ``rank`` held in this node's shm dir, every chunk checked now
+    (~25 ms per 256 MiB, like its own image): a live worker on this node can adopt them (R11), so a
+    lost host's copies of the ranks it hosted, or of its mirrored peers, are not lost with it."""
+    from ckptless.mirror.reattach import verified_copies
+    from ckptless.state.layout import manifest_layout_key
+    from ckptless.state.replication import first_held_chunk, region_of
+
+    try:
+        found = verified_copies(shm, st.cfg.run_id, st.node_id, rank)
+        out = []
+        for m in found:
+            first = first_held_chunk(m)
+            region = region_of(m) if first else None
+            out.append(NodeLocalCopy(m.owner, rank, st.node_id, m.version, len(m.chunk_checksums), m.generation,
+                                     manifest_layout_key(m), first, None if region is None else region.ranks))
+        return tuple(c for c in out if c.owner != rank)
+    except Exception:  # never lose an exit record to a failed look at shm: it only offers more copies
+        log.exception("rank %d: checking the replicas it held in %s failed", rank, shm)
+        return ()
 
 
 def _gpu_failed(st: NodeState, local_rank: int, worker_id: str, spare: bool, error: ErrorSummary | None) -> bool:

@@ -12,20 +12,30 @@ chunk checksum matches now. Anything else is listed in ``store.rejected``; its
 payload file stays as a reusable slot when its pages can be reserved, and is
 removed when they cannot (a sparse file on a full tmpfs would SIGBUS the next
 write, issue 17). Temp files of a crashed write are removed.
+
+Read-only readers (issue 35, the planner's R11): the node agent, when it
+reaps a worker, lists the replicas that worker's files hold and checks every
+chunk (:func:`verified_copies`, for the exit record), and another live worker
+on the node that the plan has adopt one maps it privately and checks it again
+(:func:`open_copy`). Neither removes or rewrites anything: the files stay the
+dead holder's until a respawn of its rank re-attaches them.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
 
 from ckptless.errors import IntegrityError, ManifestError
-from ckptless.mirror.shm import os_error_text, reserve_mapping, stat_signature, unlink_quiet
+from ckptless.mirror.shm import holder_files, os_error_text, reserve_mapping, slot_path, stat_signature, unlink_quiet
 from ckptless.mirror.slot_files import SlotFiles
 from ckptless.mirror.store import PeerStore
 from ckptless.state.replication import bad_held_chunks, held_bytes
 from ckptless.state.manifest import Manifest
+
+log = logging.getLogger(__name__)
 
 
 def attach(shm_dir: str, job_id: str, *, holder: int, node: str | None = None) -> PeerStore:
@@ -85,3 +95,61 @@ def _verified_manifest(files: SlotFiles, owner: int, idx: int, buf: torch.Tensor
     if held_bytes(m) and bad_held_chunks(buf, m):  # type: ignore[arg-type]
         raise IntegrityError("checksum mismatch")
     return m
+
+
+# --- read-only: another process looks at a dead holder's slots (the node-local tier, R11) -----------
+def _read_slot(shm_dir: str, job_id: str, node: str | None, holder: int, owner: int, slot: int
+               ) -> tuple[Manifest, torch.Tensor] | None:
+    """Slot ``slot`` of ``owner`` in ``holder``'s files: its manifest and a private (copy-on-write, never
+    written back) mapping of its held bytes, checksummed; None when it has no manifest. Raises
+    ``ManifestError``/``IntegrityError``/``OSError`` when it does not tell the truth."""
+    mpath = slot_path(shm_dir, job_id, node, owner, holder, slot, "json")
+    if not os.path.exists(mpath):
+        return None
+    with open(mpath, "rb") as fh:
+        m = Manifest.from_bytes(fh.read())
+    if m.job_id != job_id or m.owner != owner:
+        raise ManifestError(f"{mpath} names job {m.job_id!r} owner {m.owner}")
+    path = slot_path(shm_dir, job_id, node, owner, holder, slot, "bin")
+    n = held_bytes(m)
+    if os.path.getsize(path) < n:
+        raise ManifestError(f"{path} holds {os.path.getsize(path)} bytes, its manifest wants {n}")
+    buf = torch.from_file(path, shared=False, size=n, dtype=torch.uint8) if n else torch.empty(0, dtype=torch.uint8)
+    bad = bad_held_chunks(buf, m) if n else []
+    if bad:
+        raise IntegrityError(f"replica of owner {owner} v{m.version} in {path}: corrupt chunks {bad[:8]}")
+    return m, buf
+
+
+def verified_copies(shm_dir: str, job_id: str, node: str | None, holder: int) -> list[Manifest]:
+    """The complete replicas a dead holder left on this node whose every chunk checks now (what its agent
+    reports in the exit record). Reads only: nothing is removed or rewritten (a respawn's :func:`attach`
+    does that). A slot that does not check is logged and skipped."""
+    out = []
+    for f in holder_files(shm_dir, job_id, node, holder):
+        if f.kind != "bin" or f.tmp or f.owner is None or f.slot is None:
+            continue
+        try:
+            found = _read_slot(shm_dir, job_id, node, holder, f.owner, f.slot)
+        except (ManifestError, IntegrityError, OSError, RuntimeError) as exc:
+            log.warning("holder %d's replica in %s is not offered: %s", holder, f.name, exc)
+            continue
+        if found is not None:
+            out.append(found[0])
+    return sorted(out, key=lambda m: (m.owner, m.version))
+
+
+def open_copy(shm_dir: str, job_id: str, node: str | None, holder: int, owner: int, version: int,
+              generation: int, n_chunks: int) -> tuple[Manifest, torch.Tensor]:
+    """The replica of ``owner`` the plan named (version, generation, chunk count) in ``holder``'s files on this
+    node, re-verified: its manifest and held bytes. Raises :class:`IntegrityError` when it is gone or differs."""
+    for slot in (0, 1):
+        try:
+            found = _read_slot(shm_dir, job_id, node, holder, owner, slot)
+        except (ManifestError, OSError, RuntimeError) as exc:
+            raise IntegrityError(f"holder {holder}'s replica of rank {owner}: {exc}") from exc
+        if found is not None and (found[0].version, found[0].generation,
+                                  len(found[0].chunk_checksums)) == (version, generation, n_chunks):
+            return found
+    raise IntegrityError(f"no replica of rank {owner} v{version} (generation {generation}, {n_chunks} chunks) "
+                         f"in holder {holder}'s files in {shm_dir}")

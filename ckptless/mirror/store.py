@@ -239,6 +239,40 @@ class PeerStore:
         view.copy_(buffer[held_from(manifest): manifest.total_bytes])
         return self.complete(manifest.owner)
 
+    def take_copy(self, manifest: Manifest, held: torch.Tensor) -> Manifest:
+        """Hold a verified copy found in the node-local tier (R11: a dead worker's own image or replica,
+        ``held`` its bytes from :func:`held_from` on) like a replica this holder was sent.
+
+        Why no ordering check (:meth:`check`): the copy is of the version the plan resumes at, from
+        whichever generation captured it; this store may have seen a later generation meanwhile
+        (a round of the generation that failed). Same slot rules otherwise: the newest complete
+        image and the pinned version survive, a file-backed slot gets its manifest file. A copy of
+        the same (generation, version) already held is kept as is.
+        """
+        manifest.validate()
+        n = held_bytes(manifest)
+        if held.numel() < n:
+            raise IntegrityError(f"copy of owner {manifest.owner} v{manifest.version}: {held.numel()} bytes, "
+                                 f"{n} wanted")
+        with self._lock:
+            own = self._owners.setdefault(manifest.owner, OwnerSlots())
+            for s in own.slots:
+                if s.complete is not None and image_key(s.complete) == image_key(manifest):
+                    return s.complete
+            idx = own.writable(self._pinned)
+            slot = own.slots[idx]
+            slot.forget()
+            slot.writing = None
+            if self.files is not None:
+                self.files.forget(manifest.owner, idx)
+            buf = self._ensure_capacity(manifest.owner, idx, slot, n)
+            buf[:n].copy_(held[:n])
+            slot.complete, slot.layout = manifest, None
+            slot.verified(self._stat(manifest.owner, idx))
+            if slot.in_file and self.files is not None:
+                self.files.record(manifest.owner, idx, manifest)
+            return manifest
+
     # --- read path ----------------------------------------------------------------
     def owners(self) -> list[int]:
         return sorted(o for o, own in self._owners.items() if own.newest() is not None)

@@ -6,7 +6,7 @@ planner (:mod:`ckptless.recovery.plan`, which makes them), the wire format
 worker that executes one (:mod:`ckptless.recovery.executor`,
 :mod:`ckptless.recovery.transfer`). Those readers need what a decision *says*,
 never the rules that chose it, so the records stand apart from the rules and
-depend on nothing but the error types. The rule numbers (R0..R9) refer to
+depend on nothing but the error types. The rule numbers (R0..R11) refer to
 docs/recovery.md and the planner's docstring.
 """
 
@@ -81,6 +81,22 @@ class LocalRestore:
 
 
 @dataclass(frozen=True)
+class Adoption:
+    """R11: live worker ``worker_id`` on ``node_id`` takes the copy of ``owner``'s image at ``version``
+    that ``holder``'s files keep in that node's node-local tier (``holder == owner``: that rank's own
+    image), left there by a worker that died; it checks every chunk and from then on holds the copy
+    like a replica it was sent: it serves the plan's stripes for it, or hosts ``owner`` from it."""
+
+    worker_id: str
+    owner: int
+    holder: int
+    node_id: str
+    version: int
+    n_chunks: int
+    generation: int
+
+
+@dataclass(frozen=True)
 class Rollback:
     """A survivor that captured past R and must restore R from local memory."""
 
@@ -109,6 +125,7 @@ class RecoveryPlan:
     # receives their image into the objects it built (no re-exec, no setup on the critical path)
     adopt_prebuilt: tuple[int, ...] = ()
     node_local: tuple[LocalRestore, ...] = ()  # R9: these ranks restore from node-local memory
+    adoptions: tuple[Adoption, ...] = ()  # R11: copies live workers take from their node's tier first
 
     @property
     def resume_step(self) -> int:

@@ -19,7 +19,8 @@ from pathlib import Path
 import torch
 
 from ckptless import chaos_hooks
-from ckptless.errors import RecoveryError, SnapshotError, UnrecoverableError
+from ckptless.errors import (IntegrityError, ManifestError, NodeCopyError, RecoveryError, SnapshotError,
+                             UnrecoverableError)
 from ckptless.mirror import ownimage
 from ckptless.mirror.store import PeerStore, StoredImage
 from ckptless.recovery.facts import ReplicaFact, WorkerReport
@@ -73,6 +74,9 @@ class RestoreInputs:
     received_early: Received | None = None
     # The newest version this process trained to (None: it trained nothing yet, a replacement).
     trained: int | None = None
+    # Where this node's peer stores keep their replicas (``--shm-dir``): the copies a plan has this
+    # worker adopt (R11) are read from there. None: no node-local tier.
+    replica_dir: str | None = None
 
     @property
     def rank(self) -> int:
@@ -213,6 +217,9 @@ def _from_memory(plan: RecoveryPlan, inputs: RestoreInputs) -> RestoreOutcome:
     local = next((x for x in plan.node_local if x.worker_id == inputs.worker_id), None)
     if local is not None:  # before the collective transfers: a bad copy fails this generation at once
         _restore_node_local(local, inputs)
+    if not inputs.transfers_done:  # (when they ran ahead, the adoptions ran before them: worker/ahead.py)
+        adopt_copies(plan, inputs.worker_id, inputs.peer_store, inputs.replica_dir, inputs.job_id, inputs.node_id,
+                     for_transfers=True)
     if inputs.transfers_done:
         received = inputs.received_early
     else:
@@ -262,6 +269,49 @@ def _restore_node_local(local: LocalRestore, inputs: RestoreInputs) -> None:
     _restore(inputs, StateImage(manifest, buf))
     log.info("rank %d: restored v%d from node-local memory (%d bytes, no transfer)",
              local.rank, local.version, manifest.total_bytes)
+
+
+def adopt_copies(plan: RecoveryPlan, worker_id: str, store: PeerStore | None, shm_dir: str | None, job_id: str,
+                 node_id: str | None, for_transfers: bool = False) -> int:
+    """R11: take the node-local copies the plan names for this worker into its peer store, each re-verified
+    (every chunk), before it serves stripes from them or hosts their rank. Returns how many it took.
+    ``for_transfers``: only those of images the plan transfers (the rest are for hosting, taken when the
+    worker starts hosting: a respawn opens its store only then).
+
+    Idempotent (a copy already held is skipped): the transfers run ahead for survivors, and a hosting
+    survivor may take one there and look again when it starts hosting. Raises ``IntegrityError`` (the
+    restore fails and is re-planned) when a copy is gone, differs from the plan, or no longer checks.
+    """
+    from ckptless.mirror.reattach import open_copy
+    from ckptless.state.replication import held_from
+
+    sent = {t.owner for t in plan.transfers}
+    mine = [a for a in plan.adoptions if a.worker_id == worker_id and (not for_transfers or a.owner in sent)]
+    if not mine:
+        return 0
+    if store is None or not shm_dir:
+        raise IntegrityError(f"the plan has {worker_id} adopt node-local copies, but it has no node-local tier")
+    taken = 0
+    for a in mine:
+        held = store.get(a.owner, a.version)
+        if held is not None and held.manifest.generation == a.generation:
+            continue
+        try:
+            if a.holder == a.owner:  # that rank's own image: the whole image, kept from held_from() on
+                m, buf = ownimage.open_verified(shm_dir, job_id, node_id, a.owner, a.version, a.n_chunks,
+                                                a.generation)
+                part = buf[held_from(m): m.total_bytes]
+            else:
+                m, part = open_copy(shm_dir, job_id, node_id, a.holder, a.owner, a.version, a.generation, a.n_chunks)
+            store.take_copy(m, part)
+        except (IntegrityError, ManifestError, OSError, RuntimeError) as exc:
+            raise NodeCopyError((a.node_id, a.holder, a.owner, a.version),
+                                f"rank {a.owner}'s image of v{a.version} in rank {a.holder}'s files on {a.node_id}: "
+                                f"{exc}") from exc
+        taken += 1
+        log.warning("%s: took rank %d's image of v%d from this node's memory (left by rank %d's worker, %d bytes)",
+                    worker_id, a.owner, a.version, a.holder, m.total_bytes)
+    return taken
 
 
 def _discard_newer_own(inputs: RestoreInputs, version: int) -> None:

@@ -119,6 +119,50 @@ class NodeLocalImage:
 
 
 @dataclass(frozen=True)
+class NodeLocalCopy:
+    """A verified copy of ``owner``'s image that a dead worker left in node ``node_id``'s node-local tier.
+
+    ``holder`` is the rank whose files keep it: ``holder == owner`` is that rank's own committed
+    image (:mod:`ckptless.mirror.ownimage`), any other holder a replica it held
+    (:mod:`ckptless.mirror.slot_files`: a mirrored copy, or a hosted rank's image handed over when a
+    generation with fewer ranks grew back). The agent of that node checksummed every chunk when it
+    reaped the worker and wrote it in the exit record. Why its own fact, beside
+    :class:`NodeLocalImage`: a respawn of the rank on that node is not the only process that can read
+    it; any live worker on the node can map the file and then holds the copy like a replica
+    (:class:`~ckptless.recovery.decision.Adoption`). Without it a lost host's replicas, which its
+    node kept, counted as gone (issue 35).
+    """
+
+    owner: int
+    holder: int
+    node_id: str
+    version: int
+    n_chunks: int
+    generation: int = 0
+    layout: str = ""
+    first_chunk: int = 0  # as in ReplicaFact: the copy keeps [first_chunk, n_chunks) only
+    peers: ReplicaSet | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("owner", "holder", "generation"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"node_copy.{name}", getattr(self, name), "must be >= 0")
+        if not self.node_id:
+            raise ConfigError("node_copy.node_id", self.node_id, "must be a non-empty string")
+        self.fact  # validates version, n_chunks, first_chunk and peers the way a replica's are
+
+    @property
+    def fact(self) -> ReplicaFact:
+        """The copy as the replica fact a live holder reports once it holds it."""
+        return ReplicaFact(self.owner, self.version, self.n_chunks, self.layout, self.first_chunk, self.peers)
+
+    @property
+    def key(self) -> tuple[str, int, int, int]:
+        """Where it is and what: (node, holder, owner, version); one copy per key."""
+        return (self.node_id, self.holder, self.owner, self.version)
+
+
+@dataclass(frozen=True)
 class WorkerReport:
     """What one live worker says about the images it holds.
 
@@ -225,6 +269,10 @@ class PlanningFacts:
     there, as its exit record says. They take a spare or wait; a respawn
     would meet the failed device again.
 
+    ``node_copies`` are the copies of any rank's image that dead workers left in the node-local tier
+    of nodes still alive (their own images and the replicas they held, :class:`NodeLocalCopy`): a
+    live worker on that node adopts one when no live process holds that image (R11).
+
     ``last_resume`` is the version the current generation's plan resumed at
     (None at generation 0): what the coordinator itself knows was committed,
     when every live worker is a replacement that has not restored yet and so
@@ -244,6 +292,7 @@ class PlanningFacts:
     node_local: tuple[NodeLocalImage, ...] = ()
     last_resume: int | None = None
     no_respawn: frozenset[int] = frozenset()
+    node_copies: tuple[NodeLocalCopy, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.job_id:
@@ -258,6 +307,7 @@ class PlanningFacts:
         self._check_reports()
         self._check_placement()
         self._check_node_local()
+        self._check_node_copies()
         for rank in sorted(self.no_respawn):
             if not 0 <= rank < self.world_size or self.slot(rank).alive:
                 raise ConfigError("no_respawn", rank, "only a lost rank can be barred from a respawn")
@@ -328,6 +378,15 @@ class PlanningFacts:
             if img.node_id != slot.worker.node_id:
                 raise ConfigError("node_local.node_id", img.node_id,
                                   f"rank {img.rank} ran on node {slot.worker.node_id!r}")
+
+    def _check_node_copies(self) -> None:
+        seen: set[tuple[str, int, int, int]] = set()
+        for c in self.node_copies:
+            if not (0 <= c.owner < self.world_size and 0 <= c.holder < self.world_size):
+                raise ConfigError("node_copy.owner", (c.owner, c.holder), "owner and holder must be in the world")
+            if c.key in seen:
+                raise ConfigError("node_copy", c.key, "listed twice")
+            seen.add(c.key)
 
     # --- derived views (indexed once: the planner asks per rank, so a scan each was O(W^2)) -----
     @functools.cached_property

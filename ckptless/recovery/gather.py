@@ -18,6 +18,7 @@ from dataclasses import replace
 from ckptless.mirror.placement import compute_placement
 from ckptless.recovery.facts import (
     MAX_VERSIONS_PER_OWNER,
+    NodeLocalCopy,
     NodeLocalImage,
     PlanningFacts,
     PlanPolicy,
@@ -28,7 +29,7 @@ from ckptless.recovery.facts import (
 )
 from ckptless.recovery.decision import Assignment, Decision, DiskFallback, RecoveryPlan
 from ckptless.recovery.plan import plan_recovery
-from ckptless.recovery.view import JobView, ReportRecord
+from ckptless.recovery.view import ExitRecord, JobView, ReportRecord
 
 
 def empty_report(worker_id: str) -> WorkerReport:
@@ -112,7 +113,10 @@ def node_local_images(view: JobView, lost: frozenset[int], notes: list[str]) -> 
     m = view.membership
     assert m is not None
     out = []
+    hosted = m.hosted
     for rank in sorted(lost):
+        if rank in hosted:  # no process of its own: the exit record there is its host's (its image is a replica)
+            continue
         rec = view.current_exit(rank)
         if rec is None or rec.local_image is None:
             continue
@@ -124,6 +128,47 @@ def node_local_images(view: JobView, lost: frozenset[int], notes: list[str]) -> 
             continue
         out.append(img)
     return tuple(out)
+
+
+def node_copies(view: JobView, dead_nodes: frozenset[str],
+                bad: frozenset[tuple[str, int, int, int]] = frozenset()) -> tuple[NodeLocalCopy, ...]:
+    """R11's facts: every copy dead workers left in the node-local tier of a node still alive.
+
+    From the newest exit record of each rank on each node (its own image and the replicas it held, as
+    its agent verified them; a later record of the rank from another node does not hide it: a spare
+    that took the rank and died elsewhere left those files alone), unless a later process of that
+    rank runs on that node now and has resumed: it
+    owns those files (its mirror rounds rewrite the replicas it re-attached, and its first commit
+    removes older own images). One that has not resumed (``view.fresh``: a respawn whose restore
+    failed, say) has changed nothing yet. Any other process leaves them alone: the files are named
+    by (job, node, rank), and a node's files are removed only once its agent is gone or the job
+    ended. A hosted rank has no process at all, so its records stay good. ``bad``: copies a worker
+    failed to adopt (gone, or corrupt since its agent checked): left out, so a re-plan does not pick
+    them again. O(records + copies).
+    """
+    m = view.membership
+    assert m is not None
+    out: dict[tuple[str, int, int, int], NodeLocalCopy] = {}
+    fresh = view.fresh
+    newest: dict[tuple[int, str], ExitRecord] = {}  # (rank, node) -> its newest record (every incarnation's)
+    for rec in (*view.exits.values(), *view.worker_exits.values()):
+        prev = newest.get((rec.rank, rec.node_id))
+        if rec.rank >= 0 and (prev is None or (rec.time, rec.worker_id) > (prev.time, prev.worker_id)):
+            newest[(rec.rank, rec.node_id)] = rec
+    for (rank, _), rec in sorted(newest.items()):
+        if rec.node_id not in view.live_nodes or rec.node_id in dead_nodes or not 0 <= rank < m.world_size:
+            continue
+        now = m.worker_of(rank)
+        if (now.source != "hosted" and now.worker_id != rec.worker_id and now.node_id == rec.node_id
+                and rank not in fresh):
+            continue
+        img = rec.local_image
+        own = () if img is None or img.rank != rank else (
+            NodeLocalCopy(rank, rank, rec.node_id, img.version, img.n_chunks, img.generation),)
+        for c in (*own, *rec.local_replicas):
+            if c.holder == rank and c.node_id == rec.node_id and c.owner < m.world_size and c.key not in bad:
+                out.setdefault(c.key, c)
+    return tuple(out[k] for k in sorted(out))
 
 
 def no_respawn_ranks(view: JobView, lost: frozenset[int]) -> frozenset[int]:
@@ -146,6 +191,7 @@ def build_facts(
     placement: str,
     snapshot_step: int | None,
     policy: PlanPolicy | None = None,
+    bad_copies: frozenset[tuple[str, int, int, int]] = frozenset(),
 ) -> tuple[PlanningFacts, list[str]]:
     """Facts for :func:`ckptless.recovery.plan.plan_recovery`, plus notes on what was excluded."""
     m = view.membership
@@ -180,6 +226,7 @@ def build_facts(
         last_resume=_last_resume(m.decision),
         # A hosted rank's "node" is its host's, which runs a rank already (no device is free there).
         no_respawn=no_respawn_ranks(view, lost) | frozenset(m.hosted),
+        node_copies=node_copies(view, dead_nodes, bad_copies | view.bad_copies),
     )
     return facts, notes
 
@@ -220,7 +267,8 @@ def keep_fresh_sources(decision: Decision, view: JobView) -> Decision:
 def plan_from_view(
     view: JobView, job_id: str, lost: frozenset[int], replicas: int, placement: str,
     snapshot_step: int | None, policy: PlanPolicy | None = None,
+    bad_copies: frozenset[tuple[str, int, int, int]] = frozenset(),
 ) -> tuple[Decision, list[str]]:
     """Facts from the view, the pure planner, and the fresh-source rule: what the leader publishes."""
-    facts, notes = build_facts(view, job_id, lost, replicas, placement, snapshot_step, policy)
+    facts, notes = build_facts(view, job_id, lost, replicas, placement, snapshot_step, policy, bad_copies)
     return keep_fresh_sources(plan_recovery(facts), view), notes

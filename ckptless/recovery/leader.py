@@ -90,6 +90,7 @@ class RecoveryLeader:
         self.store_host, self.store_port = store_host, store_port
         self._snapshot_step = snapshot_step or (lambda _world, _exclude: None)
         self._bad_snapshots: set[int] = set()  # steps a worker failed to load: never chosen again
+        self._bad_copies: set[tuple[str, int, int, int]] = set()  # node-local copies that failed adoption
         self._on_event = on_event or (lambda _kind, _attrs: None)
         self._election = Election(client, session, keyspace.election_prefix)
         self._stop = threading.Event()
@@ -164,6 +165,7 @@ class RecoveryLeader:
                     down_since = None
                 self._view = view
                 self._bad_snapshots |= view.bad_snapshots
+                self._bad_copies |= view.bad_copies
                 self._feed(Observed(view, self._now()))
                 if isinstance(self.state, (Ended, Deposed)):
                     return
@@ -256,7 +258,7 @@ class RecoveryLeader:
             policy = PlanPolicy(lost_node="shrink" if self.config.lost_node == "shrink" else "wait",
                                 min_nodes=self.config.min_nodes)
             decision, notes = plan_from_view(view, self._ks.job_id, action.lost, self.config.replicas,
-                                             self.config.placement, snap, policy)
+                                             self.config.placement, snap, policy, frozenset(self._bad_copies))
         except CkptlessError as exc:
             return PlanFailed(f"{type(exc).__name__}: {exc}", self._now())
         return Planned(decision, tuple(notes), self._now(), replacement_key(view))

@@ -19,7 +19,8 @@ R2  A lost rank goes to a warm spare or a respawn on its own (live) node,
     off the nodes of its own mirror holders, then off nodes already running ranks.
 R3  avail(r) = versions r's own live worker holds locally, plus versions any
     *other* live worker holds complete for owner r, plus (R9) the version of
-    the node-local image a lost r left, when r respawns on that node.
+    the node-local image a lost r left, when r respawns on that node, plus
+    (R11) the versions of r's copies a live node kept that a worker there can adopt.
 R4  R = max of the intersection of avail(r) over all ranks (capped at the
     newest reported commit unless ``resume_beyond_committed``).
 R5  Ranks whose worker holds R locally and captured past R roll back.
@@ -40,8 +41,16 @@ R9  Node-local tier: a lost rank assigned a respawn on its own node, whose
     restores R from that copy (a ``LocalRestore``); its holders send nothing
     for it. A spare, or a worker on another node, never uses it.
 R10 Fewer ranks (``policy.lost_node == "shrink"``): when R2 cannot place every lost
-    rank, *all* lost ranks are hosted by survivors holding their image of R
-    (:mod:`ckptless.recovery.shrink`); the processes are the survivors alone.
+    rank, no lost rank takes a spare: one whose node kept its own image of R
+    restarts there from it (R9), every other is hosted by a process holding
+    its image of R (:mod:`ckptless.recovery.shrink`); nothing is transferred.
+R11 Node-local copies (``facts.node_copies``): what dead workers left in the
+    node-local tier of a live node (their own images, the replicas they held)
+    counts for R3 like a replica when a worker of the new generation on that
+    node holds that version of its own state; for an image no live process
+    holds at R, such a worker adopts the copy (``RecoveryPlan.adoptions``) and
+    serves its stripes (R6) or hosts its rank (R10)
+    (:mod:`ckptless.recovery.nodecopies`).
 
 What a decision looks like (:class:`RecoveryPlan`, :class:`DiskFallback`, ...)
 is :mod:`ckptless.recovery.decision`; this module holds only the rules that
@@ -51,6 +60,7 @@ choose one.
 from __future__ import annotations
 
 from ckptless.recovery.decision import (
+    Adoption,
     Assignment,
     Decision,
     DiskFallback,
@@ -62,7 +72,10 @@ from ckptless.recovery.decision import (
     Unrecoverable,
     WaitForReplacement,
 )
+from ckptless.recovery import nodecopies
 from ckptless.recovery.facts import NodeLocalImage, PlanningFacts, Worker
+from ckptless.recovery.prebuilt import (fits_prebuilt, layout_index, layouts_match,  # noqa: F401 - (re-exported)
+                                        prebuilt_adoptions)
 from ckptless.recovery.shrink import host_lost_ranks
 from ckptless.state.replication import ReplicaSet
 
@@ -101,6 +114,10 @@ def available_versions(facts: PlanningFacts, assignments: list[Assignment] | Non
         if p is not None and not prefix_sources(facts, owner, v, p[1]):
             continue  # the holders keep the suffix only, and no live replica has the prefix
         from_peers_of.setdefault(owner, set()).add(v)
+    if facts.node_copies:  # R11: copies a live worker on their node can adopt count like a replica
+        for (owner, v), copies in nodecopies.Chooser(facts, assignments, local).copies.items():
+            if any(c.peers is None or prefix_sources(facts, owner, v, c.peers) for c in copies):
+                from_peers_of.setdefault(owner, set()).add(v)
     avail: dict[int, frozenset[int]] = {}
     for slot in facts.members:
         own: frozenset[int] = frozenset()
@@ -121,14 +138,19 @@ def trusted_ceiling(facts: PlanningFacts) -> int | None:
     return max(commits, default=-1)
 
 
-def resume_version(facts: PlanningFacts, assignments: list[Assignment] | None = None) -> int | None:
-    """R4: newest version every rank can get, or None if there is none."""
+def common_versions(facts: PlanningFacts, assignments: list[Assignment] | None = None) -> frozenset[int]:
+    """R4's candidates: the versions every rank can get (capped as R4 caps)."""
     avail = available_versions(facts, assignments)
     common = frozenset.intersection(*avail.values())
     cap = trusted_ceiling(facts)
     if cap is not None:
         common = frozenset(v for v in common if v <= cap)
-    return max(common, default=None)
+    return common
+
+
+def resume_version(facts: PlanningFacts, assignments: list[Assignment] | None = None) -> int | None:
+    """R4: newest version every rank can get, or None if there is none."""
+    return max(common_versions(facts, assignments), default=None)
 
 
 def _replica_index(facts: PlanningFacts) -> dict[tuple[int, int], list[tuple[int, str, int]]]:
@@ -233,70 +255,6 @@ def _best_spare(spares: list[Worker], holder_nodes: set[str], used_nodes: set[st
                                       w.node_id in holder_nodes, w.node_id in used_nodes, w.node_id, w.worker_id))
 
 
-def layout_index(facts: PlanningFacts) -> dict[int, dict[int, str]]:
-    """owner -> version -> layout key, from the live workers' reports (their replicas and their own
-    images); a version reported with two
-    different keys (or with none) is left out: unknown, so no spare is adopted on its strength.
-
-    A plan asks twice (the spares' choice, then the adoptions) for the same facts: the last answer is
-    kept (0.13 s each at W = 10,000). Read-only for callers."""
-    if _layout_memo and _layout_memo[0][0] is facts:
-        return _layout_memo[0][1]
-    out = _layout_index(facts)
-    _layout_memo[:] = [(facts, out)]
-    return out
-
-
-_layout_memo: list[tuple[PlanningFacts, dict[int, dict[int, str]]]] = []
-
-
-def _layout_index(facts: PlanningFacts) -> dict[int, dict[int, str]]:
-    alive = {s.worker.worker_id for s in facts.members if s.alive}
-    seen: dict[tuple[int, int], set[str]] = {}
-    rank_of = {s.worker.worker_id: s.rank for s in facts.members if s.alive}
-    for rep in facts.reports:
-        if rep.worker_id in alive:
-            for f in rep.replicas:
-                seen.setdefault((f.owner, f.version), set()).add(f.layout)
-            for version, key in rep.own_layouts:
-                seen.setdefault((rank_of[rep.worker_id], version), set()).add(key)
-    out: dict[int, dict[int, str]] = {}
-    for (owner, version), keys in seen.items():
-        if len(keys) == 1 and "" not in keys:
-            out.setdefault(owner, {})[version] = next(iter(keys))
-    return out
-
-
-def layouts_match(layouts: dict[int, dict[int, str]], a: int, b: int) -> bool:
-    """Whether ranks ``a`` and ``b`` have the same layout key at the newest version both are known at."""
-    ka, kb = layouts.get(a, {}), layouts.get(b, {})
-    common = set(ka) & set(kb)
-    return bool(common) and ka[max(common)] == kb[max(common)]
-
-
-def fits_prebuilt(w: Worker, rank: int, layouts: dict[int, dict[int, str]]) -> bool:
-    """A pre-built ``any_rank`` spare built as another rank whose image has ``rank``'s layout."""
-    return (w.any_rank and w.standby_rank is not None and w.standby_rank != rank
-            and layouts_match(layouts, w.standby_rank, rank))
-
-
-def prebuilt_adoptions(facts: PlanningFacts, assignments: list[Assignment], version: int) -> tuple[int, ...]:
-    """R2: the ranks whose assigned spare takes them with the objects it built as another rank: both
-    ranks' images have the same layout key at ``version``, the one the plan resumes at (the choice of
-    spare looked at the newest version both were known at; the adoption needs the exact one)."""
-    by_id = {w.worker_id: w for w in facts.spares}
-    layouts = layout_index(facts)
-    out = []
-    for a in assignments:
-        w = by_id.get(a.worker_id) if a.source == "spare" else None
-        if w is None or not w.any_rank or w.standby_rank is None or w.standby_rank == a.rank:
-            continue
-        mine, theirs = layouts.get(w.standby_rank, {}).get(version), layouts.get(a.rank, {}).get(version)
-        if mine is not None and mine == theirs:
-            out.append(a.rank)
-    return tuple(sorted(out))
-
-
 # --- R6: striping --------------------------------------------------------------
 def stripe_image(owner: int, n_chunks: int, holders: tuple[str, ...], first: int = 0,
                  own: bool = False) -> tuple[Stripe, ...]:
@@ -356,15 +314,20 @@ def plan_recovery(facts: PlanningFacts) -> Decision:
         missing = _ranks_without_replica(facts, assignments)
         if facts.snapshot_step is None:
             return Unrecoverable(facts.job_id, facts.generation,
-                                 "no version is available for every rank in memory and no disk "
-                                 f"snapshot exists; ranks without a usable image: {list(missing)}",
+                                 "no version is available for every rank in memory (of a live process, or "
+                                 "of a live node: R11) and no disk snapshot exists; ranks without a usable "
+                                 f"image: {list(missing)}",
                                  missing)
     if unassigned and version is not None and facts.policy.lost_node == "shrink":  # R10: fewer ranks
-        hosted, why_not = host_lost_ranks(facts, facts.lost_ranks, version)
-        if hosted:
-            survivors = [a for a in assignments if a.source == "survivor"]
-            return _memory_plan(facts, new_gen, sorted(survivors + hosted, key=lambda a: a.rank), version,
-                                newest_seen)
+        # The newest common version at which no byte moves: every survivor holds it in its own memory.
+        # (The newest of all may need a transfer to a survivor; an older one every survivor kept then
+        # goes on at once, where the alternative is to wait for a replacement.)
+        local, why_not = usable_node_local(facts, assignments), ""
+        for v in sorted(common_versions(facts, assignments), reverse=True):
+            shrunk, adopted, why = host_lost_ranks(facts, assignments, v, local)
+            if shrunk:
+                return _memory_plan(facts, new_gen, shrunk, v, newest_seen, adopted)
+            why_not = why_not or why
         return WaitForReplacement(facts.job_id, facts.generation, tuple(sorted(unassigned)), "memory",
                                   f"{_why_waiting(facts, unassigned)}; not going on with fewer ranks: {why_not}")
     if unassigned:
@@ -394,7 +357,7 @@ def _why_waiting(facts: PlanningFacts, unassigned: list[int]) -> str:
 
 
 def _memory_plan(facts: PlanningFacts, new_gen: int, assignments: list[Assignment],
-                 version: int, newest_seen: int | None) -> RecoveryPlan:
+                 version: int, newest_seen: int | None, adopted: list[Adoption] | None = None) -> RecoveryPlan:
     index = _replica_index(facts)
     prefixes = _prefix_index(facts)
     worker_of = {a.rank: a.worker_id for a in assignments}
@@ -402,6 +365,8 @@ def _memory_plan(facts: PlanningFacts, new_gen: int, assignments: list[Assignmen
     rollbacks: list[Rollback] = []
     transfers: list[Transfer] = []
     node_local: list[LocalRestore] = []
+    adoptions = list(adopted or ())  # R11 (a host's, from R10), and below: a holder for an image none holds
+    chooser = None
     hosted = {a.rank for a in assignments if a.source == "hosted"}
     for rank in range(facts.world_size):
         if rank in hosted:  # R10: its host reads the rank's own state from the copy it holds
@@ -417,10 +382,20 @@ def _memory_plan(facts: PlanningFacts, new_gen: int, assignments: list[Assignmen
         if img is not None and img.version == version:  # R9: from this node's memory, not the network
             node_local.append(LocalRestore(rank, worker_of[rank], img.node_id, version, img.n_chunks, img.generation))
             continue
-        entries = index[(rank, version)]
+        entries = index.get((rank, version), [])
+        prefix = prefixes.get((rank, version))
+        if not entries:  # R11: no live process holds it; a worker on the node that keeps a copy adopts it
+            if chooser is None:
+                chooser = nodecopies.Chooser(facts, assignments, local)
+            picked = chooser.choose((c, w) for c, w in chooser.candidates(rank, version)
+                                    if c.peers is None or prefix_sources(facts, rank, version, c.peers))
+            assert picked is not None, f"rank {rank} v{version} was counted available (R3)"
+            copy, adopter = picked
+            adoptions.append(nodecopies.adoption(copy, adopter))
+            entries = [(adopter.rank, adopter.worker_id, copy.n_chunks)]
+            prefix = None if copy.peers is None else (copy.first_chunk, copy.peers)
         holders = tuple(w for (_, w, _) in entries)
         n_chunks = entries[0][2]
-        prefix = prefixes.get((rank, version))
         if prefix is None:
             stripes = stripe_image(rank, n_chunks, holders)
         else:  # the suffix from the holders (first: one of them sends the manifest), the prefix from replicas
@@ -437,7 +412,8 @@ def _memory_plan(facts: PlanningFacts, new_gen: int, assignments: list[Assignmen
         job_id=facts.job_id, generation=new_gen, assignments=tuple(assignments),
         lost_ranks=lost, resume_version=version, rollbacks=tuple(rollbacks),
         transfers=tuple(transfers), replace_mirrors=bool(lost or below_k or transfers),
-        owners_below_k=below_k, steps_lost=steps_lost, node_local=tuple(node_local), adopt_prebuilt=adopt)
+        owners_below_k=below_k, steps_lost=steps_lost, node_local=tuple(node_local), adopt_prebuilt=adopt,
+        adoptions=tuple(sorted(adoptions, key=lambda x: (x.owner, x.worker_id))))
 
 
 def _initial_restart(facts: PlanningFacts) -> tuple[int, tuple[int, ...]] | None:

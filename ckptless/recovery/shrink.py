@@ -12,70 +12,97 @@ order.
 The rules (R10 in docs/recovery.md):
 
 * only when the job's policy says ``shrink``, some lost rank has no spare and
-  no node to respawn on (then *every* lost rank is hosted: a generation with
-  fewer ranks runs on the survivors alone), and every survivor reported that
-  its state can host (a DDP job: ``WorkerReport.can_host``);
+  no node to respawn on (then no lost rank takes a spare or a transfer: a
+  generation with fewer ranks runs on the survivors and the respawns below),
+  and every survivor reported that its state can host (a DDP job:
+  ``WorkerReport.can_host``);
 * only while at least ``min_nodes`` nodes run ranks (``--nnodes MIN:MAX``);
 * only when every survivor holds its own state of the resume version R (a
   transfer could not run over the survivors' communicators) and R >= 2 (DDP
   rebuilds its buckets in its second step, with a broadcast from rank 0);
-* a lost rank is hosted by a survivor that *holds* its image of the resume
-  version: the host reads the rank's own state (RNG, data position) from the
-  copy it already has, so shrinking moves no bytes;
+* a lost rank whose node lives and kept its own image of the resume version
+  (R9) restarts there from it (a respawn moves no bytes either), and is a
+  process of the generation like a survivor (issue 35: a host killed while
+  the job ran with fewer ranks comes back on its node);
+* every other lost rank is hosted by a process that *holds* its image of the
+  resume version: the host reads the rank's own state (RNG, data position)
+  from the copy it already has, so shrinking moves no bytes. A copy in live
+  memory first; else one its node kept (R11, :mod:`ckptless.recovery.nodecopies`:
+  a dead host's copy of the rank it hosted, or the rank's own image), which a
+  process on that node adopts;
 * among those holders, the one hosting fewest ranks so far, then the lowest
   rank: the extra compute spreads evenly and the choice is deterministic.
 
-Cost: O(lost x holders) with the facts' indexes; the plan adds one assignment
-per hosted rank (the roster's explicit entries, docs/scale.md).
+Cost: O(lost x holders + node copies) with the facts' indexes; the plan adds
+one assignment per hosted rank (the roster's explicit entries, docs/scale.md).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
-from ckptless.recovery.decision import Assignment
-from ckptless.recovery.facts import PlanningFacts
+from ckptless.recovery import nodecopies
+from ckptless.recovery.decision import Adoption, Assignment
+from ckptless.recovery.facts import NodeLocalImage, PlanningFacts
 
 __all__ = ["MIN_VERSION", "host_lost_ranks"]
 
 MIN_VERSION = 2  # DDP rebuilds its buckets once, in its second step, with a broadcast from rank 0
 
 
-def host_lost_ranks(facts: PlanningFacts, unassigned: Sequence[int], version: int) -> tuple[list[Assignment], str]:
-    """One ``hosted`` assignment per rank of ``unassigned``, or ``([], why not)``."""
+def host_lost_ranks(facts: PlanningFacts, assignments: Sequence[Assignment], version: int,
+                    local: Mapping[int, NodeLocalImage]) -> tuple[list[Assignment], list[Adoption], str]:
+    """The generation's assignments with every lost rank hosted or restarted from its node's copy, and
+    the adoptions its hosts need; or ``([], [], why not)``.
+
+    ``assignments``: R2's (a lost rank's ``respawn`` there stays a process when ``local``, R9, holds its
+    image of ``version`` on its node: it moves no bytes either); ``local``: R9's usable node-local images.
+    """
     policy = facts.policy
     if policy.lost_node != "shrink":
-        return [], "the job waits for a replacement (--lost-node wait)"
+        return [], [], "the job waits for a replacement (--lost-node wait)"
     live = [s for s in facts.members if s.alive]
-    nodes = {s.worker.node_id for s in live}
+    kept = [a for a in assignments if a.source == "respawn" and a.rank in local and local[a.rank].version == version]
+    nodes = {s.worker.node_id for s in live} | {a.node_id for a in kept}
     if len(nodes) < policy.min_nodes:
-        return [], (f"fewer ranks needs at least {policy.min_nodes} nodes (--nnodes minimum), "
-                    f"{len(nodes)} run ranks")
+        return [], [], (f"fewer ranks needs at least {policy.min_nodes} nodes (--nnodes minimum), "
+                        f"{len(nodes)} run ranks")
     reports = {s.rank: facts.report_of(s.worker.worker_id) for s in live}
     cannot = sorted(r for r, rep in reports.items() if rep is None or not rep.can_host)
     if cannot:
-        return [], f"ranks {cannot} reported state that cannot run another rank's micro-batches (not a DDP job)"
+        return [], [], f"ranks {cannot} reported state that cannot run another rank's micro-batches (not a DDP job)"
     lacking = sorted(r for r, rep in reports.items() if rep is not None and version not in rep.local_versions)
     if lacking:  # a transfer would run over the survivors' communicators, which have no rank for it
-        return [], f"survivors {lacking} do not hold version {version} of their own state"
+        return [], [], f"survivors {lacking} do not hold version {version} of their own state"
     if version < MIN_VERSION:
-        return [], (f"version {version} is before DDP rebuilt its buckets (its second step broadcasts the order "
-                    "from rank 0: survivors hosting different numbers of ranks would not meet there)")
+        return [], [], (f"version {version} is before DDP rebuilt its buckets (its second step broadcasts the "
+                        "order from rank 0: survivors hosting different numbers of ranks would not meet there)")
     holders: dict[int, list[int]] = {}
     for rank, rep in reports.items():
         assert rep is not None
         for f in rep.replicas:
             if f.version == version:
                 holders.setdefault(f.owner, []).append(rank)
-    load = {s.rank: 0 for s in live}
-    slot_of = {s.rank: s for s in live}
+    processes = [Assignment(s.rank, s.worker.worker_id, s.worker.node_id, "survivor") for s in live] + kept
+    load = {a.worker_id: 0 for a in processes}
+    slot_of = {a.rank: a for a in processes}
+    chooser = nodecopies.Chooser(facts, processes, dict(local))
     out: list[Assignment] = []
-    for rank in sorted(unassigned):
-        candidates = holders.get(rank, [])
-        if not candidates:
-            return [], f"no survivor holds rank {rank}'s image of version {version} to host it from"
-        host = min(candidates, key=lambda h: (load[h], h))
-        load[host] += 1
-        w = slot_of[host].worker
-        out.append(Assignment(rank, w.worker_id, w.node_id, "hosted"))
-    return out, ""
+    adopted: list[Adoption] = []
+    # Ranks held in memory first: their hosts are fixed by who holds them, a copy on a node can go to
+    # any process there, so it then goes where the load is least.
+    for rank in sorted(set(facts.lost_ranks) - {a.rank for a in kept}, key=lambda r: (r not in holders, r)):
+        in_memory = holders.get(rank, [])
+        if in_memory:
+            host = slot_of[min(in_memory, key=lambda h: (load[slot_of[h].worker_id], h))]
+            load[host.worker_id] += 1
+        else:  # R11: a copy its node kept (a dead host's, or the rank's own), adopted by a process there
+            picked = chooser.choose(chooser.candidates(rank, version), load)
+            if picked is None:
+                return [], [], (f"no survivor holds rank {rank}'s image of version {version} to host it from, "
+                                "in memory or in its node's memory")
+            host = slot_of[picked[1].rank]
+            adopted.append(nodecopies.adoption(*picked))
+        out.append(Assignment(rank, host.worker_id, host.node_id, "hosted"))
+    return sorted(processes + out, key=lambda a: a.rank), adopted, ""
+

@@ -38,8 +38,9 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from ckptless.errors import CkptlessError, RecoveryError
-from ckptless.recovery.facts import NodeLocalImage, Worker, WorkerReport
+from ckptless.recovery.facts import NodeLocalCopy, NodeLocalImage, Worker, WorkerReport
 from ckptless.recovery.wire import Membership, report_from_json, spare_from_json
+from ckptless.state.replication import ReplicaSet
 
 ExitKind = Literal["user_error", "fault", "internal", "device", "job_ended", "fenced", "reexec"]
 EXIT_KINDS: tuple[str, ...] = ("user_error", "fault", "internal", "device", "job_ended", "fenced", "reexec")
@@ -87,6 +88,9 @@ class ExitRecord:
     # The node-local tier: the dead worker's own committed image, found intact (every chunk
     # checksummed) in this node's shm dir by its agent; None: none, not checked, or corrupt.
     local_image: NodeLocalImage | None = None
+    # The replicas the dead worker held, found intact in its files in this node's shm dir by its agent
+    # (a host's copies of the ranks it hosted among them): any live worker there can adopt one (R11).
+    local_replicas: tuple[NodeLocalCopy, ...] = ()
     # False: this node cannot start the rank again (its GPU failed and no other good one is free, or
     # a planned respawn found none): the planner must not respawn it here. Absent in older records.
     respawnable: bool = True
@@ -113,6 +117,9 @@ class ExitRecord:
                 "version": self.local_image.version, "n_chunks": self.local_image.n_chunks,
                 "generation": self.local_image.generation},
             "respawnable": self.respawnable,
+            **({"local_replicas": [[c.owner, c.version, c.n_chunks, c.generation, c.layout, c.first_chunk]
+                                   + ([c.peers.to_json()] if c.peers is not None else [])
+                                   for c in self.local_replicas]} if self.local_replicas else {}),
         }).encode()
 
     @classmethod
@@ -131,6 +138,7 @@ class ExitRecord:
                 signal=None if doc.get("signal") is None else int(doc["signal"]),
                 time=float(doc.get("time", 0.0)), requested=bool(doc.get("requested", False)),
                 kind=kind, error=ErrorSummary.from_doc(doc.get("error")), local_image=local,
+                local_replicas=_local_replicas(doc.get("local_replicas"), rank, node_id),
                 # absent (an older agent) or malformed: the default, never a reason to drop the exit
                 respawnable=doc.get("respawnable") is not False,
             )
@@ -147,6 +155,23 @@ def _local_image(doc: Any, rank: int, node_id: str) -> NodeLocalImage | None:
         return NodeLocalImage(rank, node_id, int(doc["version"]), int(doc["n_chunks"]), int(doc.get("generation", 0)))
     except (ValueError, TypeError, KeyError, AttributeError):
         return None
+
+
+def _local_replicas(doc: Any, rank: int, node_id: str) -> tuple[NodeLocalCopy, ...]:
+    """The record's node-local replicas: ``[owner, version, n_chunks, generation, layout, first_chunk
+    (, peers)]`` each. A malformed entry is dropped alone (never trusted, never a reason to drop the exit)."""
+    if not isinstance(doc, list) or rank < 0:
+        return ()
+    out: dict[tuple[int, int], NodeLocalCopy] = {}
+    for e in doc:
+        try:
+            peers = ReplicaSet.from_json(e[6]) if len(e) > 6 else None
+            c = NodeLocalCopy(int(e[0]), rank, node_id, int(e[1]), int(e[2]), int(e[3]), str(e[4]), int(e[5]), peers)
+        except (ValueError, TypeError, KeyError, IndexError, AttributeError, CkptlessError):
+            continue
+        if c.owner != rank:
+            out.setdefault((c.owner, c.version), c)
+    return tuple(out[k] for k in sorted(out))
 
 
 def exit_outcome(rec: ExitRecord) -> Outcome:
@@ -197,14 +222,19 @@ class ReportRecord:
     report: WorkerReport
     reason: str = ""
     bad_snapshot: int | None = None
+    # node-local copies (node, holder, owner, version) this worker failed to adopt (R11): never planned again
+    bad_copies: tuple[tuple[str, int, int, int], ...] = ()
 
 
-def report_record_to_json(report: WorkerReport, reason: str, bad_snapshot: int | None = None) -> bytes:
+def report_record_to_json(report: WorkerReport, reason: str, bad_snapshot: int | None = None,
+                          bad_copies: tuple[tuple[str, int, int, int], ...] = ()) -> bytes:
     from ckptless.recovery.wire import report_to_json
 
     doc = json.loads(report_to_json(report))
     doc["reason"] = reason[:500]
     doc["bad_snapshot"] = bad_snapshot
+    if bad_copies:
+        doc["bad_copies"] = [list(k) for k in bad_copies]
     return json.dumps(doc).encode()
 
 
@@ -214,9 +244,10 @@ def report_record_from_json(raw: bytes) -> ReportRecord:
         reason = str(doc.get("reason", ""))
         bad = doc.get("bad_snapshot")
         bad_snapshot = None if bad is None else int(bad)
+        copies = tuple((str(n), int(h), int(o), int(v)) for n, h, o, v in doc.get("bad_copies", ()))
     except (ValueError, AttributeError, TypeError) as exc:
         raise RecoveryError(f"worker report is malformed: {raw[:200]!r}") from exc
-    return ReportRecord(report_from_json(raw), reason, bad_snapshot)
+    return ReportRecord(report_from_json(raw), reason, bad_snapshot, copies)
 
 
 @dataclass(frozen=True)
@@ -248,6 +279,11 @@ class JobView:
     @property
     def generation(self) -> int:
         return -1 if self.membership is None else self.membership.generation
+
+    @property
+    def bad_copies(self) -> frozenset[tuple[str, int, int, int]]:
+        """Node-local copies a worker of this generation failed to adopt (R11)."""
+        return frozenset(k for r in self.reports.values() for k in r.bad_copies)
 
     @property
     def bad_snapshots(self) -> frozenset[int]:

@@ -16,7 +16,8 @@ from ckptless.errors import ManifestError, RecoveryError
 from ckptless.recovery import roster
 from ckptless.recovery.facts import ReplicaFact, Worker, WorkerReport
 from ckptless.state.replication import ReplicaSet
-from ckptless.recovery.decision import Assignment, Decision, DiskFallback, LocalRestore, RecoveryPlan, Stripe, Transfer, Unrecoverable, WaitForReplacement
+from ckptless.recovery.decision import (Adoption, Assignment, Decision, DiskFallback, LocalRestore, RecoveryPlan, Stripe,
+                                       Transfer, Unrecoverable, WaitForReplacement)
 
 
 @dataclass(frozen=True)
@@ -158,6 +159,8 @@ def decision_to_doc(d: Decision) -> dict[str, Any]:
             "initial_ranks": list(d.initial_ranks), "adopt_prebuilt": list(d.adopt_prebuilt),
             "node_local": [[x.rank, x.worker_id, x.node_id, x.version, x.n_chunks, x.generation]
                            for x in d.node_local],
+            **({"adoptions": [[x.worker_id, x.owner, x.holder, x.node_id, x.version, x.n_chunks, x.generation]
+                              for x in d.adoptions]} if d.adoptions else {}),
         }
     if isinstance(d, DiskFallback):
         return {
@@ -202,6 +205,8 @@ def decision_from_doc(doc: dict[str, Any], assignments_known: tuple[Assignment, 
                 adopt_prebuilt=tuple(int(r) for r in doc.get("adopt_prebuilt", ())),
                 node_local=tuple(LocalRestore(int(r), str(w), str(n), int(v), int(c), int(g))
                                  for r, w, n, v, c, g in doc.get("node_local", ())),
+                adoptions=tuple(Adoption(str(w), int(o), int(h), str(n), int(v), int(c), int(g))
+                                for w, o, h, n, v, c, g in doc.get("adoptions", ())),
             )
         if kind == "disk":
             return DiskFallback(

@@ -118,14 +118,29 @@ def adopt(rt: WorkerRuntime, m: Membership) -> None:
     rt.ledger.set_rank(rank)
     if first and rt.ctx.role == "spare":  # its start had no rank to be written under: the report's
         rt.ledger.emit(EventKind.JOB_START, generation=m.generation, role="spare")  # "replacement ready"
-    groups.ensure_default_group(rt.store_for(m), rank, m.world_size, rt.ctx.collective_timeout_s)
+    try:
+        groups.ensure_default_group(rt.store_for(m), rank, m.world_size, rt.ctx.collective_timeout_s)
+    except TransportError as exc:
+        # The generation's store went with its host (the leader's node lost just after it published, issue
+        # 35): forming this generation fails the usual way and the next membership is awaited. Raised
+        # from here, it escaped the script as an exit without a record: a "user error" that ended the job.
+        rt.forget_store()
+        log.warning("%s: generation %d's store is unreachable (%s); forming it will fail", rt.worker_id,
+                    m.generation, exc)
 
 
 def _form(rt: WorkerRuntime, a: FormGroups) -> Event:
     m = rt.seen
     assert m is not None and m.generation == a.generation
-    gen = Generation(m, rt.worker_id, rt.store_for(m))
+    try:
+        store, unreachable = rt.store_for(m), ""
+    except TransportError as exc:  # its host is gone (the leader's node, lost after it published): a failed
+        store, unreachable = None, str(exc)  # formation, not an exception out of the script
+    gen = Generation(m, rt.worker_id, store)
     rt.gen = gen
+    if unreachable:
+        rt.forget_store()
+        return FormFailed(unreachable)
     restoring.roll_back_early(rt, gen)
     reason = ""
     try:
@@ -141,6 +156,8 @@ def _form(rt: WorkerRuntime, a: FormGroups) -> Event:
         reason = str(exc)
     except (IntegrityError, RecoveryError) as exc:  # from the transfers run ahead
         reason = f"{type(exc).__name__}: {exc}"
+        if isinstance(exc, IntegrityError):
+            rt.notes = rt.notes.failed(exc)
     if reason:
         rt.forget_store()  # a broken client never recovers (a partition, a store restart): connect anew
         return FormFailed(reason)

@@ -13,8 +13,10 @@ from __future__ import annotations
 import threading
 import time
 
+from ckptless import chaos_hooks
 from ckptless.errors import TransportError
 from ckptless.recovery.decision import RecoveryPlan
+from ckptless.recovery.executor import adopt_copies
 from ckptless.recovery.transfer import Received, execute_transfers
 from ckptless.recovery.wire import Membership
 from ckptless.worker import exit_guard, groups
@@ -72,9 +74,14 @@ def start_during_setup(rt: WorkerRuntime) -> None:
 def _transfer_now(rt: WorkerRuntime, m: Membership, deadline: float) -> Received | None:
     rank = m.rank_of(rt.worker_id)
     assert rank is not None and isinstance(m.decision, RecoveryPlan)
+    # R11 first, before waiting for the others: a copy this survivor takes from its node's memory serves
+    # stripes below, and is held (and reported) even if this generation never forms.
+    adopt_copies(m.decision, rt.worker_id, rt.peer_store, rt.ctx.shm_dir or None, rt.ctx.job_id, rt.ctx.node_id,
+                 for_transfers=True)
     pg = groups.form_mirror_group(rt.store_for(m), m.generation, rank, m.world_size, rt.ctx.collective_timeout_s,
                                   deadline, lambda: abort_reason(rt, m.generation),
                                   peers=mirror_peers(m, rank, rt.replicas, rt.mirror_config.placement))
+    chaos_hooks.pause_point(f"transfers:r{rank}", rank=rank, generation=m.generation)  # chaos runs only
     try:
         return execute_transfers(m.decision, m, rt.worker_id, rt.peer_store, rt.ctx.collective_timeout_s,
                                  into=rt.standby_buffers[0] if rt.standby_buffers else None, group=pg,

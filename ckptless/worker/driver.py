@@ -142,7 +142,8 @@ class WorkerDriver:
     def _record_uncaught(self, exc: BaseException) -> None:
         """An exception escaped the script outside run()/guard() (its setup, say): record it as the
         user's error, so the launcher's summary shows its traceback and nobody respawns into it;
-        one caused by a failed peer or collective stays a fault (no record: the rank is recovered)."""
+        one caused by a failed peer or collective stays a fault: recorded as one, since an exit code
+        without a record reads as the user's error (recovery/view.py: ``exit_outcome``)."""
         if exit_file.written() or isinstance(exc, (KeyboardInterrupt, SystemExit)):
             return
         device = device_failure(exc)  # the GPU failed (in the setup, or in a capture's copy)
@@ -150,6 +151,7 @@ class WorkerDriver:
             exit_file.write("device", device.error)
             return
         if self.rt.recovery and is_fault(exc, self.rt.generation, self.rt.incident_check()):
+            exit_file.write("fault", exit_file.summarize(exc))
             return
         exit_file.write("user_error", exit_file.summarize(exc))
 

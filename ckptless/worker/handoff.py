@@ -11,7 +11,8 @@ their state over where the next plan looks for it:
 
 * each process its own image of version T, kept beside the one of the version
   the generation resumed at (what a survivor rolls back to, and what serves a
-  replicated prefix);
+  replicated prefix), and with the node-local tier also in its node's memory
+  (a process lost before the grown generation commits T leaves it there);
 * each host one image of version T per hosted rank (that rank's RNG and data
   position swapped in), put in its peer store as that rank's holder.
 
@@ -32,8 +33,10 @@ import logging
 import torch
 import torch.distributed as dist
 
+from ckptless.mirror.ownimage import OwnImageFiles
 from ckptless.mirror.store import StoredImage
 from ckptless.state.capture import Capturer
+from ckptless.state.manifest import Manifest
 from ckptless.worker.runtime import WorkerRuntime
 
 log = logging.getLogger(__name__)
@@ -54,6 +57,7 @@ def hand_over(rt: WorkerRuntime, version: int) -> None:
     # lost during the handoff leaves some ranks without an image of ``version``, and the plan then
     # falls back to that one.
     rt.own_images = [*rt.own_images, StoredImage(own.manifest, own.buffer)]
+    _keep_on_node(rt, own.manifest, own.buffer)
     micro = rt.micro
     if micro is None:
         return
@@ -66,3 +70,21 @@ def hand_over(rt: WorkerRuntime, version: int) -> None:
         store.put(image.manifest, image.buffer)
         log.info("rank %d: handed hosted rank %d's image of version %d over (%d bytes)", rt.rank, rank, version,
                  image.manifest.total_bytes)
+
+
+def _keep_on_node(rt: WorkerRuntime, manifest: Manifest, buffer: torch.Tensor) -> None:
+    """The node-local tier (``--shm-dir``): this process's image of the handoff version in its node's
+    memory too, with its manifest. Why: until the grown generation commits that version again, it
+    is this rank's only copy; a process lost in that window (killed while its spares receive) then
+    leaves it on its node, where a respawn restores it (R9) or a live process adopts it (R11),
+    instead of sending the whole job back to the version it shrank at, or to disk. One copy of S
+    per process, once per growth; the next engine's first commit removes it like any older own image.
+    """
+    if not (rt.ctx.shm_dir and rt.mirror_config.node_local):
+        return
+    files = OwnImageFiles(rt.ctx.shm_dir, rt.ctx.job_id, rt.ctx.node_id, rt.rank)
+    buf, path = files.allocate(manifest.total_bytes)
+    if path is None:  # a full shm dir (said once): the image stays in this process's memory only
+        return
+    buf[: manifest.total_bytes].copy_(buffer[: manifest.total_bytes])
+    files.publish(path, manifest)

@@ -28,9 +28,9 @@ from ckptless.errors import (
 )
 from ckptless.goodput.ledger import EventKind
 from ckptless.mirror.partial import MISSING
-from ckptless.recovery.executor import (RestoreInputs, SnapshotLoadFailed, apply_decision, build_report,
-                                        restore_early)
-from ckptless.recovery.decision import DiskFallback
+from ckptless.recovery.executor import (RestoreInputs, SnapshotLoadFailed, adopt_copies, apply_decision,
+                                        build_report, restore_early)
+from ckptless.recovery.decision import DiskFallback, RecoveryPlan
 from ckptless.state.capture import StateImage, restore
 from ckptless.state.registry import StateRegistry
 from ckptless.worker import groups, hosted, reuse
@@ -61,7 +61,8 @@ def _inputs(rt: WorkerRuntime, gen: Generation) -> RestoreInputs:
                          node_id=rt.ctx.node_id, into=rt.standby_buffers[0] if rt.standby_buffers else None,
                          own_images_trusted=engine_pool_in_memory(rt),
                          restored_early=gen.restored_early, transfers_done=gen.transfers_done,
-                         received_early=gen.received, trained=rt.trained)
+                         received_early=gen.received, trained=rt.trained,
+                         replica_dir=rt.ctx.shm_dir or None)
 
 
 def roll_back_early(rt: WorkerRuntime, gen: Generation) -> None:
@@ -81,6 +82,15 @@ def _start_hosting(rt: WorkerRuntime, gen: Generation, version: int) -> Event | 
     of their images it holds (the plan chose it for that: recovery/shrink.py)."""
     ranks = []
     names = hosted.rank_bound(rt.registry)
+    plan = gen.decision
+    if gen.hosted and rt.ctx.shm_dir:
+        rt.open_peer_store()  # a respawn that hosts: its predecessor's replicas, re-attached from its node
+    if isinstance(plan, RecoveryPlan) and plan.adoptions:  # R11: copies its node kept, taken first
+        try:
+            adopt_copies(plan, rt.worker_id, rt.peer_store, rt.ctx.shm_dir or None, rt.ctx.job_id, rt.ctx.node_id)
+        except IntegrityError as exc:
+            rt.notes = rt.notes.failed(exc)
+            return RestoreFailed(f"cannot take a node-local copy to host from: {exc}")
     for r in gen.hosted:
         held = rt.peer_store.get(r, version) if rt.peer_store is not None else None
         if held is None:
@@ -113,13 +123,13 @@ def restore_state(rt: WorkerRuntime, a: RestoreState) -> Event:
         reason = str(exc)
     except (TransportError, IntegrityError, SnapshotError) as exc:
         reason = f"{type(exc).__name__}: {exc}"
+        rt.notes = rt.notes.failed(exc)
     except (StateError, UnrecoverableError, RecoveryError) as exc:
         internal = f"cannot restore generation {a.generation}'s state: {type(exc).__name__}: {exc}"
     if internal:
         return Internal(internal)
-    if reason:  # the next report re-reads every replica (and names a snapshot that failed to load)
-        rt.notes = ReportNotes(recheck=True, bad_snapshot=rt.notes.bad_snapshot if bad_snapshot is None
-                               else bad_snapshot)
+    if reason:  # the next report re-reads every replica (and names a snapshot or a node copy that failed)
+        rt.notes = rt.notes.failed(bad_snapshot=bad_snapshot)
         return RestoreFailed(reason)
     rt.notes = ReportNotes()
     rt.trained = out.resume_step  # the timeline goes on from here: a later fall-back counts from it
@@ -223,7 +233,7 @@ def report(rt: WorkerRuntime, a: Report) -> Event:
     if not groups.user_groups() and hosted.why_not_shrinkable(rt.registry, hosted.ddp_modules(rt.registry)) is None:
         rep = replace(rep, can_host=True)  # its state can run a lost rank's micro-batches (--lost-node shrink)
     try:
-        rt.control.report(a.generation, rt.rank, rep, a.reason, rt.notes.bad_snapshot)
+        rt.control.report(a.generation, rt.rank, rep, a.reason, rt.notes.bad_snapshot, rt.notes.bad_copies)
     except CoordinatorUnavailable as exc:
         return CoordinatorLost(str(exc))
     faulthandler.cancel_dump_traceback_later()

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from ckptless import chaos_hooks, environment
+from ckptless.errors import NodeCopyError, TransportError
 from ckptless.goodput.ledger import EventKind
 from ckptless.mirror.config import MirrorConfig
 from ckptless.mirror.mirror import MirrorEngine
@@ -75,6 +76,13 @@ class ReportNotes:
 
     recheck: bool = False  # the last restore failed: re-read every replica's checksums before reporting
     bad_snapshot: int | None = None  # the disk snapshot of this step failed to load: the plan must skip it
+    bad_copies: tuple[tuple[str, int, int, int], ...] = ()  # node-local copies that failed adoption (R11)
+
+    def failed(self, exc: BaseException | None = None, bad_snapshot: int | None = None) -> ReportNotes:
+        """After a failed restore: re-read every replica, and name what failed (kept until a restore succeeds)."""
+        copies = self.bad_copies + ((exc.key,) if isinstance(exc, NodeCopyError) and exc.key not in self.bad_copies
+                                    else ())
+        return ReportNotes(True, self.bad_snapshot if bad_snapshot is None else bad_snapshot, copies)
 
 
 @dataclass
@@ -139,6 +147,9 @@ class WorkerRuntime:
         # Why this process captures whole images from now on, instead of leaving the prefix live.
         self.defer_off: str | None = "CKPTLESS_CAPTURE_ORDER=step" if step_order else None
         self._store: tuple[tuple[str, int], dist.Store] | None = None
+        # (generation, address) of a store that did not answer: its host is gone (issue 35: the leader's node,
+        # lost just after it published); forming that generation then fails at once, not after another timeout
+        self._unreachable: tuple[int, tuple[str, int]] | None = None
         # A generation with fewer ranks: the lost ranks this process runs micro-batches for (worker/hosted.py).
         self.micro: MicroBatches | None = None
 
@@ -171,7 +182,13 @@ class WorkerRuntime:
     def store_for(self, m: Membership) -> dist.Store:
         addr = (m.store_host, m.store_port)
         if self._store is None or self._store[0] != addr:
-            self._store = (addr, groups.connect_store(addr[0], addr[1], self.ctx.collective_timeout_s))
+            if self._unreachable == (m.generation, addr):  # one connect timeout per generation, not one per step
+                raise TransportError(f"generation {m.generation}'s store at {addr[0]}:{addr[1]} was unreachable")
+            try:
+                self._store = (addr, groups.connect_store(addr[0], addr[1], self.ctx.collective_timeout_s))
+            except TransportError:
+                self._unreachable = (m.generation, addr)
+                raise
         return self._store[1]
 
     def forget_store(self) -> None:

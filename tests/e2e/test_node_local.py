@@ -445,3 +445,70 @@ def test_engine_keeps_exactly_the_committed_image_in_shm_and_it_outlives_sigkill
     assert torch.equal(got, _image(rounds, nbytes=20_000 + 4096 * rounds, rank=0)[1])
     assert own_files(shm_dir, JOB, "host", 1) == [], "a clean close removes the engine's own files"
     assert sorted(f.kind for f in own_files(shm_dir, JOB, "host", 0)) == ["own_bin"] * pool + ["own_json"]
+
+
+# --- R11 (issue 35): another process reads a dead holder's replicas and a dead rank's own image ------------
+def _held_replica(shm_dir: str, holder: int, owner: int, version: int, seed: int = 0):
+    from ckptless.mirror.store import PeerStore
+
+    store = PeerStore(JOB, 0, shm_dir, holder=holder, node="n")
+    m, data = _image(version, rank=owner, seed=seed)
+    store.put(m, data)
+    return store, m, data
+
+
+def test_a_dead_holders_replicas_are_reported_checked_and_adopted_by_another_process(shm_dir: str) -> None:
+    from ckptless.mirror.reattach import open_copy, verified_copies
+    from ckptless.mirror.store import PeerStore
+    from ckptless.recovery.decision import Adoption
+    from ckptless.recovery.executor import adopt_copies
+
+    store, m, data = _held_replica(shm_dir, holder=1, owner=2, version=7)
+    store.put(*_image(8, rank=2))  # the other slot: the newer version
+    del store  # the holder dies: its files stay
+    assert [(x.owner, x.version) for x in verified_copies(shm_dir, JOB, "n", 1)] == [(2, 7), (2, 8)]
+    assert verified_copies(shm_dir, JOB, "n", 3) == [] and verified_copies(shm_dir, JOB, "other", 1) == []
+    got, held = open_copy(shm_dir, JOB, "n", 1, 2, 7, m.generation, len(m.chunk_checksums))
+    assert got == m and torch.equal(held, data)
+    with pytest.raises(IntegrityError, match="no replica"):
+        open_copy(shm_dir, JOB, "n", 1, 2, 7, m.generation + 1, len(m.chunk_checksums))
+    # rank 0 on the same node adopts it (its own store is another holder's files), and then holds it
+    mine = PeerStore(JOB, 3, shm_dir, holder=0, node="n")  # at a later generation: no ordering check
+    plan = RecoveryPlan("j", 4, (), (), 7, (), (), False, (), 0,
+                        adoptions=(Adoption("n/w0", 2, 1, "n", 7, len(m.chunk_checksums), m.generation),))
+    assert adopt_copies(plan, "n/w0", mine, shm_dir, JOB, "n") == 1
+    assert adopt_copies(plan, "n/w0", mine, shm_dir, JOB, "n") == 0, "idempotent"
+    img = mine.get(2, 7)
+    assert img is not None and img.manifest == m and torch.equal(img.buffer, data)
+    assert [(x.owner, x.version) for x in verified_copies(shm_dir, JOB, "n", 0)] == [(2, 7)], \
+        "in its own files: it outlives this process too"
+    # a flipped byte in the dead holder's file: neither reported nor adopted
+    (path,) = [os.path.join(shm_dir, f.name) for f in list_files(shm_dir)
+               if f.holder == 1 and f.kind == "bin" and f.owner == 2 and
+               os.path.exists(os.path.join(shm_dir, f.name[:-4] + ".json")) and
+               json.load(open(os.path.join(shm_dir, f.name[:-4] + ".json")))["version"] == 8]
+    with open(path, "r+b") as f:
+        b = f.read(1)
+        f.seek(0)
+        f.write(bytes([b[0] ^ 1]))
+    assert [(x.owner, x.version) for x in verified_copies(shm_dir, JOB, "n", 1)] == [(2, 7)]
+    with pytest.raises(IntegrityError):
+        open_copy(shm_dir, JOB, "n", 1, 2, 8, m.generation, len(m.chunk_checksums))
+
+
+def test_a_dead_ranks_own_image_is_adopted_as_a_replica(shm_dir: str) -> None:
+    from ckptless.mirror.store import PeerStore
+    from ckptless.recovery.decision import Adoption
+    from ckptless.recovery.executor import adopt_copies
+
+    files = OwnImageFiles(shm_dir, JOB, "n", 3)
+    m, data, _ = _commit(files, 5, rank=3)
+    mine = PeerStore(JOB, 0, None)
+    plan = RecoveryPlan("j", 4, (), (), 5, (), (), False, (), 0,
+                        adoptions=(Adoption("n/w2", 3, 3, "n", 5, len(m.chunk_checksums), m.generation),))
+    with pytest.raises(IntegrityError, match="no node-local tier"):
+        adopt_copies(plan, "n/w2", mine, None, JOB, "n")
+    assert adopt_copies(plan, "n/w2", mine, shm_dir, JOB, "n") == 1
+    img = mine.get(3, 5)
+    assert img is not None and img.manifest == m and torch.equal(img.buffer, data)
+    assert adopt_copies(plan, "n/w1", mine, shm_dir, JOB, "n") == 0, "only this worker's adoptions"

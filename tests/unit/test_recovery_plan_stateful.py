@@ -6,6 +6,13 @@ which image); facts are derived from it exactly as the coordinator would, and
 each decision is checked against that truth, then executed on it. A failure
 during recovery is simply another plan from the updated facts: generation
 g+1 -> g+2.
+
+With the node-local tier (issue 35), a killed worker leaves its own committed
+image and its replicas in its node's memory, which a node loss takes; the
+facts name them as its agent would, and the truth counts one when a survivor
+on that node holds that version of its own state (it can adopt it, R11).
+Invariant: never ``Unrecoverable`` while every rank's image of one version is
+in live memory or such a node.
 """
 
 from __future__ import annotations
@@ -30,6 +37,8 @@ from ckptless.recovery import (
     plan_recovery,
 )
 
+from ckptless.recovery.facts import NodeLocalCopy
+
 from ..harness.plan_worlds import ring
 
 
@@ -49,9 +58,9 @@ class W:
 class JobSim(RuleBasedStateMachine):
     @initialize(world=st.integers(2, 8), k=st.integers(1, 2), per_node=st.integers(1, 3),
                 prefer=st.sampled_from(["spare", "respawn"]), eager=st.booleans(),
-                snapshot0=st.booleans())
+                snapshot0=st.booleans(), tier=st.booleans())
     def start(self, world: int, k: int, per_node: int, prefer: str, eager: bool,
-              snapshot0: bool) -> None:
+              snapshot0: bool, tier: bool) -> None:
         self.world = world
         self.k = min(k, world - 1)
         self.placement = ring(world, self.k)
@@ -74,6 +83,9 @@ class JobSim(RuleBasedStateMachine):
         self.ended = False
         self.n_spares = 0
         self.last_resume: int | None = None  # what the coordinator knows: the last plan's resume version
+        self.tier = tier  # the node-local tier (--shm-dir) is on
+        # (node, holder rank) -> owner -> versions a dead worker of that rank left in the node's memory
+        self.files: dict[tuple[str, int], dict[int, set[int]]] = {}
 
     # --- helpers ----------------------------------------------------------------
     def w(self, rank: int) -> W:
@@ -98,9 +110,22 @@ class JobSim(RuleBasedStateMachine):
                                             w.committed, frozenset(w.local), reps))
         spares = tuple(Worker(wid, node) for wid, node in self.spares.items())
         no_respawn = frozenset(r for r in self.lost() if self.rank_worker[r] in self.gpu_failed)
+        copies = tuple(NodeLocalCopy(o, h, node, v, n_chunks(o, v))
+                       for (node, h), held in sorted(self.files.items()) if node not in self.dead_nodes
+                       for o, vs in sorted(held.items()) for v in sorted(vs))
         return PlanningFacts("sim", self.gen, self.world, members, tuple(reports), spares,
                              self.placement, self.snapshot, frozenset(self.dead_nodes), self.policy,
-                             last_resume=self.last_resume, no_respawn=no_respawn)
+                             last_resume=self.last_resume, no_respawn=no_respawn, node_copies=copies)
+
+    def leave_files(self, rank: int) -> None:
+        """A worker of ``rank`` died with its node alive: its files stay (own committed image, replicas)."""
+        w = self.w(rank)
+        if not self.tier:
+            return
+        held = {o: set(vs) for o, vs in w.replicas.items() if vs}
+        if w.committed is not None and w.committed in w.local:
+            held[rank] = {w.committed}
+        self.files[(w.node, rank)] = held
 
     def truth_avail(self, rank: int) -> set[int]:
         """Ground truth, independent of the facts: what live memory holds of ``rank``."""
@@ -108,6 +133,11 @@ class JobSim(RuleBasedStateMachine):
         for w in self.workers.values():
             if w.alive:
                 out |= w.replicas.get(rank, set())
+        for (node, _), held in self.files.items():  # R11: a survivor on that node can adopt it
+            if node not in self.dead_nodes:
+                out |= {v for v in held.get(rank, set())
+                        if any(self.w(r).alive and self.w(r).node == node and v in self.w(r).local
+                               for r in range(self.world) if r != rank)}
         if not self.policy.resume_beyond_committed:
             cap = max((w.committed for w in self.workers.values()
                        if w.alive and w.committed is not None and w in self._members()), default=-1)
@@ -157,8 +187,21 @@ class JobSim(RuleBasedStateMachine):
     @rule(rank=st.integers(0, 7))
     def kill_rank(self, rank: int) -> None:
         rank %= self.world
-        if sum(self.w(r).alive for r in range(self.world)) > 1:
+        if sum(self.w(r).alive for r in range(self.world)) > 1 and self.w(rank).alive:
             self.w(rank).alive = False
+            self.leave_files(rank)
+
+    @rule(rank=st.integers(0, 7))
+    def kill_rank_and_its_holders(self, rank: int) -> None:
+        """A rank and every holder of its image die at once (more than K in one placement group):
+        only the node-local tier, or the disk, can have it."""
+        rank %= self.world
+        victims = [rank, *self.placement[rank]]
+        if sum(self.w(r).alive for r in range(self.world) if r not in victims) >= 1:
+            for r in victims:
+                if self.w(r).alive:
+                    self.w(r).alive = False
+                    self.leave_files(r)
 
     @rule(rank=st.integers(0, 7))
     def gpu_fails(self, rank: int) -> None:
@@ -167,6 +210,7 @@ class JobSim(RuleBasedStateMachine):
         if sum(self.w(r).alive for r in range(self.world)) > 1 and self.w(rank).alive:
             self.w(rank).alive = False
             self.gpu_failed.add(self.rank_worker[rank])
+            self.leave_files(rank)
 
     @rule(rank=st.integers(0, 7))
     def kill_node(self, rank: int) -> None:
@@ -177,6 +221,7 @@ class JobSim(RuleBasedStateMachine):
         for w in self.workers.values():
             if w.node == node:
                 w.alive = False
+        self.files = {k: v for k, v in self.files.items() if k[0] != node}
         self.spares = {s: n for s, n in self.spares.items() if n != node}
 
     @rule(on_rank_node=st.booleans(), rank=st.integers(0, 7))
@@ -202,7 +247,7 @@ class JobSim(RuleBasedStateMachine):
             assert self.committed in common
             assert isinstance(decision, (RecoveryPlan, WaitForReplacement))
         if isinstance(decision, Unrecoverable):
-            assert not common and self.snapshot is None
+            assert not common and self.snapshot is None, "never unrecoverable while a copy of a version is at hand"
             self.ended = True
             return
         if isinstance(decision, WaitForReplacement):
@@ -211,6 +256,14 @@ class JobSim(RuleBasedStateMachine):
             assert len(stuck) > len(self.spares) and decision.generation == self.gen
             return
         assert decision.generation == self.gen + 1
+        adopted: set[tuple[str, int]] = set()
+        if isinstance(decision, RecoveryPlan):
+            adopted = {(a.worker_id, a.owner) for a in decision.adoptions}
+            event(f"images adopted from a node's memory: {min(len(adopted), 2)}")
+            for a in decision.adoptions:  # R11: a survivor on the copy's node, which is really there
+                w = self.workers[a.worker_id]
+                assert w.alive and w.node == a.node_id and a.version in w.local
+                assert a.version in self.files[(a.node_id, a.holder)][a.owner]
         self.gen = decision.generation
         self._adopt(decision.rank_to_worker, decision)
         if isinstance(decision, DiskFallback):
@@ -230,7 +283,7 @@ class JobSim(RuleBasedStateMachine):
         assert r >= self.committed, "committed or newer"
         for t in decision.transfers:
             for s in t.stripes:  # every source really holds R of that owner
-                assert r in self.workers[s.source].replicas.get(t.owner, set())
+                assert r in self.workers[s.source].replicas.get(t.owner, set()) or (s.source, t.owner) in adopted
         for rank in range(self.world):
             if rank not in {t.owner for t in decision.transfers}:
                 assert r in self.w(rank).local
@@ -253,6 +306,7 @@ class JobSim(RuleBasedStateMachine):
                 assert self.spares.pop(a.worker_id) == a.node_id
             self.workers[a.worker_id] = W(a.node_id)
             self.rank_worker[a.rank] = a.worker_id
+            self.files.pop((a.node_id, a.rank), None)  # a new process of that rank there owns those files
         assert rank_to_worker == self.rank_worker
 
     def _finish(self, version: int) -> None:
@@ -279,7 +333,7 @@ class JobSim(RuleBasedStateMachine):
                 assert self.committed in self.w(h).replicas[o]
 
 
-JobSim.TestCase.settings = settings(max_examples=100, stateful_step_count=30, deadline=None,
+JobSim.TestCase.settings = settings(max_examples=200, stateful_step_count=30, deadline=None,
                                     suppress_health_check=[HealthCheck.too_slow])
 TestJobSim = JobSim.TestCase
 

@@ -16,7 +16,7 @@ from dataclasses import replace
 
 from hypothesis import event, given
 
-from ckptless.recovery import PlanPolicy, RecoveryPlan, WaitForReplacement, plan_recovery
+from ckptless.recovery import PlanPolicy, RecoveryPlan, Unrecoverable, WaitForReplacement, plan_recovery
 from ckptless.recovery.shrink import host_lost_ranks
 from ckptless.recovery.wire import Membership, membership_from_json, membership_to_json
 
@@ -94,5 +94,99 @@ def test_worked_example_rank_that_cannot_respawn() -> None:
     d = plan_recovery(f)
     assert isinstance(d, RecoveryPlan), d
     assert d.hosted == {1: "b/w2"} and d.resume_version == 100 and d.transfers == ()
-    assert host_lost_ranks(replace(f, policy=PlanPolicy()), [1], 100) == ([], "the job waits for a replacement "
-                                                                           "(--lost-node wait)")
+    assert host_lost_ranks(replace(f, policy=PlanPolicy()), d.assignments, 100, {}) == (
+        [], [], "the job waits for a replacement (--lost-node wait)")
+
+
+# --- issue 35, finding 1: a further loss while the job runs with fewer ranks ------------------------------
+def _shrunk_world(kill_host: bool = True):
+    """2 nodes x 2, K = 1 (0<-2, 1<-3, 2<-1, 3<-0), node n1 lost at v4 with no spare: generation 1 runs ranks
+    0 and 1 on n0, rank 0 hosting 3 and rank 1 hosting 2 (the holders of their images). Then rank 1, a
+    host, is SIGKILLed: its agent finds its own image and its copy of rank 2's on n0 and says so."""
+    from ckptless.recovery.decision import Assignment
+    from ckptless.recovery.facts import NodeLocalCopy, NodeLocalImage
+
+    from ..harness.leader_sim import World as SimWorld
+
+    w = SimWorld(policy=PlanPolicy(lost_node="shrink"), can_host=True)
+    w.membership = Membership(1, 4, "h", 1, (
+        Assignment(0, "n0/w0", "n0", "survivor"), Assignment(1, "n0/w1", "n0", "survivor"),
+        Assignment(2, "n0/w1", "n0", "hosted"), Assignment(3, "n0/w0", "n0", "hosted")))
+    w.nodes = {"n0"}
+    if kill_host:
+        w.kill(1)
+        w.exits[1] = replace(w.exits[1], local_image=NodeLocalImage(1, "n0", w.committed, 3, 0),
+                             local_replicas=(NodeLocalCopy(2, 1, "n0", w.committed, 3, 0),))
+    w.report(0)
+    return w
+
+
+def test_a_hosted_rank_never_takes_its_hosts_own_image_as_its_own() -> None:
+    """Finding 1's clue: ``node-local image reported for rank 1 on <A>, but the rank ran on <A>``. A hosted
+    rank has no process: the exit record the leader found for it was its host's."""
+    from ckptless.recovery.gather import plan_from_view
+
+    w = _shrunk_world()
+    _, notes = plan_from_view(w.view(), "job", frozenset({1}), 1, "ring", None, w.policy)
+    assert not [n for n in notes if "node-local" in n], notes
+
+
+def test_a_host_killed_while_shrunk_restarts_on_its_node_and_its_hosted_rank_is_adopted_there() -> None:
+    from ckptless.recovery.decision import Adoption, LocalRestore
+    from ckptless.recovery.gather import plan_from_view
+
+    w = _shrunk_world()
+    d, notes = plan_from_view(w.view(), "job", frozenset({1}), 1, "ring", None, w.policy)
+    assert isinstance(d, RecoveryPlan), (d, notes)  # was: unrecoverable, ranks without a usable image: [2]
+    respawn = "n0/respawn-g2-r1"
+    assert d.resume_version == w.committed and d.transfers == ()
+    assert [(a.rank, a.worker_id, a.source) for a in d.assignments] == [
+        (0, "n0/w0", "survivor"), (1, respawn, "respawn"), (2, respawn, "hosted"), (3, "n0/w0", "hosted")]
+    assert d.node_local == (LocalRestore(1, respawn, "n0", w.committed, 3, 0),)
+    # the respawn re-attaches its predecessor's replica files; the adoption names the copy it hosts from
+    assert d.adoptions == (Adoption(respawn, 2, 1, "n0", w.committed, 3, 0),)
+    m = Membership(d.generation, 4, "h", 1, d.assignments, d)
+    back = membership_from_json(membership_to_json(m))
+    assert back.decision == d and back.physical(respawn) == (1, 2) and back.hosted_by(respawn) == [2]
+
+
+def test_a_host_killed_while_shrunk_without_its_own_copy_is_hosted_too() -> None:
+    """No node-local image of the host's own (no --shm-dir on that node, or it did not check): the survivor
+    hosts every lost rank, taking the copy of rank 1's and rank 2's images its node kept."""
+    from ckptless.recovery.decision import Adoption
+    from ckptless.recovery.facts import NodeLocalCopy
+    from ckptless.recovery.gather import plan_from_view
+
+    w = _shrunk_world()
+    w.exits[1] = replace(w.exits[1], local_image=None,
+                         local_replicas=(NodeLocalCopy(2, 1, "n0", w.committed, 3, 0),))
+    d, notes = plan_from_view(w.view(), "job", frozenset({1}), 1, "ring", None, w.policy)
+    # rank 1's image is nowhere (its holder was rank 3, on the lost node): one error naming it
+    assert isinstance(d, Unrecoverable) and d.lost_ranks_without_replica == (1,), (d, notes)
+    w.exits[1] = replace(w.exits[1], local_replicas=(NodeLocalCopy(1, 1, "n0", w.committed, 3, 0),
+                                                     NodeLocalCopy(2, 1, "n0", w.committed, 3, 0)))
+    d, notes = plan_from_view(w.view(), "job", frozenset({1}), 1, "ring", None, w.policy)
+    assert isinstance(d, RecoveryPlan) and d.hosted == {1: "n0/w0", 2: "n0/w0", 3: "n0/w0"}, (d, notes)
+    assert [(a.owner, a.holder) for a in d.adoptions] == [(1, 1), (2, 1)]
+    assert all(isinstance(a, Adoption) and a.worker_id == "n0/w0" for a in d.adoptions)
+
+
+
+def test_goes_on_at_the_newest_version_every_survivor_holds_itself() -> None:
+    """The newest common version (6) would need a transfer to rank 1, which has not captured it: R10 goes on
+    at 5, which every survivor holds in its own memory, instead of waiting for a replacement."""
+    from ckptless.recovery import PlanningFacts, RankSlot, ReplicaFact, Worker, WorkerReport
+
+    holders = {0: (1, 2), 1: (2, 0), 2: (0, 1)}
+    members = tuple(RankSlot(r, Worker(f"{n}/w{r}", n), r != 2) for r, n in enumerate("abc"))
+
+    def rep(r: int, local: set[int]) -> WorkerReport:
+        held = tuple(ReplicaFact(o, v, 4) for o in sorted(holders) if r in holders[o] for v in (5, 6))
+        return WorkerReport(f"{'abc'[r]}/w{r}", max(local), 5, frozenset(local), held, can_host=True)
+
+    f = PlanningFacts("j", 3, 3, members, (rep(0, {5, 6}), rep(1, {5})), (), holders, None, frozenset({"c"}),
+                      PlanPolicy(lost_node="shrink"))
+    d = plan_recovery(f)
+    assert isinstance(d, RecoveryPlan), d  # was: waiting, "survivors [1] do not hold version 6"
+    assert d.resume_version == 5 and d.hosted == {2: "a/w0"} and d.transfers == ()
+    assert [(b.rank, b.from_version, b.to_version) for b in d.rollbacks] == [(0, 6, 5)]
