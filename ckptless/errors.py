@@ -28,6 +28,21 @@ class ConfigError(CkptlessError, ValueError):
         super().__init__(f"invalid {field}={value!r}: {reason}")
 
 
+class ConfigMismatch(ConfigError):
+    """An agent started with other job-wide settings than its job's (``--replicas``, the script, ...).
+
+    ``diffs``: ``(setting, the job's value, this agent's value)`` for each; the first is the error's
+    field. One line names every one with both values.
+    """
+
+    def __init__(self, diffs: list[tuple[str, object, object]]) -> None:
+        named = " and ".join(f"{k} (this agent: {mine!r}, the job: {job!r})" for k, job, mine in diffs)
+        reason = ("every agent of a job must be started with the same job-wide settings "
+                  '(docs/launcher.md, "Settings every agent must agree on")')
+        self.field, self.value, self.reason, self.diffs = diffs[0][0], diffs[0][2], reason, diffs
+        CkptlessError.__init__(self, f"this agent disagrees with its job on {named}: {reason}")
+
+
 # --- coordination (etcd) -----------------------------------------------------
 class CoordinatorError(CkptlessError):
     """Anything that went wrong talking to the coordination store."""
@@ -79,6 +94,22 @@ class RendezvousClosed(RendezvousError):
 
 class RendezvousLate(RendezvousClosed):
     """This node arrived after the job formed (or beyond --nnodes' maximum): it may serve as spares."""
+
+
+class JobEnded(RendezvousClosed):
+    """The job this agent would join has already ended (its ``status`` record): nothing to join.
+
+    Carries the job's outcome: the launcher exits with ``exit_code`` (0 for a job that succeeded, 1 for
+    one that failed: what the job's own agents exited with), after one line saying so.
+    """
+
+    def __init__(self, message: str, succeeded: bool) -> None:
+        super().__init__(message)
+        self.succeeded = succeeded
+
+    @property
+    def exit_code(self) -> int:
+        return 0 if self.succeeded else 1
 
 
 class StaleGeneration(CkptlessError):

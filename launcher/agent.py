@@ -53,7 +53,7 @@ from ckptless.coordinator.rendezvous import NodeInfo, Rendezvous, RendezvousResu
 from ckptless.coordinator.session import Session
 from ckptless.errors import ConfigError, CoordinatorError
 from ckptless.launcher.mirror_link import LinkCheck
-from ckptless.launcher import completion, devices, follower, refill
+from ckptless.launcher import admission, completion, devices, follower, refill
 from ckptless.launcher.args import LaunchConfig, Std
 from ckptless.launcher.spares import SparePool
 from ckptless.launcher.completion import AgentOutcome
@@ -197,6 +197,11 @@ class NodeAgent:
             client = EtcdClient(etcd_config)
             stack.callback(client.close)
             st.client = client
+            # Before this agent writes anything (its lease, node key, leader campaign): a job that has
+            # ended is reported and left as it is (JobEnded: one line, its outcome as the exit code).
+            relaunch = admission.refuse_if_ended(client, st.keyspace, cfg)
+            if relaunch is not None:
+                print(f"ckptless-run: {relaunch}", file=sys.stderr, flush=True)
             st.session = Session(client, ttl_s=cfg.lease_ttl, name=self.node_id)
             stack.callback(lambda: st.session.close() if st.session is not None else None)
 

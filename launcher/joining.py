@@ -1,5 +1,5 @@
-"""How an agent's node joins its job: the rendezvous, the script's fingerprint, rank offsets, a restart from
-disk, the first membership.
+"""How an agent's node joins its job: the rendezvous (with the job-wide settings every agent must agree on,
+launcher/admission.py), rank offsets, a restart from disk, the first membership.
 
 Why apart from the agent: these are decisions over the launch config, the
 rendezvous result and what etcd or the snapshot directory hold, with no agent
@@ -9,19 +9,18 @@ returns the node's place in the job and generation 0's membership.
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import os
 import sys
 import threading
 import time
 from typing import TYPE_CHECKING
 
-from ckptless.coordinator.client import Compare, EtcdClient, Put
+from ckptless.coordinator.client import EtcdClient
 from ckptless.coordinator.keyspace import Keyspace
-from ckptless.coordinator.rendezvous import NodeInfo, Rendezvous, RendezvousResult, RoundState
+from ckptless.coordinator.rendezvous import NodeInfo, Rendezvous, RendezvousResult, RoundState, check_agreement
 from ckptless.coordinator.session import Session
 from ckptless.errors import ConfigError, RendezvousError, RendezvousLate, RendezvousTimeout
+from ckptless.launcher.admission import job_config, recorded_config, refuse_if_ended
 from ckptless.launcher.args import LaunchConfig
 from ckptless.recovery.decision import Assignment, DiskFallback
 from ckptless.recovery.wire import Membership, membership_from_json
@@ -41,15 +40,14 @@ def join(client: EtcdClient, keyspace: Keyspace, session: Session, me: NodeInfo,
     try:
         result = Rendezvous(client, keyspace, session).join(
             me, cfg.min_nodes, cfg.max_nodes, timeout_s=timeout_s, stop=stopping,
-            last_call_s=float(cfg.rdzv_configs.get("last_call_timeout", 1.0)))
+            last_call_s=float(cfg.rdzv_configs.get("last_call_timeout", 1.0)), config=job_config(cfg))
     except RendezvousLate as exc:
+        refuse_if_ended(client, keyspace, cfg)  # it may have ended since the agent looked (agent.py)
         # The job formed without this node (a scheduler's replacement for a lost node, or one more than
         # --nnodes allows): it serves as spares for whatever rank is or will be lost, never ends the job.
         log.warning("%s: this node serves the job as %d spare(s) (its ranks come from peers when a rank "
                     "is lost, or at once if the job waits for a replacement)", exc, cfg.nproc_per_node + cfg.spares)
         return _as_spares(client, keyspace, session, me, cfg, timeout_s, stopping, late=True)
-    client.txn([Compare(keyspace.fingerprint(result.round), "create", "==", 0)],
-               [Put(keyspace.fingerprint(result.round), script_fingerprint(cfg))])
     log.info("node %s joined round %d as node rank %d of %d (ranks %d..%d of %d)",
              me.node_id, result.round, result.node_rank, result.nnodes, result.rank_offset,
              result.rank_offset + cfg.nproc_per_node - 1, result.world_size)
@@ -109,29 +107,11 @@ def _membership_is_current(client: EtcdClient, keyspace: Keyspace) -> bool:
     return st.state == "closed" and int(rnd.value) == st.round
 
 
-def script_fingerprint(cfg: LaunchConfig) -> str:
-    """What identifies the job's program: the script's bytes (or module name) and its arguments."""
-    h = hashlib.sha256()
-    h.update(f"module={cfg.module} no_python={cfg.no_python}\0{cfg.training_script}\0".encode())
-    if not cfg.module and os.path.isfile(cfg.training_script):
-        with open(cfg.training_script, "rb") as f:
-            h.update(f.read())
-    h.update("\0".join(cfg.training_script_args).encode())
-    return h.hexdigest()
-
-
 def check_fingerprint(client: EtcdClient, keyspace: Keyspace, cfg: LaunchConfig) -> None:
-    """A spare must run the job's script: one started with another script is refused at join."""
-    kv = client.get(keyspace.rdzv_state)
-    if kv is None:
-        return
-    round_ = RoundState.from_bytes(kv.value).round
-    fp = client.get(keyspace.fingerprint(round_))
-    mine = script_fingerprint(cfg)
-    if fp is not None and fp.value.decode() != mine:
-        raise ConfigError("training_script", cfg.training_script,
-                          f"job {cfg.run_id!r} runs a different script or arguments (fingerprint "
-                          f"{fp.value.decode()[:12]}, this node {mine[:12]}): a spare must run the job's script")
+    """A spare node must be started as the job's agents were: the job-wide settings recorded in the round
+    (its script and arguments, --replicas, ...) are compared with its own, and it is refused in one line
+    naming each setting that differs (a spare running another script once took a rank and lost the job)."""
+    check_agreement(recorded_config(client, keyspace), job_config(cfg))
 
 
 def rank_offsets(participants: tuple[NodeInfo, ...]) -> list[tuple[NodeInfo, int]]:

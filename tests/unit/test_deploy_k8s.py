@@ -23,6 +23,7 @@ import yaml
 
 from ckptless.coordinator.config import EtcdConfig
 from ckptless.coordinator.keyspace import ROOT
+from ckptless.launcher.admission import job_config
 from ckptless.launcher.args import parse_args
 
 from ..harness.repo import REPO
@@ -171,6 +172,8 @@ def test_agents_parse_with_ckptless_run_and_agree_on_job_etcd_and_script() -> No
     assert train.max_nodes == job["spec"]["completions"] == job["spec"]["parallelism"]
     assert train.run_id == spare.run_id  # the spares serve this job
     assert (train.training_script, train.training_script_args) == (spare.training_script, spare.training_script_args)
+    # every job-wide setting (launcher/admission.py): a spare node that disagrees is refused at join
+    assert job_config(train) == job_config(spare), (job_config(train), job_config(spare))
     assert spare.nproc_per_node == 0 and spare.spares > 0
 
 
