@@ -87,10 +87,12 @@ def done(st: NodeState) -> int | None:
 
 
 def _record_success(st: NodeState) -> None:
-    """The store's host, the last to leave, records the job's success unless the leader did already (its
-    agent may leave first; and a job without recovery has no leader): an agent started after the job
-    reads it and exits 0 at once (launcher/admission.py) instead of waiting for a round of its own."""
-    if st.status is None and st.membership is not None:
+    """The store's host, the last to leave, records the job's success unless the leader did already (the
+    leader's agent may leave first): an agent started after the job reads it and exits 0 at once
+    (launcher/admission.py) instead of waiting for a round of its own. Only with recovery: a relaunch
+    clears the old run's records only then (recovery/leader.py, write_initial_membership), and a job
+    without recovery would otherwise find its last run's success and end at once."""
+    if st.recovery and st.status is None and st.membership is not None:
         send_status(st, JobStatus("succeeded", f"all {st.membership.world_size} ranks finished"))
 
 
