@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install sysdeps browser demo test test-loaded test-all test-gpu bench-gpu bench clean
+.PHONY: install sysdeps browser demo test test-loaded test-all test-gpu bench-gpu gpu-session bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -67,11 +67,11 @@ test-loaded: $(STAMP)
 test-all: $(STAMP) sysdeps
 	$(PY) -m pytest -q tests
 
-# The GPU checks (issue 19) on a machine with CUDA, results and timings in GPU_OUT: NCCL communicators
+# The GPU checks (issues 19, 36) on a machine with CUDA, results and timings in GPU_OUT: NCCL communicators
 # made and aborted without leaks, the abort path releasing a connect and a spinning kernel, the
 # asynchronous capture and restore bitwise (plain, DDP, FSDP2), the CUDA generator in a new process, a
-# job sharing the GPU killed and recovered bitwise. That machine reaches no index: tools/gpu_wheels.sh
-# fetches what it lacks into .whl/ first, here. Without CUDA every GPU test is skipped (exit 0).
+# job sharing the GPU killed and recovered bitwise, several ranks of real NCCL on the one GPU (NCCL_HOSTID).
+# That machine reaches no index: tools/gpu_wheels.sh fetches what it lacks into .whl/ first, here. Without CUDA every GPU test is skipped (exit 0).
 # `make bench-gpu GPU_OUT=...` is the GPU benchmark (bench/gpu.py, docs/benchmarks.md), the same set-up first.
 GPU_OUT ?= gpu-results
 test-gpu:
@@ -79,6 +79,12 @@ test-gpu:
 
 bench-gpu:
 	tools/bench_gpu.sh $(GPU_OUT)
+
+# One call on a lent GPU machine (issue 36): test-gpu (with several ranks of real NCCL on one GPU,
+# tests/gpu/test_shared_gpu.py) and bench-gpu, each with a deadline, at most 8 files in GPU_OUT for
+# docs/gpu-runs/<date>-<device>/ (about 6 minutes; tools/gpu_session.sh).
+gpu-session:
+	tools/gpu_session.sh $(GPU_OUT)
 
 bench: $(STAMP)
 	$(PY) bench/mirror.py

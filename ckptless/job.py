@@ -270,7 +270,7 @@ def init(env: dict[str, str] | None = None) -> Job:
     # The rank's own GPU is current before anything is built or connected: its communicators, the
     # device an image is restored onto and the CUDA generator saved with the RNG all follow it.
     chosen = None if env is None else environment.ProcessEnv.from_mapping(env).cuda_backend
-    device.bind(ctx.local_rank, ctx.recovery_timeout_s, chosen)
+    device.bind(ctx.local_rank, chosen)
     job = Job(ctx)
     _CURRENT[:] = [job]
     if job.prebuilt:

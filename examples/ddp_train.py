@@ -18,6 +18,8 @@ Options beyond the plain script (for CI and the tests):
                   sharded by the ``resumable(..., rank=, world_size=)`` helper
   --out DIR       write DIR/final_rank<R>.pt at the end: parameters, optimizer
                   state, LR, draws from every RNG stream, data position
+  --device cuda   train on the rank's GPU (``job.device``: ``ckptless.init()`` made it
+                  current), deterministic algorithms on (tests/gpu)
   EXAMPLE_PAUSE=R:S[:where]  (environment; tests only)
                   rank R, about to run step S (``where`` = ``start``, default) or
                   inside that step's backward (``backward``: a hook on the loss,
@@ -68,6 +70,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--loader", choices=("distributed", "shuffle"), default="distributed",
                    help="DistributedSampler(shuffle=True) (default) or a plain DataLoader(shuffle=True)")
     p.add_argument("--out", default="", help="write OUT/final_rank<R>.pt at the end")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: the rank's GPU (job.device)")
     return p.parse_args()
 
 
@@ -78,7 +81,12 @@ def main() -> None:
     random.seed(0)  # every RNG stream seeded: a rerun draws the same numbers
     np.random.seed(0)
     torch.manual_seed(0)
-    model = DDP(build_model(), gradient_as_bucket_view=args.bucket_view)
+    device = job.device if args.device == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.use_deterministic_algorithms(True)  # bitwise reruns (needs CUBLAS_WORKSPACE_CONFIG)
+        model = DDP(build_model().to(device), device_ids=[device], gradient_as_bucket_view=args.bucket_view)
+    else:
+        model = DDP(build_model(), gradient_as_bucket_view=args.bucket_view)
     ds = dataset()
     if args.loader == "distributed":
         sampler = DistributedSampler(ds, shuffle=True, seed=0)
@@ -95,6 +103,7 @@ def main() -> None:
         with job.guard():
             pause.maybe_hold(step, "start")
             x, y = loader.next_batch()
+            x, y = x.to(device), y.to(device)
             loss = nn.functional.cross_entropy(model(x), y)
             pause.arm_backward(step, loss)
             opt.zero_grad()
@@ -118,12 +127,14 @@ def save_final_state(out: str, rank: int, module: nn.Module, opt: torch.optim.Op
     """OUT/final_rank<R>.pt: plain tensors only (``torch.load(..., weights_only=True)``)."""
     pos = loader.state_dict()  # type: ignore[attr-defined]
     final = {
-        "params": {k: v.detach().clone() for k, v in module.state_dict().items()},
-        "optimizer": opt.state_dict(),
+        "params": {k: v.detach().cpu().clone() for k, v in module.state_dict().items()},
+        "optimizer": _to_cpu(opt.state_dict()),
         "lr": torch.tensor(sched.get_last_lr()),  # type: ignore[attr-defined]
         "rng_torch": torch.rand(4),
         "rng_python": torch.tensor([random.random() for _ in range(4)]),
         "rng_numpy": torch.from_numpy(np.random.rand(4)),
+        **({"rng_cuda": torch.rand(4, device="cuda").cpu()} if torch.cuda.is_available() and torch.cuda.is_initialized()
+           else {}),
         "data": torch.tensor([pos["epoch"], pos["index"]]),
         "recoveries": torch.tensor(recoveries),
         "pid": torch.tensor(os.getpid()),  # which process finished this rank (not state: tests drop it)
@@ -131,6 +142,17 @@ def save_final_state(out: str, rank: int, module: nn.Module, opt: torch.optim.Op
     tmp = os.path.join(out, f".final_rank{rank}.pt.tmp")
     torch.save(final, tmp)
     os.replace(tmp, os.path.join(out, f"final_rank{rank}.pt"))
+
+
+def _to_cpu(x: object) -> object:
+    """Tensors on the host, containers recursively (a GPU run's final state loads anywhere)."""
+    if isinstance(x, torch.Tensor):
+        return x.detach().cpu()
+    if isinstance(x, dict):
+        return {k: _to_cpu(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return type(x)(_to_cpu(v) for v in x)
+    return x
 
 
 class PausePoint:

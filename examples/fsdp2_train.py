@@ -14,6 +14,8 @@ Options beyond the plain script (for CI and the tests):
   --hsdp R        HSDP: a (R, world / R) mesh, replicate x shard; each parameter and
                   optimizer shard is then held by R ranks, and ckptless recovers a lost
                   one from a live replica instead of mirroring it (docs/state.md)
+  --device cuda   train on the rank's GPU (``job.device``), a CUDA mesh, deterministic
+                  algorithms on (tests/gpu)
   --out DIR       write DIR/final_rank<R>.pt at the end: this rank's parameter
                   shards, optimizer state (local shards), LR, draws from every RNG
                   stream, data position
@@ -87,6 +89,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--steps", type=int, default=0, help="train this many steps (0: --epochs full epochs)")
     p.add_argument("--out", default="", help="write OUT/final_rank<R>.pt at the end")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: the rank's GPU (job.device)")
     p.add_argument("--hsdp", type=int, default=1, help="HSDP: this many replicas of a sharded model (a 2-D mesh)")
     return p.parse_args()
 
@@ -95,13 +98,16 @@ def main() -> None:
     args = parse_args()
     job = ckptless.init()  # creates the default process group
     rank, world = dist.get_rank(), dist.get_world_size()
-    mesh = init_device_mesh("cpu", (world,))
+    device = job.device if args.device == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.use_deterministic_algorithms(True)  # bitwise reruns (needs CUBLAS_WORKSPACE_CONFIG)
+    mesh = init_device_mesh(device.type, (world,))
     if args.hsdp > 1:  # HSDP: replicate x shard (each shard held by --hsdp ranks, recovered from them)
-        mesh = init_device_mesh("cpu", (args.hsdp, world // args.hsdp), mesh_dim_names=("replicate", "shard"))
+        mesh = init_device_mesh(device.type, (args.hsdp, world // args.hsdp), mesh_dim_names=("replicate", "shard"))
     random.seed(0)  # every RNG stream seeded: a rerun draws the same numbers
     np.random.seed(0)
     torch.manual_seed(0)
-    model = MLP()
+    model = MLP().to(device)
     for block in model.blocks:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
@@ -118,6 +124,7 @@ def main() -> None:
         with job.guard():
             pause.maybe_hold(step, "start")
             x, y = loader.next_batch()
+            x, y = x.to(device), y.to(device)
             loss = nn.functional.cross_entropy(model(x), y)
             pause.arm_backward(step, loss)
             opt.zero_grad()
@@ -139,9 +146,9 @@ def main() -> None:
 def _local(x: Any) -> Any:
     """DTensors as this rank's local shard; containers recursively; tensors cloned."""
     if isinstance(x, DTensor):
-        return x.to_local().detach().clone()
+        return x.to_local().detach().cpu().clone()
     if isinstance(x, torch.Tensor):
-        return x.detach().clone()
+        return x.detach().cpu().clone()
     if isinstance(x, dict):
         return {k: _local(v) for k, v in x.items()}
     if isinstance(x, (list, tuple)):
@@ -160,6 +167,8 @@ def save_final_state(out: str, rank: int, module: nn.Module, opt: torch.optim.Op
         "rng_torch": torch.rand(4),
         "rng_python": torch.tensor([random.random() for _ in range(4)]),
         "rng_numpy": torch.from_numpy(np.random.rand(4)),
+        **({"rng_cuda": torch.rand(4, device="cuda").cpu()} if torch.cuda.is_available() and torch.cuda.is_initialized()
+           else {}),
         "data": torch.tensor([pos["epoch"], pos["index"]]),
         "recoveries": torch.tensor(recoveries),
         "pid": torch.tensor(os.getpid()),  # which process finished this rank (not state: tests drop it)

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 
 from ckptless.errors import ConfigError
 from ckptless.launcher.devices import device_env
+from ckptless.worker import nccl_env
 
 if TYPE_CHECKING:  # only for a type annotation; args.py has no side effects anyway
     from ckptless.launcher.args import LaunchConfig
@@ -87,17 +88,14 @@ class WorkerLayout:
                    run_id=run_id, **kw)  # type: ignore[arg-type]
 
 
-def nccl_error_handling(parent_env: Mapping[str, str]) -> str:
-    """torch's NCCL error mode for the workers: 2 (abort the communicator, keep the process), where
-    torchrun gives 1 (tear the process down). Why: a survivor of a failure holds its peers' replicas;
-    ckptless aborts a broken generation itself (ckptless/worker/abort.py), torch's watchdog stays the
-    backstop at the collective timeout. A parent value of 0 or 2 is kept; 1 or 3 is refused."""
-    value = parent_env.get("TORCH_NCCL_ASYNC_ERROR_HANDLING") or "2"
-    if value.strip() not in ("0", "2"):
-        raise ConfigError("TORCH_NCCL_ASYNC_ERROR_HANDLING", value,
-                          "must be 2 (abort the communicator, keep the process; the default) or 0 under "
-                          "ckptless-run: 1 and 3 tear down the survivors of a failure and the replicas they hold")
-    return value.strip()
+def nccl_settings(parent_env: Mapping[str, str]) -> dict[str, str]:
+    """torch's NCCL settings for the workers (:mod:`ckptless.worker.nccl_env`): error mode 2 (abort the
+    communicator, keep the process) where torchrun gives 1 (tear the process down), torch's dump-and-kill
+    monitor off, the watchdog's post-error sleep short. Why: a survivor of a failure holds its peers'
+    replicas, and a replacement must not be ended by a failure that came before it; ckptless aborts a
+    broken generation itself (ckptless/worker/abort.py). The user's values are kept where set; one
+    that lets torch end a survivor or a replacement is refused (ConfigError, exit 2 at launch)."""
+    return nccl_env.for_workers(parent_env)
 
 
 def torchrun_env(layout: WorkerLayout, local_rank: int, parent_env: Mapping[str, str],
@@ -129,7 +127,7 @@ def torchrun_env(layout: WorkerLayout, local_rank: int, parent_env: Mapping[str,
         "TORCHELASTIC_MAX_RESTARTS": str(layout.max_restarts),
         "TORCHELASTIC_RUN_ID": layout.run_id,
         "TORCHELASTIC_USE_AGENT_STORE": str(layout.use_agent_store),  # "True"/"False", as torchrun
-        "TORCH_NCCL_ASYNC_ERROR_HANDLING": nccl_error_handling(parent_env),
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": nccl_settings(parent_env)["TORCH_NCCL_ASYNC_ERROR_HANDLING"],
         "TORCHELASTIC_ERROR_FILE": error_file or "",
         # torchrun's launch_agent puts this in its own environment; workers inherit it.
         "TORCHELASTIC_SIGNALS_TO_HANDLE": layout.signals_to_handle,
@@ -174,6 +172,7 @@ def worker_env(layout: WorkerLayout, local_rank: int, parent_env: Mapping[str, s
     """
     env = dict(parent_env)
     env.update(torchrun_env(layout, local_rank, parent_env, error_file))
+    env.update(nccl_settings(parent_env))  # beyond torchrun's: torch's NCCL machinery must spare a recovery
     for key, value in (ckptless_env or {}).items():
         if not key.startswith(CKPTLESS_PREFIX):
             raise ConfigError("ckptless_env", key, f"must start with {CKPTLESS_PREFIX}")

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# `make test-gpu GPU_OUT=DIR`: the GPU checks of issue 19, results and timings in DIR.
+# `make test-gpu GPU_OUT=DIR`: the GPU checks (issues 19 and 36), results and timings in DIR.
 #
 # On a machine with CUDA: tools/gpu_setup.sh makes ckptless importable by the machine's own Python
 # (no index there), then the tests in tests/gpu and the CUDA cases of the unit suite run, with JUnit
@@ -13,7 +13,11 @@ if [ "$cuda" = 0 ]; then
   exec "$base" -m pytest -q -p no:cacheprovider "${tests[@]}"
 fi
 py=$(tools/gpu_setup.sh "$base" 2> >(tee "$out/setup.log" >&2))
+# pytest-xdist (in that machine's image): the cases run 4 at a time, those that share a module fixture (a
+# fault-free run) on one worker (--dist loadgroup); the machine has 16 cores and the device time is short.
+par=()
+if "$py" -c 'import xdist' 2>/dev/null; then par=(-n 4 --dist loadgroup); fi
 set +e
-PYTHONUNBUFFERED=1 CKPTLESS_GPU_OUT="$out" "$py" -m pytest -q -p no:cacheprovider "${tests[@]}" \
+PYTHONUNBUFFERED=1 CKPTLESS_GPU_OUT="$out" "$py" -m pytest -q -p no:cacheprovider "${par[@]}" "${tests[@]}" \
   --junitxml "$out/junit.xml" --durations=0 2>&1 | tee "$out/pytest.log"
 exit "${PIPESTATUS[0]}"

@@ -56,6 +56,9 @@ class EventKind(str, Enum):
     # An agent measured the link its mirrors use (node-level marker); attrs: node, interface, address,
     # chosen_by, peer, bits_per_s (0: not measured), error.
     MIRROR_LINK = "mirror_link"
+    # A survivor finished leaving a broken generation (marker, right before its report to the leader);
+    # attrs: seconds (from its failure_detected: what leaving cost its training thread).
+    GENERATION_LEFT = "generation_left"
 
 
 class LedgerFormatError(ConfigError):

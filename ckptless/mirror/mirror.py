@@ -328,17 +328,18 @@ class MirrorEngine(OwnerPool):
     def thread_alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
-    def release_group(self) -> bool:
-        """Drop the engine's references to its mirror group (a retired engine whose thread ended);
-        returns True if it held one.
+    def release_group(self) -> dist.ProcessGroup | None:
+        """Give up the engine's references to its mirror group (a retired engine whose thread ended);
+        returns the group, for the caller to drop off the training thread (its destructor joins Gloo's
+        threads, which may wait on a dead peer until the timeout), or None if it held none.
 
         Why: its Gloo device keeps a listener and threads open while the group lives (one listener
         more per recovery, docs/scale.md). Why only now: freeing a group while the engine's thread is
         in a Gloo call on it aborts the process; once the thread ended, none of ours is on it."""
-        held = self.group is not None
+        group = self.group
         self.group = None  # type: ignore[assignment]  # retired: no method of this engine uses it again
         self.transport.group = None  # type: ignore[assignment]
-        return held
+        return group
 
     def join(self, timeout: float) -> None:
         if self._thread is not None:

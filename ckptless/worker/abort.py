@@ -37,7 +37,7 @@ import logging
 import queue
 import threading
 
-from ckptless.worker import groups, rebindable, sockets
+from ckptless.worker import forming, groups, rebindable, sockets
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +56,7 @@ def abort_now(generation: int, why: str) -> int:
         _aborted.add(generation)
     sockets.shutdown(generation)
     n = sum(g.abort(generation) for g in groups.groups())
-    n += rebindable.abort_forming(generation)  # also those still connecting (a formation in progress)
+    n += forming.abort(generation)  # also those still connecting (a formation in progress)
     if first:
         log.info("generation %d aborted (%s): %d backend(s) aborted, connections shut down", generation, why, n)
     return n

@@ -71,13 +71,10 @@ def choose(local_rank: int, n_gpus: int, backend: CudaBackend) -> int | None:
     return local_rank
 
 
-def bind(local_rank: int, formation_timeout_s: float, chosen: CudaBackend | None = None) -> torch.device | None:
+def bind(local_rank: int, chosen: CudaBackend | None = None) -> torch.device | None:
     """Make the rank's GPU current and every thread's home (``state.devices``), once per process;
-    returns it, or None for a job without CUDA.
-
-    ``TORCH_NCCL_NONBLOCKING_TIMEOUT`` (unless the user set it) becomes ``formation_timeout_s``: it is
-    how long torch waits for a non-blocking NCCL init, hence how long aborting one can block; torch's
-    default is 30 minutes."""
+    returns it, or None for a job without CUDA. (torch's NCCL settings, ``TORCH_NCCL_NONBLOCKING_TIMEOUT``
+    among them, are given by :mod:`ckptless.worker.nccl_env` before the first communicator.)"""
     backend = cuda_backend(chosen)
     n = torch.cuda.device_count() if backend != "none" else 0
     index = choose(local_rank, n, backend)
@@ -90,8 +87,6 @@ def bind(local_rank: int, formation_timeout_s: float, chosen: CudaBackend | None
     torch.cuda.set_device(dev)
     _bound["device"] = dev
     devices.set_home(dev)
-    if backend == "nccl":
-        environment.set_default("TORCH_NCCL_NONBLOCKING_TIMEOUT", str(max(1, int(formation_timeout_s))))
     log.info("rank's GPU: %s (CUDA collectives: %s)", dev, backend)
     return dev
 

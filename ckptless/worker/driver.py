@@ -32,8 +32,8 @@ from ckptless.recovery.decision import Assignment
 from ckptless.recovery.wire import Membership
 from ckptless.state import host_memory
 from ckptless.state.digest import write_digest
-from ckptless.worker import (abort, actions, ahead, deferral, exit_file, exit_guard, groups, hosted, rank_reads,
-                             training)
+from ckptless.worker import (abort, actions, ahead, deferral, exit_file, exit_guard, groups, hosted, nccl_env,
+                             rank_reads, training)
 from ckptless.worker.context import WorkerContext
 from ckptless.worker.faults import device_failure, is_fault
 from ckptless.worker.generation import Generation
@@ -60,16 +60,6 @@ log = logging.getLogger(__name__)
 SPARE_WAIT_S = 7 * 86400.0  # a warm spare waits for a rank as long as the job lives
 
 
-def _check_nccl_error_mode(mode: int | None) -> None:
-    """torch's NCCL watchdog must not tear a survivor down (and every replica it holds with it):
-    ckptless aborts a broken generation's communicators itself and keeps the process."""
-    if mode in (1, 3):
-        raise ConfigError("TORCH_NCCL_ASYNC_ERROR_HANDLING", mode,
-                          "tears the process down when a collective times out, which kills the survivors of a "
-                          "failure with the replicas they hold: use 2 (abort the communicator, keep the process; "
-                          "ckptless-run's default) or 0, or unset it")
-
-
 class WorkerDriver:
     """Holds the machine's state and the runtime; runs actions until told to pause or the end."""
 
@@ -77,7 +67,8 @@ class WorkerDriver:
         exit_guard.install()
         self.rt = WorkerRuntime(ctx, mirror_config, heartbeat_file)
         if self.rt.recovery:
-            _check_nccl_error_mode(environment.current().nccl_error_handling)
+            # torch's NCCL machinery must not end a survivor or a replacement: before any communicator exists
+            nccl_env.apply(ctx.recovery_timeout_s)
             abort.install()  # a collective that fails ends its generation's communicators at once
         # A survivor awaits the next generation while the leader may wait for a replacement node
         # (--replacement-timeout) and then plans it: it must not give up first.

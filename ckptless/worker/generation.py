@@ -11,7 +11,6 @@ the driver's :class:`~ckptless.worker.runtime.WorkerRuntime`, not here.
 
 from __future__ import annotations
 
-import gc
 import logging
 from collections.abc import Collection
 from dataclasses import dataclass
@@ -26,7 +25,7 @@ from ckptless.recovery.decision import Decision
 from ckptless.recovery.transfer import Received
 from ckptless.recovery.wire import Membership
 from ckptless.state.capture import StateImage
-from ckptless.worker import exit_guard, groups
+from ckptless.worker import exit_guard, groups, reaper
 from ckptless.worker.mirror_peers import node_of
 
 log = logging.getLogger(__name__)
@@ -65,17 +64,21 @@ def retired_engines_left() -> bool:
 
 def release_retired_buffers() -> int:
     """Release what retired engines whose thread has ended still hold (pool, group) and forget them;
-    returns how many are still running."""
-    running, dropped = 0, False
+    returns how many are still running. Their mirror groups go to the reaper (their destructors
+    join Gloo's threads, which may wait on a dead peer: never on the training thread)."""
+    running = 0
+    dropped: list[object] = []
     for engine in list(_RETIRED_ENGINES):
         if engine.thread_alive():
             running += 1
             continue
         engine.release_pool()
-        dropped = engine.release_group() or dropped
+        group = engine.release_group()
+        if group is not None:
+            dropped.append(group)
         _RETIRED_ENGINES.remove(engine)
     if dropped:
-        gc.collect()  # Work objects in reference cycles keep a Gloo context (its listener) alive
+        reaper.drop("retired mirror groups", dropped)
     return running
 
 

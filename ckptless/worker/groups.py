@@ -21,7 +21,6 @@ started for) and is covered by the exit guard.
 
 from __future__ import annotations
 
-import gc
 import logging
 import threading
 import time
@@ -32,10 +31,11 @@ from typing import Any, cast
 
 import torch.distributed as dist
 
+from ckptless import chaos_hooks
 from ckptless.errors import ConfigError, TransportError
 from ckptless.mirror import agreement
 from ckptless.mirror.transport import Deadline
-from ckptless.worker import exit_guard, gloo_peers, rebindable, sockets
+from ckptless.worker import exit_guard, forming, gloo_peers, reaper, sockets
 from ckptless.worker.rebindable import PLUGIN, RebindableGroup, new_gloo
 
 log = logging.getLogger(__name__)
@@ -64,7 +64,7 @@ def _creator(opts: Any, _backend_opts: Any) -> RebindableGroup:
         # A live rank creating a subgroup (every member calls new_group): connect it now.
         with sockets.recording(generation):
             inner, backends = g.build(store, generation)
-        g.install(generation, inner, backends)
+        reaper.drop(f"group {g.group_name} rebound", g.install(generation, inner, backends))
     return g
 
 
@@ -231,7 +231,7 @@ def _abortable(fn: Callable[[], Any], generation: int, deadline: float, abort: A
     except FormationAborted:
         # The helper may be inside a connect or its check: abort what it built (NCCL: ncclCommAbort
         # ends a non-blocking init in progress); Gloo's connects end with their peers' sockets.
-        rebindable.abort_forming(generation)
+        forming.abort(generation)
         raise
     if error:
         raise TransportError(f"forming generation {generation} failed: {error[0]}") from error[0]
@@ -284,6 +284,7 @@ def bind_all(store: dist.Store, generation: int, rank: int, world_size: int, tim
     if physical is not None:
         rank, world_size = physical
     arrive(store, generation, world_size, deadline, abort)
+    chaos_hooks.pause_point(f"bind:r{rank}:g{generation}", rank=rank, generation=generation)  # (chaos runs only)
     todo = groups()
     with _lock:
         early = _early_mirror.pop(generation, None)
@@ -298,21 +299,26 @@ def bind_all(store: dist.Store, generation: int, rank: int, world_size: int, tim
         return built, mirror
 
     built, mirror = _abortable(build, generation, deadline, abort, "bind")
+    old: list[Any] = []
     for g, inner, backends in built:
-        g.install(generation, inner, backends)
+        old.extend(g.install(generation, inner, backends))
+    if old:  # normally nothing: the previous generation was released when it was left
+        reaper.drop(f"generation {generation - 1} (rebound)", old)
     with _lock:
         _live.update(store=store, generation=generation)
     return cast(dist.ProcessGroup, mirror)
 
 
-def release_all(generation: int | None = None) -> None:
-    """Drop every group's communicator at once (peers blocked on us fail promptly).
+def release_all(generation: int | None = None) -> reaper.Release:
+    """Unbind every group from its communicator at once (peers blocked on us fail promptly) and hand
+    the communicators to the reaper; returns without waiting for their destructors.
 
     The connections of ``generation`` (default: the bound one) and older are shut down first
     (:mod:`ckptless.worker.sockets`): closing alone sends nothing while a forked child (a
-    DataLoader worker) holds a copy of a socket. Must run *outside* an ``except`` block: a
-    live traceback keeps the failed call's frames, hence its Work and the communicator's
-    sockets, alive.
+    DataLoader worker) holds a copy of a socket, and the destructors, which would close them,
+    may not return for a collective timeout (:mod:`ckptless.worker.reaper`). Must run *outside*
+    an ``except`` block: a live traceback keeps the failed call's frames, hence its Work and
+    the communicator's sockets, alive.
     """
     with _lock:
         bound = _live["generation"]
@@ -320,20 +326,26 @@ def release_all(generation: int | None = None) -> None:
     ending = generation if generation is not None else bound
     if ending is not None:
         sockets.shutdown(ending)
+    old: list[Any] = []
     for g in groups():
-        g.release()
+        old.extend(g.release())
     if ending is not None:
-        rebindable.forget_forming(ending)
+        old.extend(forming.forget(ending))
         gloo_peers.forget(ending)
-    gc.collect()  # Work objects in reference cycles keep a Gloo context (its sockets) alive
+    return reaper.drop(f"generation {ending}", old)
 
 
 def collective_failed(generation: int, settle_s: float = 0.5) -> bool:
-    """Did a collective of ``generation`` fail? (Waits briefly for callbacks of completed futures.)"""
+    """Did a collective of ``generation`` fail? (Waits briefly for callbacks of completed futures.)
+
+    Also true when torch's own watchdog saw a failure of one of its communicators (``get_error``):
+    in error mode 2 it aborts the communicator by itself, after which the works ``wait()`` on
+    report success with garbage in their tensors, and no future fails (measured rule, torch 2.13
+    ``ProcessGroupNCCL.cpp`` S2:644-649, 857-926): a step that ran on it must never be protected."""
     end = time.monotonic() + settle_s
     while True:
         gs = groups()
-        if any(g.broken_generation == generation for g in gs):
+        if any(g.broken_generation == generation or g.backend_error(generation) is not None for g in gs):
             return True
         pending_done = False
         for g in gs:

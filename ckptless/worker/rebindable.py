@@ -35,7 +35,7 @@ CUDA tensors (:mod:`ckptless.worker.device` decides the backend): with NCCL,
 and checked, inside the abortable formation (:mod:`ckptless.worker.nccl`;
 not run on several GPUs); with ``CKPTLESS_CUDA_BACKEND=gloo`` the same Gloo
 backend takes CUDA tensors. A backend being formed is reachable by
-:func:`abort_forming` before it is installed, so an abandoned formation ends
+:func:`ckptless.worker.forming.abort` before it is installed, so an abandoned formation ends
 a connect in progress instead of leaving it to NCCL's timeout.
 """
 
@@ -49,76 +49,18 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch._C._distributed_c10d as _c10d
 from torch._C._distributed_c10d import _create_work_from_future
 
 from ckptless import environment
 from ckptless.errors import CollectiveError, ConfigError
-from ckptless.worker import device, gloo_peers, nccl
+from ckptless.worker import device, forming, gloo_peers, nccl
 
 GLOO = dist.ProcessGroup.BackendType.GLOO
 PLUGIN = "ckptless"
 
 log = logging.getLogger(__name__)
 _broken_listeners: list[Callable[[int], None]] = []
-_forming: dict[int, list[Any]] = {}  # generation -> its non-Gloo backends built so far (installed or not)
-_aborted: dict[int, Any] = {}  # id() -> backend, those aborted so far (each once; held, so no id is reused)
-_aborted_generations: set[int] = set()  # a backend built for one of these later is aborted as it is made
-_forming_lock = threading.Lock()
-
-
-def _claim_abort(backend: Any) -> bool:
-    """True the first time ``backend`` is to be aborted (a backend is aborted once, by whoever is first)."""
-    with _forming_lock:
-        if id(backend) in _aborted:
-            return False
-        _aborted[id(backend)] = backend
-        return True
-
-
-def _forming_add(generation: int, backend: Any) -> None:
-    with _forming_lock:
-        _forming.setdefault(generation, []).append(backend)
-        late = generation in _aborted_generations
-    if late:  # the formation's helper built it after the generation was given up: end it at once
-        _abort_async(backend, generation)
-
-
-def _abort_async(backend: Any, generation: int) -> bool:
-    """``backend.abort()`` on a thread of its own (once per backend); False if it was aborted already.
-
-    Why not on the caller's thread: ProcessGroupNCCL's abort waits for a non-blocking init still in
-    progress (the communicator's lock is held while torch waits for it to be ready, up to
-    ``TORCH_NCCL_NONBLOCKING_TIMEOUT``, which ``ckptless.init()`` bounds), and the callers (the
-    aborter thread, the driver abandoning a formation) must not wait on that."""
-    if not _claim_abort(backend):
-        return False
-
-    def run() -> None:
-        try:
-            backend.abort()
-        except Exception:  # noqa: BLE001 - one backend's failed abort must not stop the others'
-            log.warning("aborting a %s of generation %d failed", type(backend).__name__, generation, exc_info=True)
-
-    threading.Thread(target=run, name=f"ckptless-abort-g{generation}", daemon=True).start()
-    return True
-
-
-def abort_forming(generation: int) -> int:
-    """Abort every non-Gloo backend built for ``generation`` so far, installed or still connecting (an
-    abandoned formation's helper thread may be inside an NCCL init or its check); returns how many."""
-    with _forming_lock:
-        _aborted_generations.add(generation)
-        backends = list(_forming.get(generation, ()))
-    return sum(_abort_async(b, generation) for b in backends)
-
-
-def forget_forming(upto: int) -> None:
-    """Drop the references to backends of generations up to ``upto`` (they were released)."""
-    with _forming_lock:
-        for g in [g for g in _forming if g <= upto]:
-            for b in _forming.pop(g):
-                _aborted.pop(id(b), None)
-        _aborted_generations.difference_update([g for g in _aborted_generations if g <= upto])
 
 
 def on_broken(listener: Callable[[int], None]) -> None:
@@ -298,7 +240,7 @@ class RebindableGroup(dist.ProcessGroup):
     def abort(self, generation: int) -> int:
         """Abort the backends of ``generation`` that need an explicit abort to end a blocked
         collective (NCCL: ``ncclCommAbort``; not Gloo, whose connections ``sockets.shutdown`` ends);
-        returns how many aborts it started (each on a thread of its own: :func:`_abort_async`). Called
+        returns how many aborts it started (each on a thread of its own: :func:`ckptless.worker.forming.abort_async`). Called
         from a thread other than the one blocked (worker/abort.py); the communicators stay referenced
         until :meth:`release`."""
         with self.lock:
@@ -307,7 +249,25 @@ class RebindableGroup(dist.ProcessGroup):
             if self.broken_generation is None or generation > self.broken_generation:
                 self.broken_generation = generation
             backends = [b for b in self._backends if not isinstance(b, dist.ProcessGroupGloo)]
-        return sum(_abort_async(b, generation) for b in backends)
+        return sum(forming.abort_async(b, generation) for b in backends)
+
+    def backend_error(self, generation: int) -> str | None:
+        """What torch's own machinery saw go wrong with a backend of ``generation`` (``Backend.get_error``:
+        TIMEOUT, COMM_ERROR, REMOTE_ERROR), or None. Gloo does not track it (raises: skipped). O(backends)."""
+        with self.lock:
+            if self.generation != generation:
+                return None
+            backends = [b for b in self._backends if not isinstance(b, dist.ProcessGroupGloo)]
+        success = getattr(_c10d, "ErrorType", None)
+        for b in backends:
+            try:
+                error = b.get_error()
+            except (AttributeError, RuntimeError):  # no such API (an older torch), or a backend without it
+                continue
+            if success is not None and error != success.SUCCESS:
+                self.mark_broken(generation)
+                return str(error)
+        return None
 
     def build(self, store: dist.Store, generation: int,
               physical: tuple[int, int] | None = None) -> tuple[dist.ProcessGroup, list[Any]]:
@@ -320,7 +280,7 @@ class RebindableGroup(dist.ProcessGroup):
         cpu_backend = environment.current().cpu_backend
         if cpu_backend != "gloo":
             group = self._build_plugin(cpu_backend, prefix, rank, size)
-            _forming_add(generation, group)
+            forming.add(generation, group)
             nccl.connect(group, torch.device("cpu"))  # a lazy backend connects here, not in the first step
             nccl.check_members(group, torch.device("cpu"), size, what, self.timeout.total_seconds())
             return group, [group]
@@ -334,7 +294,7 @@ class RebindableGroup(dist.ProcessGroup):
         gpu, mode = device.bound(), device.bound_backend()
         if gpu is not None and mode == "nccl":  # not run on several GPUs (docs/architecture.md, "GPU path")
             backend = nccl.build(prefix, rank, size, self.timeout, self._name, self.global_ranks,
-                                 gpu, on_created=lambda b: _forming_add(generation, b))
+                                 gpu, on_created=lambda b: forming.add(generation, b))
             nccl.check_members(backend, gpu, size, what, self.timeout.total_seconds())
             inner._register_backend(torch.device("cuda"), nccl.NCCL, backend)
             backends.append(backend)
@@ -355,25 +315,31 @@ class RebindableGroup(dist.ProcessGroup):
         opts.timeout, opts.group_id, opts.global_ranks_in_group = self.timeout, self._name, self.global_ranks
         return plugin.creator_fn(opts, None)
 
-    def install(self, generation: int, inner: dist.ProcessGroup, backends: list[Any]) -> None:
+    def install(self, generation: int, inner: dist.ProcessGroup, backends: list[Any]) -> list[Any]:
+        """Bind ``generation``'s communicator; returns what was bound before (normally nothing: the
+        previous generation was released), for the caller to hand to the reaper."""
         with self.lock:
-            old = (self._inner, self._backends)
+            old = [x for x in (self._inner, *self._backends) if x is not None]
             self._inner, self._backends, self.generation = inner, backends, generation
             self.broken_generation = None
-        del old  # outside the lock (see release)
+        return old
 
-    def release(self) -> None:
-        """Drop this generation's communicator. Measured: Gloo's abort()/shutdown() do not close its
-        sockets; dropping the last reference does, so peers blocked on it fail at once.
+    def release(self) -> list[Any]:
+        """Unbind this generation's communicator; returns the references this group held (the inner
+        group, its backends, pending futures) for the caller to drop *off the training thread*
+        (:mod:`ckptless.worker.reaper`): the backend's destructor joins its worker threads, which can
+        sit on a dead peer until the collective timeout (Gloo) or behind torch's watchdog (NCCL).
 
-        The references are dropped *outside* the lock: the backend's destructor joins its worker
-        threads, and one of them may be running a done-callback that takes this lock (a deadlock
-        seen here in 3 of 5 runs before this was so)."""
+        The references leave the lock with the caller: one of the backend's threads may be running a
+        done-callback that takes this lock (a deadlock seen here in 3 of 5 runs before this was so).
+        Gloo's abort()/shutdown() do not close its sockets (measured); ``sockets.shutdown`` ends its
+        connections before this is called, so peers are released whether or not the destructor returns."""
         with self.lock:
-            old = (self._inner, self._backends, list(self.pending.values()))
+            old: list[Any] = [x for x in (self._inner, *self._backends) if x is not None]
+            old.extend(self.pending.values())
             self._inner, self._backends, self.generation = None, [], None
             self.pending.clear()
-        del old
+        return old
 
     def set_local_only(self, on: bool) -> None:
         self._local_only += 1 if on else -1

@@ -183,6 +183,9 @@ STUCK_DUMP_S = 30.0
 
 
 def leave(rt: WorkerRuntime, a: LeaveGroups) -> Event:
+    """Leave the failed generation: unbind its groups (their communicators are torn down off this thread:
+    ``worker/reaper.py``), keep the own images, reset per-iteration state; then the machine reports."""
+    started = time.monotonic()
     rt.ledger.emit(EventKind.FAILURE_DETECTED, generation=a.generation, reason=a.reason[:200])
     log.warning("rank %d: leaving generation %d: %s", rt.rank, a.generation, a.reason)
     faulthandler.dump_traceback_later(STUCK_DUMP_S, exit=False)
@@ -208,7 +211,9 @@ def leave(rt: WorkerRuntime, a: LeaveGroups) -> Event:
     reset = rt.registry.reset_after_failure()
     if reset:
         log.info("rank %d: reset FSDP2 state of %s after the failure", rt.rank, reset)
-    return Left(time.monotonic())
+    now = time.monotonic()
+    rt.ledger.emit(EventKind.GENERATION_LEFT, generation=a.generation, seconds=round(now - started, 4))
+    return Left(now)
 
 
 def report(rt: WorkerRuntime, a: Report) -> Event:

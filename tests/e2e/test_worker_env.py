@@ -13,6 +13,7 @@ from ckptless.launcher import worker_env as W
 from ckptless.launcher.args import parse_args
 
 from ckptless.errors import ConfigError
+from ckptless.worker import nccl_env
 
 from ..harness.repo import SCRIPTS
 
@@ -169,7 +170,10 @@ def test_same_environment_as_real_torchrun(tmp_path: Path, variant: str) -> None
                                         master_port=int(theirs["MASTER_PORT"]),
                                         run_id=theirs["TORCHELASTIC_RUN_ID"], **kw)
         ours = W.worker_env(layout, local_rank, parent, error_file=f"/elsewhere/attempt_0/{local_rank}/error.json")
-        assert set(theirs) == set(ours), set(theirs) ^ set(ours)
+        # Beyond torchrun's: torch's NCCL settings that keep a recovery's processes alive (worker/nccl_env.py).
+        added = {s.name for s in nccl_env.SETTINGS} - set(parent) - {"TORCH_NCCL_ASYNC_ERROR_HANDLING"}
+        assert set(theirs) == set(ours) - added, set(theirs) ^ (set(ours) - added)
+        assert all(ours[k] == s.value for s in nccl_env.SETTINGS if (k := s.name) in added)
         for key in set(theirs) - VOLATILE - {"TORCH_NCCL_ASYNC_ERROR_HANDLING"}:
             assert theirs[key] == ours[key], key
         # The one deliberate difference: torchrun's default 1 tears a failure's survivors down; ours is 2.

@@ -27,10 +27,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA (make test-gpu on a GPU machine)")
-    emulated = bool(os.environ.get("TEST_MULTI_GPU_ON_CPU"))  # test_multi_gpu.py's own check on CPU
+    emulated = {"/test_multi_gpu.py": bool(os.environ.get("TEST_MULTI_GPU_ON_CPU")),  # their own checks on CPU
+                "/test_shared_gpu.py": bool(os.environ.get("TEST_SHARED_GPU_ON_CPU"))}
     for item in items:
         path = str(item.fspath).replace(os.sep, "/")
-        if "tests/gpu/" in path and not (emulated and path.endswith("/test_multi_gpu.py")):
+        if "tests/gpu/" in path and not any(on and path.endswith(name) for name, on in emulated.items()):
             item.add_marker(skip)
 
 

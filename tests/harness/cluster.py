@@ -356,3 +356,15 @@ def left_after_incident(goodput: Path, survivors: set[int]) -> dict[int, float]:
         assert left, f"survivor rank {r} never left generation 0"
         out[r] = float(left[0]["t_wall"]) - t0  # type: ignore[arg-type]
     return out
+
+
+def reformed_after(goodput: Path, ranks: set[int], generation: int, t_wall: float) -> dict[int, float]:
+    """Seconds from ``t_wall`` (a wall time, one host) to each rank's ``groups_reformed`` of ``generation``."""
+    out = {}
+    for r in ranks:
+        done = [e for e in _events(goodput / f"rank{r}.jsonl")
+                if e["kind"] == "groups_reformed" and e["generation"] == generation]
+        assert done, f"rank {r} never formed generation {generation}"
+        out[r] = float(done[0]["t_wall"]) - t_wall  # type: ignore[arg-type]
+    return out
+

@@ -13,8 +13,7 @@ import pytest
 
 from ckptless import environment
 from ckptless.errors import ConfigError
-from ckptless.worker import abort, groups, rebindable
-from ckptless.worker.driver import _check_nccl_error_mode
+from ckptless.worker import abort, forming, groups, nccl_env, rebindable
 from ckptless.worker.rebindable import RebindableGroup
 
 
@@ -75,15 +74,15 @@ class SlowNccl(FakeNccl):
 
 def test_a_blocking_abort_holds_up_nobody_and_a_late_backend_is_aborted_as_it_is_made() -> None:
     slow, late = SlowNccl(), FakeNccl()
-    rebindable._forming_add(41, slow)
-    assert rebindable.abort_forming(41) == 1  # returns at once: the abort runs on its own thread
+    forming.add(41, slow)
+    assert forming.abort(41) == 1  # returns at once: the abort runs on its own thread
     assert not slow.done.is_set()
-    rebindable._forming_add(41, late)  # the formation's helper built one more after the give-up
+    forming.add(41, late)  # the formation's helper built one more after the give-up
     assert late.done.wait(5), "a backend made for an aborted generation was not aborted"
     slow.release.set()
     assert slow.done.wait(5)
-    rebindable.forget_forming(41)
-    assert 41 not in rebindable._aborted_generations
+    forming.forget(41)
+    assert 41 not in forming._aborted_generations
 
 
 def test_broken_listeners_hear_each_generation_once(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -98,18 +97,38 @@ def test_broken_listeners_hear_each_generation_once(monkeypatch: pytest.MonkeyPa
     assert heard == [1, 2]
 
 
-@pytest.mark.parametrize("mode", [1, 3])
-def test_a_worker_refuses_an_nccl_mode_that_tears_it_down(mode: int) -> None:
+@pytest.mark.parametrize("mode", ["1", "3"])
+def test_a_worker_refuses_an_nccl_mode_that_tears_it_down(mode: str) -> None:
     with pytest.raises(ConfigError, match="TORCH_NCCL_ASYNC_ERROR_HANDLING"):
-        _check_nccl_error_mode(mode)
+        nccl_env.check({"TORCH_NCCL_ASYNC_ERROR_HANDLING": mode})
 
 
-@pytest.mark.parametrize("mode", [None, 0, 2])
-def test_modes_that_keep_the_process_are_accepted(mode: int | None) -> None:
-    _check_nccl_error_mode(mode)
+@pytest.mark.parametrize("mode", [None, "0", "2"])
+def test_modes_that_keep_the_process_are_accepted(mode: str | None) -> None:
+    env = {} if mode is None else {"TORCH_NCCL_ASYNC_ERROR_HANDLING": mode}
+    assert nccl_env.check(env) == []
+    assert nccl_env.effective(env)["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == (mode or "2")  # unset is torch's 3: set
 
 
 def test_the_mode_is_read_at_the_boundary() -> None:
     assert environment.ProcessEnv.from_mapping({"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}).nccl_error_handling == 2
     with pytest.raises(ConfigError, match="TORCH_NCCL_ASYNC_ERROR_HANDLING"):
         environment.ProcessEnv.from_mapping({"TORCH_NCCL_ASYNC_ERROR_HANDLING": "7"})
+
+
+class WatchdogSawIt(FakeNccl):
+    """A backend whose own watchdog saw a failure and aborted it (torch's error mode 2): its works report
+    success, only ``get_error()`` says so."""
+
+    def get_error(self) -> object:
+        import torch._C._distributed_c10d as c10d
+        return c10d.ErrorType.TIMEOUT
+
+
+def test_a_step_on_a_communicator_torch_aborted_by_itself_counts_as_failed(monkeypatch: pytest.MonkeyPatch) -> None:
+    g = RebindableGroup(0, 2, [0, 1], timedelta(seconds=5))
+    g.install(9, object(), [WatchdogSawIt()])  # type: ignore[arg-type]
+    monkeypatch.setattr(groups, "groups", lambda: [g])
+    monkeypatch.setattr(rebindable, "_broken_listeners", [])
+    assert groups.collective_failed(9, settle_s=0.0)
+    assert g.broken_generation == 9 and not groups.collective_failed(8, settle_s=0.0)

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from ckptless import environment
-from ckptless.worker import abort, rebindable, sockets
+from ckptless.worker import abort, forming, sockets
 from ckptless.worker.rebindable import RebindableGroup
 
 from ..harness import nccl_like  # noqa: F401 - registers the backend
@@ -64,7 +64,7 @@ def test_make_use_abort_release_many_generations_leaks_nothing(monkeypatch: pyte
         abort.abort_now(generation, "the test's cycle")  # what a failure does: abort, then leave
         for g in groups:
             g.release()
-        rebindable.forget_forming(generation)
+        forming.forget(generation)
         gc.collect()
         if generation in (4, 12):
             deadline = time.monotonic() + 5  # aborts and watchdogs end on threads of their own

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ckptless.worker import nccl, rebindable
+from ckptless.worker import forming, nccl
 
 CASE, OUT = sys.argv[1], sys.argv[2]  # the ``peer`` case: OUT is the store's port
 DEV = torch.device("cuda", 1 if CASE == "peer" else 0)
@@ -78,7 +78,7 @@ def forming() -> dict[str, Any]:
 
     def created(b: Any) -> None:
         made.append(b)
-        rebindable._forming_add(7, b)
+        forming.add(7, b)
 
     def form() -> None:
         try:
@@ -94,7 +94,7 @@ def forming() -> dict[str, Any]:
     th.join(3.0)
     stuck = th.is_alive()
     t0 = time.monotonic()
-    aborted = rebindable.abort_forming(7)
+    aborted = forming.abort(7)
     th.join(30)
     return {"stuck_before_abort": stuck, "aborted": aborted, "released": not th.is_alive(),
             "released_after_s": time.monotonic() - t0, "thread_error": error}
