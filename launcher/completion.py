@@ -92,6 +92,10 @@ def _record_success(st: NodeState) -> None:
     (launcher/admission.py) instead of waiting for a round of its own. Only with recovery: a relaunch
     clears the old run's records only then (recovery/leader.py, write_initial_membership), and a job
     without recovery would otherwise find its last run's success and end at once."""
+    # Note: a job that ended shrunk (--lost-node shrink, never grown back) says "all N ranks finished" of
+    # its last generation's N, though the others wrote no final state (issue 35 finding 9); the branch
+    # loaderseed rewrites the finished-job message in completion/summary: make this reason say the same
+    # once both are merged.
     if st.recovery and st.status is None and st.membership is not None:
         send_status(st, JobStatus("succeeded", f"all {st.membership.world_size} ranks finished"))
 

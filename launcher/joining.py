@@ -17,10 +17,11 @@ from typing import TYPE_CHECKING
 
 from ckptless.coordinator.client import EtcdClient
 from ckptless.coordinator.keyspace import Keyspace
-from ckptless.coordinator.rendezvous import NodeInfo, Rendezvous, RendezvousResult, RoundState, check_agreement
+from ckptless import environment
+from ckptless.coordinator.rendezvous import NodeInfo, Rendezvous, RendezvousResult, RoundState
 from ckptless.coordinator.session import Session
 from ckptless.errors import ConfigError, RendezvousError, RendezvousLate, RendezvousTimeout
-from ckptless.launcher.admission import job_config, recorded_config, refuse_if_ended
+from ckptless.launcher.admission import Relaunch, admit, job_config
 from ckptless.launcher.args import LaunchConfig
 from ckptless.recovery.decision import Assignment, DiskFallback
 from ckptless.recovery.wire import Membership, membership_from_json
@@ -32,17 +33,28 @@ log = logging.getLogger("ckptless.agent")
 
 
 def join(client: EtcdClient, keyspace: Keyspace, session: Session, me: NodeInfo, cfg: LaunchConfig, *,
-         recovery: bool, timeout_s: float, stopping: threading.Event) -> tuple[RendezvousResult, Membership]:
+         recovery: bool, timeout_s: float, stopping: threading.Event,
+         relaunch: Relaunch | None = None) -> tuple[RendezvousResult, Membership]:
     """Join the job: the rendezvous (a spare-only node only registers and waits for the job to exist),
-    then generation 0's membership (written by node rank 0 when it is recovered, else this node's own)."""
+    then generation 0's membership (written by node rank 0 when it is recovered, else this node's own).
+
+    ``relaunch`` (``admission.admit``): this agent relaunches a failed job; its rendezvous waits only
+    the relaunch window, then the agent exits with the job's end (a late agent of the ended run, not a
+    relaunch, would otherwise wait ``timeout_s`` for nodes that never come)."""
     if cfg.nproc_per_node == 0:
         return _as_spares(client, keyspace, session, me, cfg, timeout_s, stopping)
     try:
         result = Rendezvous(client, keyspace, session).join(
-            me, cfg.min_nodes, cfg.max_nodes, timeout_s=timeout_s, stop=stopping,
-            last_call_s=float(cfg.rdzv_configs.get("last_call_timeout", 1.0)), config=job_config(cfg))
+            me, cfg.min_nodes, cfg.max_nodes, stop=stopping,
+            timeout_s=timeout_s if relaunch is None else min(timeout_s, relaunch.window_s),
+            last_call_s=float(cfg.rdzv_configs.get("last_call_timeout", 1.0)),
+            config=job_config(cfg, environment.environ()))
+    except RendezvousTimeout as exc:
+        if relaunch is None:
+            raise
+        raise relaunch.gave_up(cfg.run_id, exc.seen or str(exc)) from exc
     except RendezvousLate as exc:
-        refuse_if_ended(client, keyspace, cfg)  # it may have ended since the agent looked (agent.py)
+        admit(client, keyspace, cfg, environment.environ())  # it may have ended since the agent looked (agent.py)
         # The job formed without this node (a scheduler's replacement for a lost node, or one more than
         # --nnodes allows): it serves as spares for whatever rank is or will be lost, never ends the job.
         log.warning("%s: this node serves the job as %d spare(s) (its ranks come from peers when a rank "
@@ -69,7 +81,7 @@ def _as_spares(client: EtcdClient, keyspace: Keyspace, session: Session, me: Nod
     """A spare-only node (or a late one): not a rendezvous participant; it waits for the job to exist."""
     Rendezvous(client, keyspace, session).register(me)
     m = _await_membership(client, keyspace, cfg.run_id, timeout_s, stopping)
-    check_fingerprint(client, keyspace, cfg)
+    check_spare_settings(client, keyspace, cfg)
     log.info("spare node %s joined job %s (world %d)", me.node_id, cfg.run_id, m.world_size)
     # Its spares' placeholder groups (unbound until a rank is assigned) use this node's own store: the
     # membership's may be a lost node's (a late node arrives while the job waits because that node is
@@ -107,11 +119,15 @@ def _membership_is_current(client: EtcdClient, keyspace: Keyspace) -> bool:
     return st.state == "closed" and int(rnd.value) == st.round
 
 
-def check_fingerprint(client: EtcdClient, keyspace: Keyspace, cfg: LaunchConfig) -> None:
+def check_spare_settings(client: EtcdClient, keyspace: Keyspace, cfg: LaunchConfig) -> None:
     """A spare node must be started as the job's agents were: the job-wide settings recorded in the round
     (its script and arguments, --replicas, ...) are compared with its own, and it is refused in one line
-    naming each setting that differs (a spare running another script once took a rank and lost the job)."""
-    check_agreement(recorded_config(client, keyspace), job_config(cfg))
+    naming each setting that differs (a spare running another script once took a rank and lost the job).
+    ``admission.admit`` checked them already when the round existed as the agent started; this is for the
+    spare node that came before its job formed."""
+    kv = client.get(keyspace.rdzv_state)
+    if kv is not None:
+        RoundState.from_bytes(kv.value).check(job_config(cfg, environment.environ()))
 
 
 def rank_offsets(participants: tuple[NodeInfo, ...]) -> list[tuple[NodeInfo, int]]:

@@ -14,7 +14,7 @@ import sys
 from collections.abc import Sequence
 
 from ckptless import environment
-from ckptless.errors import CkptlessError, JobEnded
+from ckptless.errors import CkptlessError, JobAlreadyEnded
 from ckptless.worker import exit_guard
 
 
@@ -37,7 +37,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         agent = NodeAgent(cfg)
         return agent.run().exit_code
-    except JobEnded as exc:  # nothing to join: one line, and the job's own outcome (docs/launcher.md)
+    except JobAlreadyEnded as exc:  # nothing to join: one line, and the job's own outcome (docs/launcher.md)
         print(f"ckptless-run: {exc}", file=sys.stderr, flush=True)
         return exc.exit_code
     except CkptlessError as exc:

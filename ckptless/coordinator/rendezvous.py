@@ -28,7 +28,7 @@ import json
 import threading
 import time
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from ckptless.coordinator.client import Compare, EtcdClient, Put
@@ -66,6 +66,9 @@ class RoundState:
     max_nodes: int = 1
     # The job-wide settings of the agent that opened the round (JSON values): what every agent must agree on.
     config: Mapping[str, Any] = field(default_factory=dict)
+    # Who recorded ``config`` ("node <id> on <host>"): a refusal names it, since that agent may be the one
+    # started wrong (it came first) and the refused one the healthy one.
+    opener: str = ""
 
     def to_bytes(self) -> bytes:
         doc = {
@@ -75,6 +78,7 @@ class RoundState:
             "min_nodes": self.min_nodes,
             "max_nodes": self.max_nodes,
             "config": dict(self.config),
+            "opener": self.opener,
         }
         return json.dumps(doc, sort_keys=True).encode()
 
@@ -89,12 +93,17 @@ class RoundState:
                 min_nodes=int(doc["min_nodes"]),
                 max_nodes=int(doc["max_nodes"]),
                 config=dict(doc.get("config") or {}),
+                opener=str(doc.get("opener") or ""),
             )
         except (ValueError, KeyError, TypeError) as exc:
             raise RendezvousError(f"corrupt rendezvous record: {raw[:200]!r}") from exc
 
     def ids(self) -> list[str]:
         return [p.node_id for p in self.participants]
+
+    def check(self, mine: Mapping[str, Any]) -> None:
+        """Refuse an agent with job-wide settings ``mine`` unless they are the round's (:func:`check_agreement`)."""
+        check_agreement(self.config, mine, self.opener)
 
 
 @dataclass(frozen=True)
@@ -117,12 +126,17 @@ def config_disagreement(job: Mapping[str, Any], mine: Mapping[str, Any]) -> list
     return [(k, job[k], mine[k]) for k in job if k in mine and job[k] != mine[k]]
 
 
-def check_agreement(job: Mapping[str, Any], mine: Mapping[str, Any]) -> None:
+def check_agreement(job: Mapping[str, Any], mine: Mapping[str, Any], opener: str = "") -> None:
     """Refuse an agent whose job-wide settings differ from the job's: one :class:`ConfigMismatch`, one
-    line, naming every setting that differs with both values."""
+    line, naming every setting that differs with both values and the agent whose values the job holds
+    (``opener``)."""
     diffs = config_disagreement(job, mine)
     if diffs:
-        raise ConfigMismatch(diffs)
+        raise ConfigMismatch(diffs, opener)
+
+
+def opener_of(me: NodeInfo) -> str:
+    return f"node {me.node_id} on {me.host}" if me.host else f"node {me.node_id}"
 
 
 def decide_join(state: RoundState | None, me: NodeInfo, min_nodes: int, max_nodes: int, live_ids: set[str],
@@ -133,11 +147,11 @@ def decide_join(state: RoundState | None, me: NodeInfo, min_nodes: int, max_node
     mine = dict(config or {})
     if state is None or (state.state == "closed" and not (set(state.ids()) & live_ids)):
         nxt = 0 if state is None else state.round + 1
-        return RoundState(nxt, "joining", (me,), min_nodes, max_nodes, mine)
+        return RoundState(nxt, "joining", (me,), min_nodes, max_nodes, mine, opener_of(me))
     if me.node_id in state.ids():
         return None
     if state.state == "closed":
-        check_agreement(state.config, mine)
+        state.check(mine)
         raise RendezvousLate(
             f"rendezvous round {state.round} is closed with {len(state.participants)} node(s); "
             "this agent arrived late"
@@ -147,11 +161,11 @@ def decide_join(state: RoundState | None, me: NodeInfo, min_nodes: int, max_node
     # Drop joiners whose agents died while the round was open.
     alive = tuple(p for p in state.participants if p.node_id in live_ids)
     if not alive:  # nobody is left who was started with the round's settings: this agent's are the job's
-        return RoundState(state.round, "joining", (me,), min_nodes, max_nodes, mine)
-    check_agreement(state.config, mine)
+        return RoundState(state.round, "joining", (me,), min_nodes, max_nodes, mine, opener_of(me))
+    state.check(mine)
     if len(alive) >= max_nodes:
         raise RendezvousLate(f"rendezvous round {state.round} is full ({max_nodes} nodes)")
-    return RoundState(state.round, "joining", alive + (me,), min_nodes, max_nodes, state.config)
+    return replace(state, participants=alive + (me,))
 
 
 def decide_close(state: RoundState, live_ids: set[str], last_call_expired: bool) -> RoundState | None:
@@ -160,7 +174,7 @@ def decide_close(state: RoundState, live_ids: set[str], last_call_expired: bool)
         return None
     alive = tuple(p for p in state.participants if p.node_id in live_ids)
     if len(alive) >= state.max_nodes or (len(alive) >= state.min_nodes and last_call_expired):
-        return RoundState(state.round, "closed", alive, state.min_nodes, state.max_nodes, state.config)
+        return replace(state, state="closed", participants=alive)
     return None
 
 
@@ -241,10 +255,10 @@ class Rendezvous:
                     continue
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
+                    seen = f"{len(state.participants)} of {min_nodes}..{max_nodes} node(s) came"
                     raise RendezvousTimeout(
                         f"rendezvous for job {self._ks.job_id!r} timed out after {timeout_s}s with "
-                        f"{len(state.participants)} of {min_nodes}..{max_nodes} node(s)"
-                    )
+                        f"{len(state.participants)} of {min_nodes}..{max_nodes} node(s)", seen)
                 # Wake on a change of the round or the nodes, or to re-check the last call.
                 changed.wait(min(remaining, 0.25, max(0.05, last_call_s - (time.monotonic() - last_change))))
         finally:
