@@ -60,6 +60,9 @@ VARIABLES: dict[str, str] = {
     "CKPTLESS_ETCD_CERT": "etcd_cert",
 }
 _SECRET = frozenset({"etcd_password"})
+#: ``CKPTLESS_SEED`` when unset (``worker/setup_seed.py``); here so that a launcher can compare a job's
+#: effective seed without importing torch.
+DEFAULT_SEED = 20_260_101
 
 
 class ProcessEnv(BaseModel):

@@ -28,6 +28,40 @@ class ConfigError(CkptlessError, ValueError):
         super().__init__(f"invalid {field}={value!r}: {reason}")
 
 
+class ConfigMismatch(ConfigError):
+    """An agent started with other job-wide settings than its job's (``--replicas``, the script, ...).
+
+    ``diffs``: ``(setting, the job's value, this agent's value)`` for each; the first is the error's
+    field. ``opener`` names the agent whose settings the round holds (the one that opened it, node id
+    and host): when the agent started wrong came first, the healthy ones are the refused ones, and a
+    line that called the other side "the job" would send the user to the wrong node (issue 35).
+    """
+
+    def __init__(self, diffs: list[tuple[str, object, object]], opener: str = "") -> None:
+        who = f"the agent that opened the round ({opener})" if opener else "the agent that opened the round"
+        named = "; ".join(f"{k}: {who if i == 0 else 'that agent'} uses {job!r}, this agent {mine!r}"
+                          for i, (k, job, mine) in enumerate(diffs))
+        reason = ("every agent of a job must be started with the same job-wide settings "
+                  '(docs/launcher.md, "Settings every agent must agree on"): stop whichever was started wrong')
+        self.field, self.value, self.reason, self.diffs, self.opener = diffs[0][0], diffs[0][2], reason, diffs, opener
+        CkptlessError.__init__(self, f"this agent disagrees with its job's rendezvous round on {named} ({reason})")
+
+
+class OtherRunSettings(ConfigError):
+    """An agent of a job id whose last run has ended, started with other job-wide settings than that run.
+
+    It is no late agent of that run (a scheduler's replacement runs the job's own command): another job
+    reusing the id (with an external etcd, or after editing the script). Refused rather than told "the
+    job has ended", which exited 0 without training a thing (issue 35).
+    """
+
+    def __init__(self, job_id: str, outcome: str, diffs: list[tuple[str, object, object]]) -> None:
+        named = "; ".join(f"{k}: the run used {job!r}, this agent {mine!r}" for k, job, mine in diffs)
+        self.field, self.value, self.diffs = diffs[0][0], diffs[0][2], diffs
+        self.reason = f"this --rdzv-id belongs to an ended run with other settings ({named}): use a new --rdzv-id"
+        CkptlessError.__init__(self, f"job {job_id!r} ended before ({outcome}); {self.reason}")
+
+
 # --- coordination (etcd) -----------------------------------------------------
 class CoordinatorError(CkptlessError):
     """Anything that went wrong talking to the coordination store."""
@@ -70,7 +104,11 @@ class RendezvousError(CkptlessError):
 
 
 class RendezvousTimeout(RendezvousError):
-    """Not enough nodes joined before the rendezvous deadline."""
+    """Not enough nodes joined before the rendezvous deadline. ``seen``: how many did, in words."""
+
+    def __init__(self, message: str, seen: str = "") -> None:
+        super().__init__(message)
+        self.seen = seen
 
 
 class RendezvousClosed(RendezvousError):
@@ -79,6 +117,23 @@ class RendezvousClosed(RendezvousError):
 
 class RendezvousLate(RendezvousClosed):
     """This node arrived after the job formed (or beyond --nnodes' maximum): it may serve as spares."""
+
+
+class JobAlreadyEnded(RendezvousClosed):
+    """The job this agent would join has already ended (its ``status`` record): nothing to join.
+
+    Carries the job's outcome: the launcher exits with ``exit_code`` (0 for a job that succeeded, 1 for
+    one that failed: what the job's own agents exited with), after one line saying so. (Not the worker
+    state machine's ``JobEnded`` event, ``ckptless/worker/machine.py``: that one is a running job's end.)
+    """
+
+    def __init__(self, message: str, succeeded: bool) -> None:
+        super().__init__(message)
+        self.succeeded = succeeded
+
+    @property
+    def exit_code(self) -> int:
+        return 0 if self.succeeded else 1
 
 
 class StaleGeneration(CkptlessError):

@@ -53,7 +53,7 @@ from ckptless.coordinator.rendezvous import NodeInfo, Rendezvous, RendezvousResu
 from ckptless.coordinator.session import Session
 from ckptless.errors import ConfigError, CoordinatorError
 from ckptless.launcher.mirror_link import LinkCheck
-from ckptless.launcher import completion, devices, follower, refill
+from ckptless.launcher import admission, completion, devices, follower, refill
 from ckptless.launcher.args import LaunchConfig, Std
 from ckptless.launcher.spares import SparePool
 from ckptless.launcher.completion import AgentOutcome
@@ -198,6 +198,13 @@ class NodeAgent:
             client = EtcdClient(etcd_config)
             stack.callback(client.close)
             st.client = client
+            # Before this agent writes anything (its lease, node key, leader campaign): a job that has ended
+            # is reported and left as it is (JobAlreadyEnded: one line, its outcome as the exit code), and an
+            # agent that disagrees with a live round, or with an ended run, is refused (launcher/admission.py).
+            log.info("node %s: reading job %r's records", self.node_id, cfg.run_id)
+            relaunch = admission.admit(client, st.keyspace, cfg, environment.environ())
+            if relaunch is not None:
+                print(f"ckptless-run: {relaunch.line}", file=sys.stderr, flush=True)
             st.session = Session(client, ttl_s=cfg.lease_ttl, name=self.node_id)
             stack.callback(lambda: st.session.close() if st.session is not None else None)
 
@@ -219,7 +226,8 @@ class NodeAgent:
             stack.callback(link.close)
             self._prepare_shm(stack)
             result, st.membership = join(client, st.keyspace, st.session, me, cfg, recovery=st.recovery,
-                                         timeout_s=self.rendezvous_timeout_s, stopping=st.stopping)
+                                         timeout_s=self.rendezvous_timeout_s, stopping=st.stopping,
+                                         relaunch=relaunch)
             if result.late:
                 cfg = self._serve_as_spares()
             else:

@@ -399,6 +399,8 @@ def config_from_namespace(ns: argparse.Namespace, environ: Mapping[str, str] | N
     _check(ns.replacement_timeout > 0, "replacement_timeout", ns.replacement_timeout, "must be > 0 seconds")
     last_call = parse_rdzv_conf(ns.rdzv_conf).get("last_call_timeout", "1")
     _check(_is_seconds(last_call), "rdzv_conf", ns.rdzv_conf, "last_call_timeout must be a number of seconds >= 0")
+    restart = parse_rdzv_conf(ns.rdzv_conf).get("restart_timeout", "0")
+    _check(_is_seconds(restart), "rdzv_conf", ns.rdzv_conf, "restart_timeout must be a number of seconds >= 0")
     _check(ns.lost_node in ("wait", "shrink"), "lost_node", ns.lost_node, "must be 'wait' or 'shrink' (PET_LOST_NODE)")
     _check(ns.lost_node != "shrink" or min_nodes < max_nodes, "lost_node", ns.lost_node,
            f"going on with fewer nodes needs --nnodes MIN:MAX with MIN < MAX (got {ns.nnodes}): MIN is the "

@@ -1,5 +1,5 @@
-"""How an agent's node joins its job: the rendezvous, the script's fingerprint, rank offsets, a restart from
-disk, the first membership.
+"""How an agent's node joins its job: the rendezvous (with the job-wide settings every agent must agree on,
+launcher/admission.py), rank offsets, a restart from disk, the first membership.
 
 Why apart from the agent: these are decisions over the launch config, the
 rendezvous result and what etcd or the snapshot directory hold, with no agent
@@ -9,19 +9,19 @@ returns the node's place in the job and generation 0's membership.
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import os
 import sys
 import threading
 import time
 from typing import TYPE_CHECKING
 
-from ckptless.coordinator.client import Compare, EtcdClient, Put
+from ckptless.coordinator.client import EtcdClient
 from ckptless.coordinator.keyspace import Keyspace
+from ckptless import environment
 from ckptless.coordinator.rendezvous import NodeInfo, Rendezvous, RendezvousResult, RoundState
 from ckptless.coordinator.session import Session
 from ckptless.errors import ConfigError, RendezvousError, RendezvousLate, RendezvousTimeout
+from ckptless.launcher.admission import Relaunch, admit, job_config
 from ckptless.launcher.args import LaunchConfig
 from ckptless.recovery.decision import Assignment, DiskFallback
 from ckptless.recovery.wire import Membership, membership_from_json
@@ -33,23 +33,33 @@ log = logging.getLogger("ckptless.agent")
 
 
 def join(client: EtcdClient, keyspace: Keyspace, session: Session, me: NodeInfo, cfg: LaunchConfig, *,
-         recovery: bool, timeout_s: float, stopping: threading.Event) -> tuple[RendezvousResult, Membership]:
+         recovery: bool, timeout_s: float, stopping: threading.Event,
+         relaunch: Relaunch | None = None) -> tuple[RendezvousResult, Membership]:
     """Join the job: the rendezvous (a spare-only node only registers and waits for the job to exist),
-    then generation 0's membership (written by node rank 0 when it is recovered, else this node's own)."""
+    then generation 0's membership (written by node rank 0 when it is recovered, else this node's own).
+
+    ``relaunch`` (``admission.admit``): this agent relaunches a failed job; its rendezvous waits only
+    the relaunch window, then the agent exits with the job's end (a late agent of the ended run, not a
+    relaunch, would otherwise wait ``timeout_s`` for nodes that never come)."""
     if cfg.nproc_per_node == 0:
         return _as_spares(client, keyspace, session, me, cfg, timeout_s, stopping)
     try:
         result = Rendezvous(client, keyspace, session).join(
-            me, cfg.min_nodes, cfg.max_nodes, timeout_s=timeout_s, stop=stopping,
-            last_call_s=float(cfg.rdzv_configs.get("last_call_timeout", 1.0)))
+            me, cfg.min_nodes, cfg.max_nodes, stop=stopping,
+            timeout_s=timeout_s if relaunch is None else min(timeout_s, relaunch.window_s),
+            last_call_s=float(cfg.rdzv_configs.get("last_call_timeout", 1.0)),
+            config=job_config(cfg, environment.environ()))
+    except RendezvousTimeout as exc:
+        if relaunch is None:
+            raise
+        raise relaunch.gave_up(cfg.run_id, exc.seen or str(exc)) from exc
     except RendezvousLate as exc:
+        admit(client, keyspace, cfg, environment.environ())  # it may have ended since the agent looked (agent.py)
         # The job formed without this node (a scheduler's replacement for a lost node, or one more than
         # --nnodes allows): it serves as spares for whatever rank is or will be lost, never ends the job.
         log.warning("%s: this node serves the job as %d spare(s) (its ranks come from peers when a rank "
                     "is lost, or at once if the job waits for a replacement)", exc, cfg.nproc_per_node + cfg.spares)
         return _as_spares(client, keyspace, session, me, cfg, timeout_s, stopping, late=True)
-    client.txn([Compare(keyspace.fingerprint(result.round), "create", "==", 0)],
-               [Put(keyspace.fingerprint(result.round), script_fingerprint(cfg))])
     log.info("node %s joined round %d as node rank %d of %d (ranks %d..%d of %d)",
              me.node_id, result.round, result.node_rank, result.nnodes, result.rank_offset,
              result.rank_offset + cfg.nproc_per_node - 1, result.world_size)
@@ -71,7 +81,7 @@ def _as_spares(client: EtcdClient, keyspace: Keyspace, session: Session, me: Nod
     """A spare-only node (or a late one): not a rendezvous participant; it waits for the job to exist."""
     Rendezvous(client, keyspace, session).register(me)
     m = _await_membership(client, keyspace, cfg.run_id, timeout_s, stopping)
-    check_fingerprint(client, keyspace, cfg)
+    check_spare_settings(client, keyspace, cfg)
     log.info("spare node %s joined job %s (world %d)", me.node_id, cfg.run_id, m.world_size)
     # Its spares' placeholder groups (unbound until a rank is assigned) use this node's own store: the
     # membership's may be a lost node's (a late node arrives while the job waits because that node is
@@ -109,29 +119,15 @@ def _membership_is_current(client: EtcdClient, keyspace: Keyspace) -> bool:
     return st.state == "closed" and int(rnd.value) == st.round
 
 
-def script_fingerprint(cfg: LaunchConfig) -> str:
-    """What identifies the job's program: the script's bytes (or module name) and its arguments."""
-    h = hashlib.sha256()
-    h.update(f"module={cfg.module} no_python={cfg.no_python}\0{cfg.training_script}\0".encode())
-    if not cfg.module and os.path.isfile(cfg.training_script):
-        with open(cfg.training_script, "rb") as f:
-            h.update(f.read())
-    h.update("\0".join(cfg.training_script_args).encode())
-    return h.hexdigest()
-
-
-def check_fingerprint(client: EtcdClient, keyspace: Keyspace, cfg: LaunchConfig) -> None:
-    """A spare must run the job's script: one started with another script is refused at join."""
+def check_spare_settings(client: EtcdClient, keyspace: Keyspace, cfg: LaunchConfig) -> None:
+    """A spare node must be started as the job's agents were: the job-wide settings recorded in the round
+    (its script and arguments, --replicas, ...) are compared with its own, and it is refused in one line
+    naming each setting that differs (a spare running another script once took a rank and lost the job).
+    ``admission.admit`` checked them already when the round existed as the agent started; this is for the
+    spare node that came before its job formed."""
     kv = client.get(keyspace.rdzv_state)
-    if kv is None:
-        return
-    round_ = RoundState.from_bytes(kv.value).round
-    fp = client.get(keyspace.fingerprint(round_))
-    mine = script_fingerprint(cfg)
-    if fp is not None and fp.value.decode() != mine:
-        raise ConfigError("training_script", cfg.training_script,
-                          f"job {cfg.run_id!r} runs a different script or arguments (fingerprint "
-                          f"{fp.value.decode()[:12]}, this node {mine[:12]}): a spare must run the job's script")
+    if kv is not None:
+        RoundState.from_bytes(kv.value).check(job_config(cfg, environment.environ()))
 
 
 def rank_offsets(participants: tuple[NodeInfo, ...]) -> list[tuple[NodeInfo, int]]:

@@ -2,7 +2,9 @@
 
 Why errors are one line: a launcher is used from shells and schedulers; a
 ckptless error (bad flag value, unreachable etcd, a closed rendezvous) is the
-user's to fix and a traceback would bury the one fact that matters.
+user's to fix and a traceback would bury the one fact that matters. A job that
+has already ended is not an error of this agent's: one line, and the job's
+outcome as the exit status (0: it succeeded; 1: it failed).
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import sys
 from collections.abc import Sequence
 
 from ckptless import environment
-from ckptless.errors import CkptlessError
+from ckptless.errors import CkptlessError, JobAlreadyEnded
 from ckptless.worker import exit_guard
 
 
@@ -39,6 +41,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         agent = NodeAgent(cfg)
         return agent.run().exit_code
+    except JobAlreadyEnded as exc:  # nothing to join: one line, and the job's own outcome (docs/launcher.md)
+        print(f"ckptless-run: {exc}", file=sys.stderr, flush=True)
+        return exc.exit_code
     except CkptlessError as exc:
         stopped = agent.stop_signal if agent is not None else None
         if stopped is not None:  # a wait interrupted by SIGINT/SIGTERM: the shell's convention

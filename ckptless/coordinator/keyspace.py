@@ -109,10 +109,6 @@ class Keyspace:
     def facts(self, generation: int, rank: int) -> str:
         return f"{self.facts_prefix(generation)}{rank}"
 
-    def fingerprint(self, round_: int) -> str:
-        """``fingerprint/r<N>`` -> the script fingerprint of rendezvous round N (a spare node must match it)."""
-        return f"{self.prefix}fingerprint/r{round_}"
-
     @property
     def round(self) -> str:
         """The rendezvous round the recovery keys below belong to (a restarted job clears the old ones)."""

@@ -12,6 +12,13 @@ record ``rdzv/state`` changed only by transactions fenced on its mod revision:
   whose participants' node keys are all gone (a previous run with the same id)
   is replaced by a fresh round.
 
+A round also records the job-wide settings of the agent that opened it
+(``config``: the flags every agent must agree on and the script, as the
+launcher names them, ``launcher/admission.py``); every later agent, a joiner,
+a late node or a spare node, is compared with it and refused in one line
+naming each setting and both values: agents that disagree on, say,
+``--replicas`` formed one job that hung in its first mirror round (issue 35).
+
 The pure decisions (``decide_*``) are kept apart from the etcd I/O.
 """
 
@@ -20,13 +27,14 @@ from __future__ import annotations
 import json
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from ckptless.coordinator.client import Compare, EtcdClient, Put
 from ckptless.coordinator.keyspace import Keyspace
 from ckptless.coordinator.session import Session
-from ckptless.errors import ConfigError, RendezvousError, RendezvousLate, RendezvousTimeout
+from ckptless.errors import ConfigError, ConfigMismatch, RendezvousError, RendezvousLate, RendezvousTimeout
 
 
 @dataclass(frozen=True)
@@ -56,6 +64,11 @@ class RoundState:
     participants: tuple[NodeInfo, ...] = ()
     min_nodes: int = 1
     max_nodes: int = 1
+    # The job-wide settings of the agent that opened the round (JSON values): what every agent must agree on.
+    config: Mapping[str, Any] = field(default_factory=dict)
+    # Who recorded ``config`` ("node <id> on <host>"): a refusal names it, since that agent may be the one
+    # started wrong (it came first) and the refused one the healthy one.
+    opener: str = ""
 
     def to_bytes(self) -> bytes:
         doc = {
@@ -64,6 +77,8 @@ class RoundState:
             "participants": [p.to_json() for p in self.participants],
             "min_nodes": self.min_nodes,
             "max_nodes": self.max_nodes,
+            "config": dict(self.config),
+            "opener": self.opener,
         }
         return json.dumps(doc, sort_keys=True).encode()
 
@@ -77,12 +92,18 @@ class RoundState:
                 participants=tuple(NodeInfo.from_json(p) for p in doc["participants"]),
                 min_nodes=int(doc["min_nodes"]),
                 max_nodes=int(doc["max_nodes"]),
+                config=dict(doc.get("config") or {}),
+                opener=str(doc.get("opener") or ""),
             )
         except (ValueError, KeyError, TypeError) as exc:
             raise RendezvousError(f"corrupt rendezvous record: {raw[:200]!r}") from exc
 
     def ids(self) -> list[str]:
         return [p.node_id for p in self.participants]
+
+    def check(self, mine: Mapping[str, Any]) -> None:
+        """Refuse an agent with job-wide settings ``mine`` unless they are the round's (:func:`check_agreement`)."""
+        check_agreement(self.config, mine, self.opener)
 
 
 @dataclass(frozen=True)
@@ -99,14 +120,38 @@ class RendezvousResult:
 
 
 # --- pure decisions --------------------------------------------------------
-def decide_join(state: RoundState | None, me: NodeInfo, min_nodes: int, max_nodes: int, live_ids: set[str]) -> RoundState | None:
-    """The record to write so that ``me`` joins, or None when nothing needs writing."""
+def config_disagreement(job: Mapping[str, Any], mine: Mapping[str, Any]) -> list[tuple[str, Any, Any]]:
+    """``(setting, the job's value, this agent's value)`` for each setting on which they differ, in the
+    job's order. A setting only one side records (an agent of another ckptless version) decides nothing."""
+    return [(k, job[k], mine[k]) for k in job if k in mine and job[k] != mine[k]]
+
+
+def check_agreement(job: Mapping[str, Any], mine: Mapping[str, Any], opener: str = "") -> None:
+    """Refuse an agent whose job-wide settings differ from the job's: one :class:`ConfigMismatch`, one
+    line, naming every setting that differs with both values and the agent whose values the job holds
+    (``opener``)."""
+    diffs = config_disagreement(job, mine)
+    if diffs:
+        raise ConfigMismatch(diffs, opener)
+
+
+def opener_of(me: NodeInfo) -> str:
+    return f"node {me.node_id} on {me.host}" if me.host else f"node {me.node_id}"
+
+
+def decide_join(state: RoundState | None, me: NodeInfo, min_nodes: int, max_nodes: int, live_ids: set[str],
+                config: Mapping[str, Any] | None = None) -> RoundState | None:
+    """The record to write so that ``me`` (with job-wide settings ``config``) joins, or None when nothing
+    needs writing. An agent that disagrees with the round's settings is refused (ConfigError), a late
+    one too: as spares it would run with its own settings."""
+    mine = dict(config or {})
     if state is None or (state.state == "closed" and not (set(state.ids()) & live_ids)):
         nxt = 0 if state is None else state.round + 1
-        return RoundState(nxt, "joining", (me,), min_nodes, max_nodes)
+        return RoundState(nxt, "joining", (me,), min_nodes, max_nodes, mine, opener_of(me))
     if me.node_id in state.ids():
         return None
     if state.state == "closed":
+        state.check(mine)
         raise RendezvousLate(
             f"rendezvous round {state.round} is closed with {len(state.participants)} node(s); "
             "this agent arrived late"
@@ -115,9 +160,12 @@ def decide_join(state: RoundState | None, me: NodeInfo, min_nodes: int, max_node
         raise ConfigError("nnodes", f"{min_nodes}:{max_nodes}", f"other agents of this job use {state.min_nodes}:{state.max_nodes}")
     # Drop joiners whose agents died while the round was open.
     alive = tuple(p for p in state.participants if p.node_id in live_ids)
+    if not alive:  # nobody is left who was started with the round's settings: this agent's are the job's
+        return RoundState(state.round, "joining", (me,), min_nodes, max_nodes, mine, opener_of(me))
+    state.check(mine)
     if len(alive) >= max_nodes:
         raise RendezvousLate(f"rendezvous round {state.round} is full ({max_nodes} nodes)")
-    return RoundState(state.round, "joining", alive + (me,), min_nodes, max_nodes)
+    return replace(state, participants=alive + (me,))
 
 
 def decide_close(state: RoundState, live_ids: set[str], last_call_expired: bool) -> RoundState | None:
@@ -126,7 +174,7 @@ def decide_close(state: RoundState, live_ids: set[str], last_call_expired: bool)
         return None
     alive = tuple(p for p in state.participants if p.node_id in live_ids)
     if len(alive) >= state.max_nodes or (len(alive) >= state.min_nodes and last_call_expired):
-        return RoundState(state.round, "closed", alive, state.min_nodes, state.max_nodes)
+        return replace(state, state="closed", participants=alive)
     return None
 
 
@@ -166,11 +214,12 @@ class Rendezvous:
         return self._client.txn([guard], [Put(self._ks.rdzv_state, new.to_bytes())]).succeeded
 
     def join(self, me: NodeInfo, min_nodes: int, max_nodes: int, timeout_s: float, last_call_s: float = 1.0,
-             stop: threading.Event | None = None) -> RendezvousResult:
+             stop: threading.Event | None = None, config: Mapping[str, Any] | None = None) -> RendezvousResult:
         """Join (or rejoin) the current round and block until it closes or ``timeout_s`` passes.
 
         ``stop`` (set by the agent's SIGINT/SIGTERM handler) ends the wait at once with
-        :class:`RendezvousError`: a launcher waiting for nodes must obey Ctrl-C.
+        :class:`RendezvousError`: a launcher waiting for nodes must obey Ctrl-C. ``config``: this
+        agent's job-wide settings (JSON values), compared with the round's (``decide_join``).
         """
         if not 1 <= min_nodes <= max_nodes:
             raise ConfigError("nnodes", f"{min_nodes}:{max_nodes}", "need 1 <= MIN <= MAX")
@@ -193,7 +242,7 @@ class Rendezvous:
                 live = self.live_node_ids()
                 if state is not None and state.state == "closed" and me.node_id in state.ids():
                     return result_for(state, me.node_id)
-                new = decide_join(state, me, min_nodes, max_nodes, live)
+                new = decide_join(state, me, min_nodes, max_nodes, live, config)
                 if new is not None:
                     self._write(new, rev)
                     continue
@@ -206,10 +255,10 @@ class Rendezvous:
                     continue
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
+                    seen = f"{len(state.participants)} of {min_nodes}..{max_nodes} node(s) came"
                     raise RendezvousTimeout(
                         f"rendezvous for job {self._ks.job_id!r} timed out after {timeout_s}s with "
-                        f"{len(state.participants)} of {min_nodes}..{max_nodes} node(s)"
-                    )
+                        f"{len(state.participants)} of {min_nodes}..{max_nodes} node(s)", seen)
                 # Wake on a change of the round or the nodes, or to re-check the last call.
                 changed.wait(min(remaining, 0.25, max(0.05, last_call_s - (time.monotonic() - last_change))))
         finally:

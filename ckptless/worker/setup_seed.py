@@ -31,9 +31,11 @@ import random
 import numpy as np
 import torch
 
+from ckptless.environment import DEFAULT_SEED
+
 log = logging.getLogger(__name__)
 
-DEFAULT_SEED = 20_260_101
+__all__ = ["DEFAULT_SEED", "seed_if_unseeded", "script_seeded_torch"]
 _ENTROPY_FLOOR = 2**32
 
 

@@ -28,7 +28,7 @@ def test_only_job_keys_are_under_the_job_prefix() -> None:
     ks = Keyspace("j")
     inside = [ks.generation, ks.membership, ks.status, ks.incident(3)]
     outside = [ks.facts(3, 7), ks.ready(3, 7), ks.worker_exit(7), ks.spare_exit("n/spare0"), ks.node("n"),
-               f"{ks.spares_prefix}n:spare0", ks.ported, ks.rdzv_state, f"{ks.election_prefix}abc", ks.fingerprint(0)]
+               f"{ks.spares_prefix}n:spare0", ks.ported, ks.rdzv_state, f"{ks.election_prefix}abc"]
     assert all(k.startswith(ks.job_prefix) for k in inside)
     assert not any(k.startswith(ks.job_prefix) for k in outside), [k for k in outside if k.startswith(ks.job_prefix)]
     assert ks.incident_generation(ks.incident(12)) == 12 and ks.incident_generation(ks.facts(12, 0)) is None

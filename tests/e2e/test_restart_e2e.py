@@ -90,18 +90,24 @@ def test_restart_with_another_world_size_is_refused_and_loses_nothing(etcd: Embe
     job, snaps = f"world-{uuid.uuid4().hex[:6]}", tmp_path / "snaps"
     flags = ("--snapshot-every", "2", "--snapshot-dir", str(snaps))
 
-    def cluster(name: str) -> Cluster:
+    def cluster(name: str, **env: str) -> Cluster:
         out = tmp_path / name
         out.mkdir()
-        return Cluster(etcd.endpoint, out, job)
+        return Cluster(etcd.endpoint, out, job, env=dict(env))
 
-    first = cluster("first")  # 2 agents x 2 workers (world 4) to the end: two snapshots are kept
+    # 2 agents x 2 workers (world 4), failing at step 8 (a user error: the job ends failed, issue 35's
+    # review) after its snapshots: two are kept. Not a job that succeeded: an agent after a success exits 0
+    # at once whatever its flags ("An agent after the job's end", docs/launcher.md), and only a job that
+    # did not succeed is started again under its id, as issue 17's user did.
+    first = cluster("first", REF_EXIT_RANK="0", REF_EXIT_STEP="8")
     try:
         first.start_agent(*flags)
         first.start_agent(*flags)
-        first.wait(300)
+        first.wait(300, expect_fail=first.agents)
     finally:
         first.kill_all()
+    assert "REF_EXIT: deliberate user error on rank 0 at step 8" in first.log_text(), first.tail()
+    assert [a.returncode for a in first.agents] == [1, 1], first.tail()
     before = _tree(snaps / job)
     kept = [(s.step, s.world_size) for s in stored_snapshots(snaps, job)]
     # Retention keeps two; which steps depends on which asynchronous writes were skipped as busy.

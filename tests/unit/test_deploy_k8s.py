@@ -23,6 +23,7 @@ import yaml
 
 from ckptless.coordinator.config import EtcdConfig
 from ckptless.coordinator.keyspace import ROOT
+from ckptless.launcher.admission import job_config
 from ckptless.launcher.args import parse_args
 
 from ..harness.repo import REPO
@@ -155,11 +156,11 @@ def test_agents_parse_with_ckptless_run_and_agree_on_job_etcd_and_script() -> No
     port = client["spec"]["ports"][0]["port"]
     job = _doc("Job", "ckptless-train")
     spares = _doc("Deployment")
-    parsed = {}
+    parsed, envs = {}, {}
     for key, d in (("training", job), ("spares", spares)):
         argv, env = _agent(d)
         cfg = parse_args(argv, environ=env)  # the product's own parser: a flag it does not know fails here
-        parsed[key] = cfg
+        parsed[key], envs[key] = cfg, env
         assert str(cfg.rdzv_endpoint) == f"{client['metadata']['name']}:{port}", cfg.rdzv_endpoint
         etcd = EtcdConfig.from_env(str(cfg.rdzv_endpoint), env)  # what the agent connects with
         assert etcd.secure and etcd.user == "ckptless" and etcd.cert_cert is not None
@@ -171,6 +172,9 @@ def test_agents_parse_with_ckptless_run_and_agree_on_job_etcd_and_script() -> No
     assert train.max_nodes == job["spec"]["completions"] == job["spec"]["parallelism"]
     assert train.run_id == spare.run_id  # the spares serve this job
     assert (train.training_script, train.training_script_args) == (spare.training_script, spare.training_script_args)
+    # every job-wide setting (launcher/admission.py): a spare node that disagrees is refused at join
+    mine, theirs = job_config(train, envs["training"]), job_config(spare, envs["spares"])
+    assert mine == theirs, (mine, theirs)
     assert spare.nproc_per_node == 0 and spare.spares > 0
 
 
