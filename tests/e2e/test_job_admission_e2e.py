@@ -146,6 +146,7 @@ def test_an_agent_after_the_job_failed_exits_1_at_once_naming_the_outcome(module
     assert _pids(c) == ran  # no worker of it ran
 
 
+@pytest.mark.rotating(1)  # CI budget: tests/harness/rotation.py
 def test_a_late_agent_of_a_failed_job_with_its_snapshots_gives_up_after_the_relaunch_window(
         module_etcd: EmbeddedEtcd, tmp_path: Path) -> None:
     """Review finding 1: the job's own command carries --snapshot-dir, which holds its snapshots, so a
@@ -216,6 +217,7 @@ def test_a_succeeded_job_is_never_trained_again_and_another_run_under_its_id_is_
     assert not (c.out / "elsewhere").exists()
 
 
+@pytest.mark.rotating(2)  # CI budget: tests/harness/rotation.py
 def test_rdzv_id_none_is_no_identity_a_new_job_under_it_trains(module_etcd: EmbeddedEtcd, tmp_path: Path) -> None:
     """Review finding 2: with an external etcd `--rdzv-id none` is allowed (torchrun's default); after any
     job under it succeeded, the next, different job under it exited 0 at once without training."""
