@@ -30,6 +30,8 @@ from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
+import pytest
+
 from ckptless.coordinator.client import WatchEvent
 from ckptless.coordinator.embedded import EmbeddedEtcd
 from ckptless.coordinator.keyspace import Keyspace
