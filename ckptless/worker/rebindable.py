@@ -79,30 +79,46 @@ def new_gloo(store: dist.Store, rank: int, size: int, timeout: timedelta, lazy: 
 
     Why: Gloo otherwise binds the address the hostname resolves to (127.0.0.1 on
     many hosts), which peers on other nodes cannot reach ("connectFullMesh ...
-    Connection refused"); ``GLOO_SOCKET_IFNAME`` still wins when set.
+    Connection refused"); ``GLOO_SOCKET_IFNAME`` still wins when set (a device per
+    interface, as torch's own constructor makes them).
 
-    ``lazy``: connect no pair now; each pair connects on its first message
-    (torch reads ``TORCH_GLOO_LAZY_INIT`` in the constructor, so it is set just
-    around it). Every group ckptless builds is lazy (the user's:
-    :func:`new_user_gloo`; the mirror group: ``groups.mirror_group``), over a
+    ``lazy``: connect no pair now; each pair connects on its first message. Every
+    group ckptless builds is lazy (the user's: :func:`new_user_gloo`; the mirror
+    group: ``groups.mirror_group``), over a
     :class:`~ckptless.worker.gloo_peers.PeerRecordingStore`, so a connection
-    that opens after the formation is still ended with its generation. A lazy
-    construction only publishes its listener's address (no connect), so the
-    lock is held for milliseconds.
+    that opens after the formation is still ended with its generation. The
+    devices are made lazy themselves (``create_device(lazy_init=True)``), never
+    through ``TORCH_GLOO_LAZY_INIT`` in the process environment: setting it
+    around the constructor raced other threads reading the environment (the
+    mirror group forms beside a replacement's setup), a ``setenv`` against a
+    ``getenv`` that can crash the process. A torch whose devices take no such
+    argument gets the environment variable, under a lock.
     """
     env = environment.current()
-    addr = env.local_addr
-    if not addr or env.gloo_socket_ifname:
-        build: Callable[[], dist.ProcessGroupGloo] = lambda: dist.ProcessGroupGloo(store, rank, size, timeout)
-    else:
-        opts = dist.ProcessGroupGloo._Options()
-        opts._timeout = timeout
-        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=addr)]
-        build = lambda: dist.ProcessGroupGloo(store, rank, size, opts)  # noqa: E731
-    if not lazy:
-        return build()
-    with _lazy_lock, environment.library_setting(_LAZY_ENV, "1"):
-        return build()
+    try:
+        devices = _gloo_devices(env.gloo_socket_ifname, env.local_addr, lazy)
+    except TypeError:  # an older torch: no lazy_init argument (issue 37's inventory: docs/compatibility.md)
+        with _lazy_lock, environment.library_setting(_LAZY_ENV, "1" if lazy else "0"):
+            devices = _gloo_devices(env.gloo_socket_ifname, env.local_addr, None)
+            return _gloo(store, rank, size, timeout, devices)
+    return _gloo(store, rank, size, timeout, devices)
+
+
+def _gloo_devices(ifname: str | None, addr: str | None, lazy: bool | None) -> list[Any]:
+    kw = {} if lazy is None else {"lazy_init": lazy}
+    if ifname:
+        return [dist.ProcessGroupGloo.create_device(interface=i.strip(), **kw) for i in ifname.split(",") if i.strip()]
+    if addr:
+        return [dist.ProcessGroupGloo.create_device(hostname=addr, **kw)]
+    return [dist.ProcessGroupGloo.create_default_device(**kw)]
+
+
+def _gloo(store: dist.Store, rank: int, size: int, timeout: timedelta, devices: list[Any]) -> dist.ProcessGroupGloo:
+    opts = dist.ProcessGroupGloo._Options()
+    opts._timeout = timeout
+    opts._devices = devices
+    opts._threads = 2 * len(devices)  # as torch's own constructor sets it
+    return dist.ProcessGroupGloo(store, rank, size, opts)
 
 
 def new_user_gloo(store: dist.Store, generation: int, rank: int, size: int,
