@@ -13,10 +13,11 @@ out=$(realpath -m "${1:?usage: tools/gpu_session.sh OUT}")
 work=${GPU_SESSION_WORK:-/tmp/ckptless-gpu-session}
 rm -rf "$work" && mkdir -p "$work/test" "$work/bench" "$out"
 started=$(date +%s)
-PYTEST_ADDOPTS="--basetemp=$work/test/tmp" timeout "${TEST_GPU_S:-330}" tools/test_gpu.sh "$work/test" \
+# SIGINT first: pytest then writes its JUnit XML and summary (the first session's SIGTERM left neither).
+PYTEST_ADDOPTS="--basetemp=$work/test/tmp" timeout -s INT -k 20 "${TEST_GPU_S:-330}" tools/test_gpu.sh "$work/test" \
   > "$work/test/run.log" 2>&1
 test_rc=$?
-timeout "${BENCH_GPU_S:-120}" tools/bench_gpu.sh "$work/bench" > "$work/bench/run.log" 2>&1
+timeout -s INT -k 10 "${BENCH_GPU_S:-120}" tools/bench_gpu.sh "$work/bench" > "$work/bench/run.log" 2>&1
 bench_rc=$?
 py=${GPU_PYTHON:-python3}
 "$py" -c "import torch" 2>/dev/null || py=.venv/bin/python  # (this machine, without CUDA)

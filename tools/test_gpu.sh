@@ -18,6 +18,8 @@ py=$(tools/gpu_setup.sh "$base" 2> >(tee "$out/setup.log" >&2))
 par=()
 if "$py" -c 'import xdist' 2>/dev/null; then par=(-n 4 --dist loadgroup); fi
 set +e
-PYTHONUNBUFFERED=1 CKPTLESS_GPU_OUT="$out" "$py" -m pytest -q -p no:cacheprovider "${par[@]}" "${tests[@]}" \
+# -v: each result's name as it comes (under xdist -q prints only a progress line: a run stopped at its
+# deadline named nothing).
+PYTHONUNBUFFERED=1 CKPTLESS_GPU_OUT="$out" "$py" -m pytest -v -p no:cacheprovider "${par[@]}" "${tests[@]}" \
   --junitxml "$out/junit.xml" --durations=0 2>&1 | tee "$out/pytest.log"
 exit "${PIPESTATUS[0]}"

@@ -150,6 +150,22 @@ def new_user_gloo(store: dist.Store, generation: int, rank: int, size: int,
     return pg
 
 
+def _keep_work(opts: Any) -> Any:
+    """Ask the inner backend for a Work even for a synchronous call (``opts.asyncOp = True``).
+
+    Why: for ``async_op=False`` torch passes ``asyncOp=False`` down, and ProcessGroupNCCL then makes the
+    caller's stream wait inside the call and returns no Work at all (``None``; torch's Python accepts
+    that: ``distributed_c10d.all_reduce``, "backends that don't sync at CPP level"). Measured on torch
+    2.11 + NCCL 2.28.9 (docs/gpu-runs/2026-11-28-h200/session2/): every plain ``dist.all_reduce(t)`` on a
+    group of ours failed with "'NoneType' object has no attribute 'wait'". With a Work, torch's Python
+    calls :meth:`_TypedWork.wait` right after, which makes the stream wait as before and raises a typed
+    error when torch's watchdog already saw the communicator fail. Options without the field (older
+    torch, Gloo's send/recv) are left alone."""
+    if opts is not None and getattr(opts, "asyncOp", True) is False:
+        opts.asyncOp = True
+    return opts
+
+
 def _done_work(result: Any) -> dist.Work:
     fut: torch.futures.Future[Any] = torch.futures.Future()
     fut.set_result(result)
@@ -379,8 +395,10 @@ class RebindableGroup(dist.ProcessGroup):
             raise ConfigError("process group", self._name, self._retired)
         return None if self._local_only else self._inner
 
-    def _wrap(self, work: dist.Work) -> dist.Work:
+    def _wrap(self, work: dist.Work | None) -> dist.Work:
         assert self.generation is not None
+        if work is None:  # a backend that synchronised inside the call (see _keep_work): nothing to wait on
+            return _done_work(None)
         return _TypedWork(self, work, self.generation)
 
     def _need(self) -> dist.ProcessGroup:
@@ -394,22 +412,22 @@ class RebindableGroup(dist.ProcessGroup):
     def allreduce(self, tensors: Any, opts: Any = None) -> dist.Work:
         if self._live is None:
             return _done_work(tensors)
-        return self._wrap(self._live.allreduce(tensors) if opts is None else self._live.allreduce(tensors, opts))
+        return self._wrap(self._live.allreduce(tensors) if opts is None else self._live.allreduce(tensors, _keep_work(opts)))
 
     def allreduce_coalesced(self, tensors: Any, opts: Any = None) -> dist.Work:
         if self._live is None:
             return _done_work(tensors)
-        return self._wrap(self._live.allreduce_coalesced(tensors, opts))
+        return self._wrap(self._live.allreduce_coalesced(tensors, _keep_work(opts)))
 
     def broadcast(self, tensors: Any, opts: Any = None) -> dist.Work:
         if self._live is None:
             return _done_work(tensors)
-        return self._wrap(self._live.broadcast(tensors, opts))
+        return self._wrap(self._live.broadcast(tensors, _keep_work(opts)))
 
     def barrier(self, opts: Any = None) -> dist.Work:
         if self._live is None:
             return _done_work([])
-        return self._wrap(self._live.barrier() if opts is None else self._live.barrier(opts))
+        return self._wrap(self._live.barrier() if opts is None else self._live.barrier(_keep_work(opts)))
 
     def allgather(self, outs: Any, ins: Any, opts: Any = None) -> dist.Work:
         if self._live is None:
@@ -417,13 +435,13 @@ class RebindableGroup(dist.ProcessGroup):
                 for o in o_list:
                     o.copy_(i)
             return _done_work(outs)
-        return self._wrap(self._live.allgather(outs, ins, opts))
+        return self._wrap(self._live.allgather(outs, ins, _keep_work(opts)))
 
     def _allgather_base(self, out: Any, inp: Any, opts: Any = None) -> dist.Work:
         if self._live is None:
             out.view(self.size(), -1).copy_(inp.reshape(1, -1).expand(self.size(), -1))
             return _done_work([out])
-        return self._wrap(self._live._allgather_base(out, inp, opts))
+        return self._wrap(self._live._allgather_base(out, inp, _keep_work(opts)))
 
     all_gather_single = _allgather_base
 
@@ -432,45 +450,45 @@ class RebindableGroup(dist.ProcessGroup):
             for o, i in zip(outs, ins):
                 o.view(self.size(), -1).copy_(i.reshape(1, -1).expand(self.size(), -1))
             return _done_work(outs)
-        return self._wrap(self._live.allgather_into_tensor_coalesced(outs, ins, opts))
+        return self._wrap(self._live.allgather_into_tensor_coalesced(outs, ins, _keep_work(opts)))
 
     all_gather_single_coalesced = allgather_into_tensor_coalesced
 
     def reduce_scatter(self, outs: Any, ins: Any, opts: Any = None) -> dist.Work:
         if self._live is None:
             return _done_work(outs)
-        return self._wrap(self._live.reduce_scatter(outs, ins, opts))
+        return self._wrap(self._live.reduce_scatter(outs, ins, _keep_work(opts)))
 
     def _reduce_scatter_base(self, out: Any, inp: Any, opts: Any = None) -> dist.Work:
         if self._live is None:
             return _done_work([out])
-        return self._wrap(self._live._reduce_scatter_base(out, inp, opts))
+        return self._wrap(self._live._reduce_scatter_base(out, inp, _keep_work(opts)))
 
     reduce_scatter_single = _reduce_scatter_base
 
     def reduce_scatter_tensor_coalesced(self, outs: Any, ins: Any, opts: Any = None) -> dist.Work:
         if self._live is None:
             return _done_work(outs)
-        return self._wrap(self._live.reduce_scatter_tensor_coalesced(outs, ins, opts))
+        return self._wrap(self._live.reduce_scatter_tensor_coalesced(outs, ins, _keep_work(opts)))
 
     reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
 
     def alltoall_base(self, out: Any, inp: Any, osplit: Any, isplit: Any, opts: Any = None) -> dist.Work:
-        return self._wrap(self._need().alltoall_base(out, inp, osplit, isplit, opts))
+        return self._wrap(self._need().alltoall_base(out, inp, osplit, isplit, _keep_work(opts)))
 
     all_to_all_single = alltoall_base
 
     def alltoall(self, outs: Any, ins: Any, opts: Any = None) -> dist.Work:
-        return self._wrap(self._need().alltoall(outs, ins, opts))
+        return self._wrap(self._need().alltoall(outs, ins, _keep_work(opts)))
 
     def gather(self, outs: Any, ins: Any, opts: Any = None) -> dist.Work:
-        return self._wrap(self._need().gather(outs, ins, opts))
+        return self._wrap(self._need().gather(outs, ins, _keep_work(opts)))
 
     def scatter(self, outs: Any, ins: Any, opts: Any = None) -> dist.Work:
-        return self._wrap(self._need().scatter(outs, ins, opts))
+        return self._wrap(self._need().scatter(outs, ins, _keep_work(opts)))
 
     def reduce(self, tensors: Any, opts: Any = None) -> dist.Work:
-        return self._wrap(self._need().reduce(tensors, opts))
+        return self._wrap(self._need().reduce(tensors, _keep_work(opts)))
 
     def send(self, tensors: Any, dst: int, tag: int = 0) -> dist.Work:
         return self._wrap(self._need().send(tensors, dst, tag))

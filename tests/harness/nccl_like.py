@@ -39,6 +39,11 @@ ranks over NCCL's socket transport: docs/gpu-runs/2026-11-28-h200/nccl_facts.jso
    as on a GPU); the next collective raises "NCCL communicator was aborted" (S2:644-649, 857-926;
    NCCLUtils.cpp S2:142-154). What the watchdog saw stays readable: ``get_error()`` answers
    TIMEOUT or COMM_ERROR from then on (``ProcessGroupNCCL::getError``, ``error_``).
+7. **A synchronous collective has no Work.** Called with ``opts.asyncOp`` False (torch's Python passes
+   ``async_op=False`` down), ProcessGroupNCCL synchronises inside the call (on a GPU: the caller's
+   stream waits for NCCL's) and returns ``None``; torch's Python accepts that ("backends that don't
+   sync at CPP level", ``distributed_c10d.all_reduce``). Measured on torch 2.11 + NCCL 2.28.9: a plain
+   ``dist.all_reduce(t)`` through a group of ours got ``None`` (docs/gpu-runs/2026-11-28-h200/session2/).
 
 Registered as the backend ``nccl_like``; a job uses it for its groups' CPU collectives with
 ``CKPTLESS_CPU_BACKEND=nccl_like`` and :data:`SITE` first on its ``PYTHONPATH`` (:func:`job_env`):
@@ -345,7 +350,7 @@ def _monitor(group: weakref.ref[NcclLikeGroup], root: dist.Store, stopped: threa
 
 
 def _forward(op: str) -> Any:
-    def method(self: NcclLikeGroup, *args: Any) -> dist.Work:
+    def method(self: NcclLikeGroup, *args: Any) -> dist.Work | None:
         if self._aborted is not None:  # rule 6: the next collective raises
             raise RuntimeError(f"NCCL communicator was aborted on rank {self.rank()} (nccl_like: {self._aborted})")
         conn = self._wait_ready()
@@ -354,7 +359,11 @@ def _forward(op: str) -> Any:
                 inner: dist.Work | None = getattr(conn, op)(*args)
             except RuntimeError:  # a broken Gloo pair refuses at once; NCCL would enqueue and spin
                 inner = None
-        return _HeldWork(self, inner, args[0] if args else None)
+        work = _HeldWork(self, inner, args[0] if args else None)
+        if args and getattr(args[-1], "asyncOp", True) is False:  # rule 7 (on CPU the values must be there)
+            work.wait()
+            return None
+        return work
 
     method.__name__ = op
     return method
