@@ -23,7 +23,8 @@ Private torch 2.13 APIs used (pinned by ``tests/e2e/test_state_ddp_fsdp.py``):
 ``FSDPState._is_root``, ``FSDPParamGroup._all_gather_result`` (and its
 ``all_gather_work``), ``FSDPParamGroup._module_to_pre_load_state_dict_hook_handle``,
 ``FSDPParamGroup.fsdp_params``, ``FSDPParam._post_load_hook_handle``, ``FSDPParam._unsharded_param``,
-``FSDPParam.unsharded_accumulated_grad``.
+``FSDPParam.unsharded_accumulated_grad``; and ``FSDPModule.reset_iter_state`` (2.13), or, where a torch
+lacks it, the fields :func:`_reset_iter_state` names.
 """
 
 from __future__ import annotations
@@ -115,10 +116,76 @@ def reset_after_failure(module: nn.Module) -> bool:
                 fp.unsharded_accumulated_grad = None
     for m, state in states:
         if state._is_root:  # None before lazy init, False for non-roots
-            m.reset_iter_state()  # type: ignore[operator]
+            api = getattr(m, "reset_iter_state", None)
+            if callable(api):
+                api()
+            else:
+                _reset_iter_state(state)
     for p in module.parameters():
         p.grad = None
     return True
+
+
+def _reset_iter_state(root: Any) -> None:
+    """``FSDPModule.reset_iter_state()`` for a torch without it (it came in 2.13; the GPU machine's
+    torch 2.11 lacks it: the second GPU run's FSDP2 case died on the AttributeError, in every rank,
+    at the first recovery). The same steps, on the fields either version has: let the current stream
+    wait for the in-flight all-gather and reduce-scatters, forget them, clear the post-forward order
+    and every state's per-iteration trackers, and reshard every parameter group. torch 2.11 holds
+    one ``reduce_scatter_state`` (2.13: a list) and no ``_last_post_reduce_events``."""
+    from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+
+    stream = root._device_handle.current_stream()
+
+    def wait(event: Any) -> None:
+        if event is not None:
+            stream.wait_event(event)
+
+    comm = root._comm_ctx
+    if (gathering := getattr(comm, "all_gather_state", None)) is not None:
+        wait(gathering.event)
+        comm.all_gather_state = None
+    if (scattering := getattr(comm, "reduce_scatter_state", None)) is not None:
+        wait(scattering.event)
+        comm.reduce_scatter_state = None
+    for scattering in getattr(comm, "reduce_scatter_states", []):
+        wait(scattering.event)
+    getattr(comm, "reduce_scatter_states", []).clear()
+    for event in getattr(comm, "_last_post_reduce_events", {}).values():
+        wait(event)
+    getattr(comm, "_last_post_reduce_events", {}).clear()
+    comm.post_forward_order.clear()
+    for state in root._state_ctx.all_states:
+        state._modules_to_run_forward.clear()
+        state._training_state = TrainingState.IDLE
+        for group in _param_groups(state):
+            _reset_group(group, wait, TrainingState.IDLE)
+    root._state_ctx.iter_forward_root = None
+    root._state_ctx.post_backward_final_callback_queued = False
+
+
+def _reset_group(group: Any, wait: Any, idle: Any) -> None:
+    """One parameter group's part of :func:`_reset_iter_state` (``FSDPParamGroup._reset_iter_state``
+    in torch 2.13)."""
+    import torch.distributed as dist
+
+    if (result := group._all_gather_result) is not None:
+        wait(result.all_gather_event)
+        if isinstance(result.all_gather_work, dist.Work):
+            result.all_gather_work.wait()
+        group._all_gather_result = None
+    wait(group._post_reduce_event)
+    group._post_reduce_event = None
+    if (reducing := getattr(group, "_all_reduce_state", None)) is not None:
+        wait(reducing.event)
+        group._all_reduce_state = None
+    if group._reshard_after_forward_event is not None:
+        group._wait_all_gather_streams_on_event(group._reshard_after_forward_event)
+        group._reshard_after_forward_event = None
+    group._partial_reduce_output = None
+    group._post_forward_indices.clear()
+    group._training_state = idle
+    group._to_sharded()
 
 
 __all__ = ["is_fsdp", "load_hook_ids", "reset_after_failure"]

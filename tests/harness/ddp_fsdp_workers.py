@@ -31,7 +31,7 @@ import torch._dynamo  # noqa: F401  (DDP's constructor imports it lazily: ~4 s p
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from ckptless.errors import StateError
 from ckptless.state import Capturer, StateImage, StateRegistry, restore
@@ -56,6 +56,7 @@ class Args:
     generation: int = 0  # > 0: a replacement joining this generation
     image: str = ""  # the replacement's image (path prefix: .json manifest, .bin buffer)
     lag: int = 0  # restore the image this many steps before the last completed one (commit lag)
+    without_reset_api: bool = False  # play a torch without FSDPModule.reset_iter_state (2.11, the GPU machine's)
 
 
 def build() -> dict[str, Any]:
@@ -151,6 +152,8 @@ def _summary(report: Any, reg: StateRegistry) -> dict[str, Any]:
 
 def worker(args: Args) -> None:
     torch.set_num_threads(1)
+    if args.without_reset_api and hasattr(FSDPModule, "reset_iter_state"):  # a survivor's reset takes ckptless's fallback
+        delattr(FSDPModule, "reset_iter_state")
     rank = args.rank
     replacement = args.generation > 0
     facts: dict[str, Any] = {"failures": [], "restores": [], "replacement": replacement, "t": [("start", time.time())]}
