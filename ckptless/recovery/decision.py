@@ -126,6 +126,7 @@ class RecoveryPlan:
     adopt_prebuilt: tuple[int, ...] = ()
     node_local: tuple[LocalRestore, ...] = ()  # R9: these ranks restore from node-local memory
     adoptions: tuple[Adoption, ...] = ()  # R11: copies live workers take from their node's tier first
+    stalled: int = 0  # recoveries in a row before this one that resumed no later (leader_machine: the give-up rule)
 
     @property
     def resume_step(self) -> int:
@@ -154,10 +155,16 @@ class DiskFallback:
     reason: str
     lost_ranks_without_replica: tuple[int, ...]
     steps_lost: int
+    stalled: int = 0  # as RecoveryPlan.stalled
 
     @property
     def rank_to_worker(self) -> dict[int, str]:
         return {a.rank: a.worker_id for a in self.assignments}
+
+    @property
+    def resume_version(self) -> int:
+        """The version training resumes from (the snapshot's step: a comparable point for the give-up rule)."""
+        return self.snapshot_step
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Literal, Union
 
+from ckptless.recovery import give_up
 from ckptless.recovery.decision import Decision, DiskFallback, RecoveryPlan, Unrecoverable, WaitForReplacement
 from ckptless.recovery.view import ExitRecord, JobStatus, JobView, finished_line
 
@@ -48,7 +49,7 @@ class LeaderConfig:
     formation_timeout_s: float = 60.0
     formation_extensions: int = 4
     node_grace_s: float = 10.0
-    max_recoveries: int = 50
+    max_recoveries: int = 50  # in a row without progress (ckptless.recovery.give_up)
     lost_node: str = "wait"  # --lost-node: wait for a replacement, or shrink (go on with fewer ranks)
     min_nodes: int = 1  # --nnodes MIN: the fewest nodes a shrunk job runs on
 
@@ -78,6 +79,7 @@ class Planning:
     opened_at: float
     reason: str = ""
     wait_deadline: float | None = None  # re-planning while waiting for a replacement: the wait's first deadline
+    prior: tuple[int, int] | None = None  # the recovery in force: (its resume version, its stalled count)
 
 
 @dataclass(frozen=True)
@@ -407,8 +409,9 @@ def _collect(state: Collecting, view: JobView, now: float, cfg: LeaderConfig) ->
             lost, missing = lost | silent, missing - silent
     if missing:
         return replace(state, lost=frozenset(lost), others_in_at=others_in), tuple(logs)
-    return (Planning(state.generation, frozenset(lost), state.opened_at, state.reason),
+    return (Planning(state.generation, frozenset(lost), state.opened_at, state.reason, prior=give_up.prior_of(view)),
             (*logs, RequestPlan(state.generation, frozenset(lost))))
+
 
 
 def _planned(state: State, event: Planned, cfg: LeaderConfig) -> Step:
@@ -432,10 +435,11 @@ def _planned(state: State, event: Planned, cfg: LeaderConfig) -> Step:
             said += (NoteWaiting(state.generation, tuple(sorted(state.lost)), deadline - event.now, d.reason),)
         return (WaitingForReplacement(state.generation, state.lost, state.opened_at, deadline, d.reason, event.seen),
                 notes + said)
-    if d.generation > cfg.max_recoveries:
-        st, acts = _end("failed", f"gave up after {state.generation} recoveries (limit {cfg.max_recoveries}): "
-                                  f"failures keep recurring; the last: {state.reason[:300]}")
-        return st, notes + acts
+    if isinstance(d, (RecoveryPlan, DiskFallback)):
+        d = replace(d, stalled=give_up.stalled(state.prior, d.resume_version))
+        if (why := give_up.reason(d.stalled, d.resume_version, cfg.max_recoveries, state.reason)) is not None:
+            st, acts = _end("failed", why)
+            return st, notes + acts
     return Publishing(state.generation, d, state.opened_at), notes + (Publish(d, state.generation),)
 
 
@@ -454,7 +458,8 @@ def _wait_replacement(state: WaitingForReplacement, view: JobView, now: float, c
                               f"{state.reason}; waited for a live spare, a node to respawn them on, or a new agent "
                               f"with --rdzv-id {cfg.job_id}")
     if key != state.seen or lost != state.lost:
-        return (Planning(state.generation, lost, state.opened_at, state.reason, wait_deadline=state.deadline),
+        return (Planning(state.generation, lost, state.opened_at, state.reason, wait_deadline=state.deadline,
+                         prior=give_up.prior_of(view)),
                 (RequestPlan(state.generation, lost),))
     return state, ()
 

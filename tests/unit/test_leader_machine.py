@@ -7,6 +7,8 @@ version 4; see tests/harness/leader_sim.py. Independent pairs: (0, 1) and (2, 3)
 
 from __future__ import annotations
 
+import pytest
+
 from ckptless.recovery.decision import RecoveryPlan, Unrecoverable
 from ckptless.recovery.facts import PlanPolicy, ReplicaFact, Worker, WorkerReport
 from ckptless.recovery.leader_machine import (
@@ -32,6 +34,7 @@ from ckptless.recovery.leader_machine import (
     step,
 )
 from ckptless.recovery.view import ExitRecord, JobStatus, ReportRecord
+from ckptless.recovery.wire import decision_from_doc, decision_to_doc
 
 from ..harness.leader_sim import CFG, Leader, World, fresh_leader
 
@@ -542,12 +545,24 @@ def test_unrecoverable_loss_names_the_ranks() -> None:
     assert "[1]" in state.reason
 
 
-def test_recovery_limit() -> None:
+def test_recovery_limit_counts_recoveries_in_a_row_without_progress() -> None:
+    """The recovery in force resumed at v4 and was the 49th in a row at v4 or earlier: a 50th at v4 ends the job."""
     ld = fresh_leader()
-    ld.state = Planning(CFG.max_recoveries, frozenset({1}), 0.0)
+    ld.state = Planning(CFG.max_recoveries, frozenset({1}), 0.0, prior=(4, CFG.max_recoveries - 1))
     d = RecoveryPlan("job", CFG.max_recoveries + 1, (), (1,), 4, (), (), True, (), 0)
     ld.feed(Planned(d, (), 0.0))
-    assert isinstance(ld.state, Ended) and "gave up after" in ld.state.reason
+    assert isinstance(ld.state, Ended) and "gave up after 50 recoveries in a row without progress" in ld.state.reason
+
+
+@pytest.mark.parametrize("prior, resume, stalled", [(None, 4, 0), ((3, 7), 4, 0), ((4, 7), 4, 8), ((9, 0), 4, 1)])
+def test_a_long_job_recovers_past_any_lifetime_count(prior: tuple[int, int] | None, resume: int, stalled: int) -> None:
+    """Generation 5000, far past the limit: a job at scale that keeps making progress between failures is
+    never given up; the published plan carries its count of recoveries in a row without progress."""
+    state, actions = step(Planning(5000, frozenset({1}), 0.0, prior=prior),
+                          Planned(RecoveryPlan("job", 5001, (), (1,), resume, (), (), True, (), 0), (), 0.0), CFG)
+    assert isinstance(state, Publishing) and isinstance(state.decision, RecoveryPlan)
+    assert state.decision.stalled == stalled and actions == (Publish(state.decision, 5000),)
+    assert decision_from_doc(decision_to_doc(state.decision)) == state.decision
 
 
 def test_malformed_replica_facts_are_excluded_not_fatal() -> None:
@@ -623,7 +638,8 @@ def test_silent_rank_whose_process_died_is_lost_at_the_report_deadline() -> None
 
 def test_give_up_names_the_last_cause() -> None:
     ld = fresh_leader()
-    ld.state = Planning(CFG.max_recoveries, frozenset({1}), 0.0, "rank 1 ended by signal 9")
+    ld.state = Planning(CFG.max_recoveries, frozenset({1}), 0.0, "rank 1 ended by signal 9",
+                        prior=(4, CFG.max_recoveries))
     d = RecoveryPlan("job", CFG.max_recoveries + 1, (), (1,), 4, (), (), True, (), 0)
     ld.feed(Planned(d, (), 0.0))
     assert isinstance(ld.state, Ended) and "the last: rank 1 ended by signal 9" in ld.state.reason
