@@ -278,7 +278,8 @@ def test_more_than_k_failures_in_one_group_fall_back_to_disk(module_etcd: Embedd
                                                              baseline: FaultFree, node_local: bool) -> None:
     """A rank and its only holder die together (K = 1). With replicas in worker memory only
     (--no-shm-dir) that is beyond K: disk. With the node-local tier (the default where /dev/shm is
-    writable) each dead rank's own committed image outlived it on its node: a memory plan, no disk."""
+    writable) each dead rank's own committed image outlived it on its node: a memory plan, no disk.
+    (CI found this test still expecting only R9 after R11 came: the plan was right, the assertion old.)"""
     a = 0
     holder = ring_holders()[a][0]
     snaps = tmp_path / "snaps"
@@ -301,7 +302,11 @@ def test_more_than_k_failures_in_one_group_fall_back_to_disk(module_etcd: Embedd
     m = c.membership()
     if node_local:
         assert m is not None and type(m.decision).__name__ == "RecoveryPlan", m
-        assert {a.rank for a in m.decision.node_local} == {a, holder}, m.decision  # type: ignore[union-attr]
+        d = m.decision
+        # From node-local memory: a respawn restores its predecessor's image there (R9), or a live worker
+        # of that node takes the copy first and serves it (R11, which the planner prefers where it can).
+        from_node = {x.rank for x in d.node_local} | {x.owner for x in d.adoptions}  # type: ignore[union-attr]
+        assert from_node >= {a, holder}, d
         return
     assert m is not None and type(m.decision).__name__ == "DiskFallback"
     assert "restored disk snapshot" in c.tail(100000) or "disk snapshot step" in c.tail(100000)
