@@ -200,9 +200,10 @@ def arrive(store: dist.Store, generation: int, world_size: int, deadline: float,
     ``barrier`` names the check-in (one per formation step of a generation).
 
     Cost on the store: each rank adds itself once, then polls the counter every
-    :func:`poll_interval` (W): at most about 100,000 operations per second for the whole job
-    whatever W is, and a rank leaves at most one interval after the last arrival (5 ms up to
-    W = 500, 100 ms at 10,000). Before issue 20 every rank polled every 5 ms: 2 million
+    :func:`poll_interval` (W): about 100,000 operations per second for the whole job up to
+    W = 10,000; above it the interval stays at its 0.1 s cap, so the rate grows as 10 x W per second
+    (a million at W = 100,000), and a rank leaves at most one interval after the last arrival (5 ms up to
+    W = 500, 100 ms from 10,000). Before issue 20 every rank polled every 5 ms: 2 million
     operations per second of formation on the one store at W = 10,000. (Waiting on a key from
     a second connection per rank was tried and measured: 32 simultaneous connects to one
     store took 5 s, the client's connect back-off; the caller's own connection cannot wait
