@@ -18,7 +18,9 @@ import dataclasses
 import importlib
 import inspect
 import mmap
+import os
 import sys
+import tempfile
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -145,15 +147,25 @@ def _world1_gloo(store: Any = None) -> Any:
 
 
 def _sequence_number() -> str:
-    """Exists on every torch checked; 2.14.1 made it a deprecated no-op that warns once per process."""
+    """Exists on every torch checked; 2.14.1 made it a deprecated no-op that warns once per process, from
+    C++ to the process's stderr (not a Python warning), so the probe reads file descriptor 2."""
     pg = _world1_gloo()
     if not hasattr(pg, "_set_sequence_number_for_group"):
         return "no: _set_sequence_number_for_group"
-    with warnings.catch_warnings(record=True) as seen:
-        warnings.simplefilter("always")
-        pg._set_sequence_number_for_group()
-    said = [str(w.message) for w in seen if "deprecated" in str(w.message)]
-    return "yes: deprecated no-op, warns once" if said else "yes"
+    with tempfile.TemporaryFile() as err:
+        saved = os.dup(2)
+        try:
+            sys.stderr.flush()
+            os.dup2(err.fileno(), 2)
+            with warnings.catch_warnings(record=True) as seen:
+                warnings.simplefilter("always")
+                pg._set_sequence_number_for_group()
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+        err.seek(0)
+        said = err.read().decode(errors="replace") + " ".join(str(w.message) for w in seen)
+    return "yes: a deprecated no-op, warns" if "deprecated" in said else "yes"
 
 
 def _backend_options() -> str:
