@@ -298,7 +298,8 @@ TOUCHPOINTS: tuple[Touchpoint, ...] = (
     Touchpoint(RB, "opts = dist.ProcessGroupGloo._Options()",
                "`ProcessGroupGloo._Options`, `._timeout`, `._devices`, `ProcessGroupGloo.create_device`",
                _gloo_options),
-    Touchpoint(RB, "pg._set_sequence_number_for_group()", "`ProcessGroupGloo._set_sequence_number_for_group`",
+    Touchpoint(RB, "nccl.start_sequence_numbers(pg)", "`ProcessGroupGloo._set_sequence_number_for_group` (called "
+               "on torch < 2.14 only: nccl.start_sequence_numbers)",
                _sequence_number),
     Touchpoint("ckptless/worker/gloo_peers.py", "def parse_rank_record", "Gloo's store keys (`<ctx>/<rank>`) and `tcp::Rank` record layout "
                "(ckptless/worker/gloo_peers.py parses them)", _gloo_rank_record),
@@ -331,7 +332,7 @@ TOUCHPOINTS: tuple[Touchpoint, ...] = (
                nccl_attr("Options.()._timeout", "Options.().config.blocking", "Options.().group_name",
                          "Options.().global_ranks_in_group")),
     Touchpoint(NC, "backend._set_sequence_number_for_group()", "`ProcessGroupNCCL._set_sequence_number_for_group` "
-               "(2.14.1: the base class's deprecated no-op, warns)", nccl_attr("_set_sequence_number_for_group")),
+               "(2.14.1: the base class's deprecated no-op, warns; called on torch < 2.14 only)", nccl_attr("_set_sequence_number_for_group")),
     Touchpoint(NC, "eager = getattr(backend, \"eager_connect_single_device\", None)",
                "`ProcessGroupNCCL.eager_connect_single_device`", nccl_attr("eager_connect_single_device")),
     Touchpoint("ckptless/worker/forming.py", "backend.abort()", "`ProcessGroupNCCL.abort` (off the training thread)",

@@ -9,8 +9,12 @@ fails here, named, before any job meets it. A CPU build cannot show ProcessGroup
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
+from ..harness.repo import REPO
 from ..harness.torch_touchpoints import TOUCHPOINTS, Touchpoint
 
 
@@ -24,3 +28,16 @@ def test_every_touchpoint_names_a_line_of_the_product() -> None:
     """The inventory follows the code: a touchpoint whose line is gone is a stale row."""
     stale = [t.where() for t in TOUCHPOINTS if t.where().endswith("not found)")]
     assert not stale, stale
+
+
+def test_a_group_ckptless_builds_writes_no_torch_deprecation_warning() -> None:
+    """torch 2.14 made ``_set_sequence_number_for_group`` a no-op that writes a deprecation warning to the
+    stderr of every process calling it (once per process, from C++): each worker's log. ckptless calls it
+    only where torch's own group creation does (worker/nccl.py). In a fresh process, since the warning is
+    written once per process and this test must see the first one."""
+    code = ("import torch.distributed as dist; from datetime import timedelta; "
+            "from ckptless.worker import rebindable; "
+            "rebindable.new_user_gloo(dist.HashStore(), 1, 0, 1, timedelta(seconds=10))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "deprecated" not in done.stderr, done.stderr[-2000:]
