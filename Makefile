@@ -75,10 +75,11 @@ test-all: $(STAMP) sysdeps
 # (2.14.1: on this machine's disk, a CUDA build that runs on CPU, ~5.5 GB) installed first, as a user's
 # environment holds it; ckptless installed beside it must leave it as it is (tools/compat_venv.sh checks).
 # Then the unit suite and the core e2e recoveries on it: a plain job (Gloo and the NCCL-semantics
-# backend), torch's NCCL machinery as the stand-in models it, a second failure during a recovery, DDP,
-# FSDP2, init_process_group in a ported script, the HF and Lightning integrations. Longer than CI's
-# budget allows beside `make test`: on demand, its result in docs/compatibility.md. Rotating tests are
-# named here, so they run whatever the day's turn. `make demo-compat`: the demo on that venv.
+# backend), torch's NCCL machinery as the stand-in models it, a second failure during a recovery, DDP and
+# FSDP2 (each on Gloo and the NCCL-semantics backend), HSDP, init_process_group in a ported script, the HF
+# and Lightning integrations. On demand (CI's budget is spent by `make test`; docs/compatibility.md says
+# what it costs and how it could rotate), its result in docs/compatibility.md. Rotating and slow-tier tests
+# are named here, so they run whatever the day's turn. `make demo-compat`: the demo on that venv.
 COMPAT_TORCH ?= 2.14.1
 COMPAT_VENV ?= .venv-compat
 COMPAT_PY := $(COMPAT_VENV)/bin/python
@@ -89,8 +90,10 @@ COMPAT_E2E := \
   "tests/e2e/test_recovery_e2e.py::test_second_failure_while_recovering[nccl-like]" \
   tests/e2e/test_nccl_machinery_e2e.py \
   tests/e2e/test_ddp_fsdp_e2e.py::test_ddp_default_kill_survivor_side_rank_in_backward \
+  tests/e2e/test_ddp_fsdp_e2e.py::test_ddp_on_nccl_semantics_kill_in_backward \
   tests/e2e/test_ddp_fsdp_e2e.py::test_fsdp2_on_nccl_semantics_kill_rank0_in_backward \
   tests/e2e/test_ddp_fsdp_e2e.py::test_fsdp2_kill_rank0_in_backward \
+  tests/e2e/test_ddp_fsdp_e2e.py::test_hsdp_lost_rank_is_rebuilt_from_its_replica_peer \
   tests/e2e/test_ddp_fsdp_e2e.py::test_init_process_group_after_ckptless_init \
   tests/e2e/test_integrations_e2e.py
 COMPAT_TESTS ?= tests/unit $(COMPAT_E2E)
