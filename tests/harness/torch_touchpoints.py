@@ -338,7 +338,7 @@ TOUCHPOINTS: tuple[Touchpoint, ...] = (
     Touchpoint("ckptless/worker/forming.py", "backend.abort()", "`ProcessGroupNCCL.abort` (off the training thread)",
                nccl_attr("abort")),
     Touchpoint("ckptless/worker/nccl_env.py", "TORCH_NCCL_DUMP_ON_TIMEOUT",
-               "`TORCH_NCCL_*` settings (nccl_env.SETTINGS; per version: /work/notes facts, docs/configuration.md)",
+               "`TORCH_NCCL_*` settings (nccl_env.SETTINGS; docs/configuration.md, \"torch's NCCL settings\")",
                lib_string("libtorch_cuda.so", "TORCH_NCCL_DUMP_ON_TIMEOUT")),
     # --- DDP reducer ---
     Touchpoint(DDP_PY, "ddp._build_params_for_reducer()",
