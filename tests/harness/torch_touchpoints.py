@@ -272,6 +272,58 @@ def _numa_modes() -> str:
     return "yes" if got == {"node", "socket", "exclusive", "core-complex"} else f"no: values {sorted(got)}"
 
 
+def _async_op() -> str:
+    """``asyncOp`` on every collective's options (ckptless/worker/rebindable.py ``_keep_work``): writable
+    where present; options without it are left alone (no ``no``: the field's absence is handled)."""
+    import torch._C._distributed_c10d as c10d
+    names = ("AllreduceOptions", "AllreduceCoalescedOptions", "BroadcastOptions", "BarrierOptions",
+             "AllgatherOptions", "ReduceScatterOptions", "AllToAllOptions", "GatherOptions", "ScatterOptions",
+             "ReduceOptions")
+    without = []
+    for name in names:
+        opts = getattr(c10d, name)()
+        if not hasattr(opts, "asyncOp"):
+            without.append(name)
+            continue
+        opts.asyncOp = False
+        opts.asyncOp = True
+        if opts.asyncOp is not True:
+            return f"no: {name}.asyncOp is not writable"
+    return f"yes: no asyncOp on {', '.join(without)} (left alone)" if without else "yes"
+
+
+def reset_iter_state_api() -> str:
+    """Present (2.13, 2.14) or not (2.11): either is handled; absent, the fallback's fields must be there."""
+    from torch.distributed.fsdp import FSDPModule
+    if callable(getattr(FSDPModule, "reset_iter_state", None)):
+        return "yes"
+    fields = _reset_iter_state_fields()
+    return "yes: absent, ckptless's fallback" if fields == "yes" else f"no: absent, and the fallback's {fields}"
+
+
+def _reset_iter_state_fields() -> str:
+    """What ``ckptless.state.fsdp._reset_iter_state`` reads and writes without ``getattr`` defaults (the
+    comm context's all-gather and reduce-scatter states differ by version and are read with defaults)."""
+    pkg = "torch.distributed.fsdp._fully_shard"
+    needs = (
+        self_attr(f"{pkg}._fsdp_state:FSDPState", "_device_handle", "_comm_ctx", "_state_ctx",
+                  "_modules_to_run_forward", "_training_state"),
+        self_attr(f"{pkg}._fsdp_state:FSDPStateContext", "all_states", "iter_forward_root",
+                  "post_backward_final_callback_queued"),
+        self_attr(f"{pkg}._fsdp_param_group:FSDPCommContext", "post_forward_order"),
+        self_attr(f"{pkg}._fsdp_param_group:FSDPCommContext", "reduce_scatter_states", "reduce_scatter_state",
+                  any_of=True),
+        self_attr(f"{pkg}._fsdp_param_group:FSDPParamGroup", "_all_gather_result", "_post_reduce_event",
+                  "_reshard_after_forward_event", "_partial_reduce_output", "_post_forward_indices",
+                  "_training_state"),
+        attr(f"{pkg}._fsdp_param_group:FSDPParamGroup._wait_all_gather_streams_on_event",
+             f"{pkg}._fsdp_param_group:FSDPParamGroup._to_sharded", f"{pkg}._fsdp_common:TrainingState.IDLE", f"{pkg}._fsdp_collectives:AllGatherResult.all_gather_event",
+             f"{pkg}._fsdp_collectives:AllGatherResult.all_gather_work"),
+    )
+    missing = [got[4:] for got in (probe() for probe in needs) if got.startswith("no")]
+    return "no: " + "; ".join(missing) if missing else "yes"
+
+
 _C10D = "torch._C._distributed_c10d"
 _DDP = "torch.nn.parallel.distributed:DistributedDataParallel"
 _FSDP = "torch.distributed.fsdp._fully_shard"
@@ -303,6 +355,8 @@ TOUCHPOINTS: tuple[Touchpoint, ...] = (
                _sequence_number),
     Touchpoint("ckptless/worker/gloo_peers.py", "def parse_rank_record", "Gloo's store keys (`<ctx>/<rank>`) and `tcp::Rank` record layout "
                "(ckptless/worker/gloo_peers.py parses them)", _gloo_rank_record),
+    Touchpoint(RB, "def _keep_work(opts", "collective options' `asyncOp` set True (ProcessGroupNCCL returns no Work "
+               "for a synchronous call: torch 2.11, GPU run 2); a `None` Work taken as finished", _async_op),
     Touchpoint(RB, "success = getattr(_c10d, \"ErrorType\", None)",
                "`_c10d.ErrorType.SUCCESS`, `Backend.get_error()`", _error_type),
     Touchpoint(RB, "gloo.options.group_name = self._name", "`Backend.options.group_name`, `.global_ranks_in_group`",
@@ -358,9 +412,14 @@ TOUCHPOINTS: tuple[Touchpoint, ...] = (
                                                         "_get_zeros_like_grad_buckets", "_remove_autograd_hooks",
                                                         "prepare_for_backward")))),
     # --- FSDP2 ---
-    Touchpoint(FSDP_PY, "m._get_fsdp_state()", "`FSDPModule._get_fsdp_state`, `.reset_iter_state`",
-               attr("torch.distributed.fsdp:FSDPModule._get_fsdp_state",
-                    "torch.distributed.fsdp:FSDPModule.reset_iter_state")),
+    Touchpoint(FSDP_PY, "m._get_fsdp_state()", "`FSDPModule._get_fsdp_state`",
+               attr("torch.distributed.fsdp:FSDPModule._get_fsdp_state")),
+    Touchpoint(FSDP_PY, "api = getattr(m, \"reset_iter_state\", None)",
+               "`FSDPModule.reset_iter_state` (2.13; torch 2.11 lacks it: ckptless's own `_reset_iter_state` then)",
+               reset_iter_state_api),
+    Touchpoint(FSDP_PY, "def _reset_iter_state(root", "the fields ckptless's `_reset_iter_state` resets where "
+               "`reset_iter_state` is missing (FSDPState, its state and comm contexts, FSDPParamGroup; read "
+               "against 2.11.0's sources and 2.13's)", _reset_iter_state_fields),
     Touchpoint(FSDP_PY, "groups = getattr(state, \"_fsdp_param_groups\", None)",
                "`FSDPState._fsdp_param_groups` (2.13) or `._fsdp_param_group` (2.11)",
                self_attr(f"{_FSDP}._fsdp_state:FSDPState", "_fsdp_param_groups", "_fsdp_param_group", any_of=True)),

@@ -41,3 +41,19 @@ def test_a_group_ckptless_builds_writes_no_torch_deprecation_warning() -> None:
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "deprecated" not in done.stderr, done.stderr[-2000:]
+
+
+def test_a_torch_without_reset_iter_state_is_answered_by_the_fallback(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch 2.11 (the GPU machine's) has no ``FSDPModule.reset_iter_state``; ckptless resets FSDP2's fields
+    itself there (state/fsdp.py ``_reset_iter_state``), so the touchpoint accepts the method's absence when
+    the fields the fallback needs are there, and names them when they are not."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+    from ..harness import torch_touchpoints as tp
+
+    monkeypatch.delattr(FSDPModule, "reset_iter_state")
+    assert tp.reset_iter_state_api() == "yes: absent, ckptless's fallback"
+    monkeypatch.delattr(FSDPParamGroup, "_to_sharded")
+    got = tp.reset_iter_state_api()
+    assert got.startswith("no: absent") and "_to_sharded" in got, got
