@@ -95,6 +95,8 @@ COMPAT_E2E := \
   tests/e2e/test_ddp_fsdp_e2e.py::test_fsdp2_kill_rank0_in_backward \
   tests/e2e/test_ddp_fsdp_e2e.py::test_hsdp_lost_rank_is_rebuilt_from_its_replica_peer \
   tests/e2e/test_ddp_fsdp_e2e.py::test_init_process_group_after_ckptless_init \
+  tests/e2e/test_state_ddp_fsdp.py::test_private_torch_apis_used_are_pinned \
+  tests/e2e/test_state_ddp_fsdp.py::test_private_fsdp_and_ddp_behaviour_pinned \
   tests/e2e/test_integrations_e2e.py
 COMPAT_TESTS ?= tests/unit $(COMPAT_E2E)
 $(COMPAT_STAMP): pyproject.toml $(CONSTRAINTS) tools/compat_venv.sh
