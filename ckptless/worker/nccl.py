@@ -44,11 +44,23 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.torch_version import TorchVersion
 
 from ckptless.errors import TransportError
 from ckptless.state import streams
 
 NCCL = dist.ProcessGroup.BackendType.NCCL
+
+#: Whether a backend ckptless builds itself needs ``_set_sequence_number_for_group()``, as torch's own group
+#: creation calls it up to 2.13. torch 2.14 stopped calling it and made it a deprecated no-op that writes a
+#: warning to every process's stderr (c10d/Backend.hpp:556 of 2.14.1; docs/compatibility.md).
+_SEQUENCE_NUMBERS_NEED_A_START = TorchVersion(torch.__version__) < "2.14"
+
+
+def start_sequence_numbers(backend: Any) -> None:
+    """What torch's own group creation does to a new Gloo or NCCL backend, on this torch."""
+    if _SEQUENCE_NUMBERS_NEED_A_START:
+        backend._set_sequence_number_for_group()
 
 
 def build(store: dist.Store, rank: int, size: int, timeout: timedelta, name: str, global_ranks: list[int],
@@ -61,7 +73,7 @@ def build(store: dist.Store, rank: int, size: int, timeout: timedelta, name: str
     opts.group_name = name  # type: ignore[assignment]
     opts.global_ranks_in_group = global_ranks
     backend = dist.ProcessGroupNCCL(dist.PrefixStore("nccl/", store), rank, size, opts)
-    backend._set_sequence_number_for_group()
+    start_sequence_numbers(backend)
     on_created(backend)
     connect(backend, device)
     return backend

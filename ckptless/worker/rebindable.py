@@ -139,7 +139,7 @@ def new_user_gloo(store: dist.Store, generation: int, rank: int, size: int,
     (:mod:`ckptless.worker.gloo_peers`); a peer that died before that first
     message costs that collective Gloo's connect timeout (docs/failure-model.md)."""
     pg = new_gloo(gloo_peers.PeerRecordingStore(store, generation), rank, size, timeout, lazy=True)
-    pg._set_sequence_number_for_group()
+    nccl.start_sequence_numbers(pg)
     if size > 1:
         one = torch.zeros(1)
         pg.barrier().wait()
