@@ -40,6 +40,7 @@ PY
 cp "$work/test/junit.xml" "$out/junit.xml" 2>/dev/null
 tail -c 300000 "$work/test/pytest.log" > "$out/pytest.log" 2>/dev/null
 cp "$work/bench/gpu.json" "$out/bench.json" 2>/dev/null
+cp "$work/test/touchpoints.txt" "$out/touchpoints.txt" 2>/dev/null
 tail -c 100000 "$work/bench/bench.log" > "$out/bench.log" 2>/dev/null
 # Every case's JSON and the jobs' logs (small), in one archive.
 tar czf "$out/cases.tgz" -C "$work" --exclude='*.pt' --exclude='*.whl' --exclude='etcd' --exclude='member' . 2>/dev/null

@@ -22,4 +22,8 @@ set +e
 # deadline named nothing).
 PYTHONUNBUFFERED=1 CKPTLESS_GPU_OUT="$out" "$py" -m pytest -v -p no:cacheprovider "${par[@]}" "${tests[@]}" \
   --junitxml "$out/junit.xml" --durations=0 2>&1 | tee "$out/pytest.log"
-exit "${PIPESTATUS[0]}"
+rc=${PIPESTATUS[0]}
+# The private torch attributes ckptless touches, probed on this machine's torch (docs/compatibility.md: the
+# GPU machine's torch is the one version no CPU lane here holds).
+"$py" -m tests.harness.torch_touchpoints > "$out/touchpoints.txt" 2>&1 || true
+exit "$rc"
