@@ -326,12 +326,16 @@ def _start_seeded_workers(loader: DataLoader[Any]) -> None:
     stop_workers(loader)
     g = _generator_of(loader)
     cpu, own = torch.get_rng_state(), g.get_state() if g is not None else None
+    samplers = _sampler_generators(loader)  # a sampler's own generator primes too (Accelerate's)
+    states = [s.get_state() for s in samplers]
     try:
         loader._iterator = loader._get_iterator()
     finally:
         torch.set_rng_state(cpu)
         if g is not None and own is not None:
             g.set_state(own)
+        for s, state in zip(samplers, states):
+            s.set_state(state)
 
 
 def stop_workers(loader: DataLoader[Any]) -> None:

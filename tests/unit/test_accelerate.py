@@ -36,7 +36,7 @@ from ckptless.integrations.accelerate import AcceleratorState, loop  # noqa: E40
 from ckptless.passes import adapted, is_stateful  # noqa: E402
 from ckptless.state.fence import PROBE_CAPTURES, CopyFence, WriteOrder, hookable  # noqa: E402
 
-from .test_loop import Jittered, Squares, _rollback_plans, epoch_loop, run_loop  # noqa: E402
+from .test_loop import Augmented, Jittered, Squares, _rollback_plans, epoch_loop, run_loop  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -44,9 +44,10 @@ def accelerator() -> Accelerator:
     return Accelerator(cpu=True, gradient_accumulation_steps=2)  # one process: DistributedType.NO
 
 
-def _prepared(dataset: Any, seedable: bool = False) -> Any:
+def _prepared(dataset: Any, seedable: bool = False, **kwargs: Any) -> Any:
     """Rank 1's loader of 2 (a BatchSamplerShard), as Accelerate prepares it (no broadcast in one process)."""
-    return prepare_data_loader(DataLoader(dataset, batch_size=3, shuffle=True), num_processes=2, process_index=1,
+    return prepare_data_loader(DataLoader(dataset, batch_size=3, shuffle=True, **kwargs), num_processes=2,
+                               process_index=1,
                                put_on_device=False, rng_types=["generator"], use_seedable_sampler=seedable,
                                data_seed=5 if seedable else None)
 
@@ -88,6 +89,19 @@ def test_a_random_transform_loaded_in_process_is_not_reproduced_under_the_look_a
     baseline = run_loop(lambda: _prepared(Jittered(23)), epoch_loop, 1, {}, extra=_state)
     got = run_loop(lambda: _prepared(Jittered(23)), epoch_loop, 1, {2: 2}, extra=_state)
     assert got.record[:2] == baseline.record[:2] and got.record != baseline.record
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_a_prepared_loaders_workers_draw_the_same_transforms_after_rollbacks(accelerator: Accelerator,
+                                                                            persistent: bool) -> None:
+    """Two workers drawing a random transform per sample (issue 38: an Accelerate port with
+    ``num_workers=2`` ended with every object differing): seeded per sample through the inner loader."""
+    def make() -> Any:
+        return _prepared(Augmented(24), num_workers=2, persistent_workers=persistent)
+
+    baseline = run_loop(make, epoch_loop, 2, {}, extra=_state)
+    got = run_loop(make, epoch_loop, 2, {6: 3, 7: 5}, extra=_state)
+    assert got.same(baseline) and got.calls == 3
 
 
 def test_an_accelerated_optimizer_is_hooked_through_the_optimizer_it_wraps(
