@@ -60,13 +60,14 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--accumulation", type=int, default=2)
     p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--workers", type=int, default=0, help="loader worker processes")
     args = p.parse_args()
 
     job = ckptless.init()  # creates the process group the Accelerator finds
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=args.accumulation)
     model = Classifier(Config())
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
-    train_dl = DataLoader(dataset(), batch_size=args.batch_size, shuffle=True)
+    train_dl = DataLoader(dataset(), batch_size=args.batch_size, shuffle=True, num_workers=args.workers)
     # Accelerate steps a prepared scheduler once per process at each optimizer step: one per batch of
     # the whole (unsharded) loader is enough room for the updates of any world size
     scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=args.lr, total_steps=args.epochs * len(train_dl))
