@@ -327,10 +327,12 @@ def _incidents(goodput_dir: Path) -> tuple[float | None, list[dict[str, Any]]]:
 
 def run_script(name: str, job: ScriptJob, out: Path, rank: int | None = None, at: Sequence[int] = (),
                faults: Callable[[int], list[Fault]] | None = None, timeout_s: float | None = None,
-               log: Callable[[str], None] = print) -> ScriptVerdict:
+               log: Callable[[str], None] = print, baseline: JobRun | None = None) -> ScriptVerdict:
     """Fault-free run, faulty run, verdict. ``faults``: a plan from the step count (default:
-    :func:`plan_faults` for ``name``). Raises :class:`ConfigError` for bad input and
-    :class:`CkptlessError` when the fault-free run itself fails (nothing to compare with)."""
+    :func:`plan_faults` for ``name``). ``baseline``: the fault-free run of an earlier call with the
+    same job (its ``ScriptVerdict.baseline``), compared with instead of running it again. Raises
+    :class:`ConfigError` for bad input and :class:`CkptlessError` when the fault-free run itself fails
+    (nothing to compare with)."""
     job.validate()
     if faults is None:
         plan_faults(name, job, 10**9, rank, [])  # check the scenario and flags before running anything
@@ -341,8 +343,13 @@ def run_script(name: str, job: ScriptJob, out: Path, rank: int | None = None, at
     site = out / "site"
     site.mkdir(parents=True, exist_ok=True)
     (site / "sitecustomize.py").write_text(SITE_CUSTOMIZE)
-    log(f"fault-free run -> {out / 'fault-free'}")
-    base = run_job(job.spec(faulty=False, site=site), out / "fault-free", "fault-free", timeout_s=timeout_s or 1800.0, log=log)
+    if baseline is None:
+        log(f"fault-free run -> {out / 'fault-free'}")
+        base = run_job(job.spec(faulty=False, site=site), out / "fault-free", "fault-free",
+                       timeout_s=timeout_s or 1800.0, log=log)
+    else:
+        log(f"fault-free run: {baseline.out} (reused)")
+        base = baseline
     world = job.world_size
     if base.problems or len(base.digests) != world:
         why = "; ".join(base.problems) or f"{len(base.digests)} of {world} ranks wrote a digest at the end of training"
@@ -360,7 +367,7 @@ def run_script(name: str, job: ScriptJob, out: Path, rank: int | None = None, at
     v = ScriptVerdict(name, script, False, "", faults=plan, baseline=base, faulty=bad)
     v.reasons += bad.problems
     start_diff = compare_digests(read_digests(out / name / "digest", "init"),
-                                 read_digests(out / "fault-free" / "digest", "init"), world)
+                                 read_digests(base.out / "digest", "init"), world)
     if start_diff:  # not a recovery verdict: the two runs never started from the same state
         v.reasons.append("the two runs started from different states (" + "; ".join(start_diff)[:400]
                          + "): seed every random stream before building the model and data")

@@ -38,7 +38,7 @@ from collections.abc import Callable, Generator, Iterable, Iterator
 from typing import Any
 
 from ckptless.errors import ConfigError, RecoveryError
-from ckptless.passes import AFTER_EPOCHS, LoopPosition, is_stateful, open_pass, stop_workers
+from ckptless.passes import AFTER_EPOCHS, LoopPosition, adapted, is_stateful, open_pass, stop_workers
 from ckptless.sample_seeds import refuse_unreproducible, seeds_per_pass
 from ckptless.state.rng import RNGState
 from ckptless.worker import exit_file, exit_guard, training
@@ -247,13 +247,14 @@ class LoopRunner:
 
     def batches(self, loader: Iterable[Any]) -> Iterator[Any]:
         self._check_running("job.batches")
+        inner = adapted(loader) or loader  # an Accelerate loader's workers are its inner DataLoader's
         try:
-            refuse_unreproducible(loader)  # at the first pass: never trained on until a recovery shows it
+            refuse_unreproducible(inner)  # at the first pass: never trained on until a recovery shows it
         except ConfigError as exc:
             self._fatal = exc
             raise
-        if seeds_per_pass(loader) and all(ref() is not loader for ref in self._persistent):
-            self._persistent.append(weakref.ref(loader))
+        if seeds_per_pass(inner) and all(ref() is not inner for ref in self._persistent):
+            self._persistent.append(weakref.ref(inner))
         k = self._passes
         self._passes += 1
         outside = not self._in_epochs

@@ -55,17 +55,28 @@ from ckptless.sample_seeds import SeedPerSample, install, pass_seed_slot, refuse
 from ckptless.state.registry import Stateful
 from ckptless.state.rng import RNGState, numpy_from_tree, numpy_tree, python_from_tree, python_tree
 
-__all__ = ["AFTER_EPOCHS", "LoopPosition", "is_stateful", "open_pass", "stop_workers"]
+__all__ = ["AFTER_EPOCHS", "LoopPosition", "adapted", "is_stateful", "open_pass", "stop_workers"]
 
 AFTER_EPOCHS = -2
 """``LoopPosition.ordinal`` of a pass made after the ``job.epochs`` loop ended (-1: no epoch loop yet)."""
 
 _EMPTY = torch.empty(0, dtype=torch.uint8)
+_END = object()
+
+
+def adapted(loader: Any) -> DataLoader[Any] | None:
+    """The torch ``DataLoader`` inside a Hugging Face Accelerate prepared loader (``DataLoaderShard``,
+    ``DataLoaderDispatcher``, ``SkipDataLoader``: they pass for a ``DataLoader`` through ``__class__``),
+    or None. Such an adapter has ``state_dict`` methods, but they answer only over a torchdata
+    ``StatefulDataLoader`` (over a plain one they raise ``AttributeError: dl_state_dict``)."""
+    base = getattr(loader, "__dict__", {}).get("base_dataloader")
+    return base if isinstance(base, DataLoader) else None
 
 
 def is_stateful(loader: Any) -> bool:
     """A loader that keeps its own position (torch.distributed.checkpoint's Stateful protocol)."""
-    return isinstance(loader, Stateful)
+    base = adapted(loader)
+    return isinstance(loader, Stateful) and (base is None or isinstance(base, Stateful))
 
 
 class LoopPosition:
@@ -76,6 +87,8 @@ class LoopPosition:
     within that epoch. ``consumed``: batches of the pass trained before the one in hand. ``opened``:
     the pass was opened (what follows is recorded). ``cpu_rng``/``loader_rng``: the global CPU
     generator's and the loader's own generator's state just before the pass was opened.
+    ``sampler_rng``: the generators of its sampler chain that are not the loader's own (a
+    ``RandomSampler(generator=...)``, Accelerate's synchronized generator), before it was opened.
     ``base_draw``: opening it drew the workers' base seed. ``loader_state``: a stateful loader's own
     state before the batch in hand was fetched. ``fetch_torch``/``fetch_python``/``fetch_numpy``: the
     torch CPU, Python and NumPy global streams before it was fetched (loading it in this process may
@@ -95,6 +108,7 @@ class LoopPosition:
         self.opened = False
         self.cpu_rng = _EMPTY
         self.loader_rng = _EMPTY
+        self.sampler_rng: list[torch.Tensor] = []
         self.base_draw = False
         self.loader_state: dict[str, Any] | None = None
         self.fetch_torch = _EMPTY
@@ -138,7 +152,8 @@ class LoopPosition:
     def state_dict(self) -> dict[str, Any]:
         return {"ordinal": self.ordinal, "epoch": self.epoch, "pass": self.pass_index, "consumed": self.consumed,
                 "opened": self.opened, "cpu_rng": self.cpu_rng, "loader_rng": self.loader_rng,
-                "base_draw": self.base_draw, "loader_state": self.loader_state, "fetch_torch": self.fetch_torch,
+                "sampler_rng": list(self.sampler_rng), "base_draw": self.base_draw,
+                "loader_state": self.loader_state, "fetch_torch": self.fetch_torch,
                 "fetch_python": None if self.fetch_python is None else python_tree(self.fetch_python),
                 "fetch_numpy": None if self.fetch_numpy is None else numpy_tree(self.fetch_numpy)}
 
@@ -149,6 +164,7 @@ class LoopPosition:
             self.opened, self.base_draw = bool(state["opened"]), bool(state["base_draw"])
             self.cpu_rng = state["cpu_rng"].clone()
             self.loader_rng = state["loader_rng"].clone()
+            self.sampler_rng = [t.clone() for t in state.get("sampler_rng", [])]  # none: an older image
             self.loader_state = state["loader_state"]
             self.fetch_torch = state["fetch_torch"].clone()
             py, npy = state["fetch_python"], state.get("fetch_numpy")  # no NumPy entry: an older image
@@ -163,45 +179,133 @@ def _generator_of(loader: Any) -> torch.Generator | None:
     return g if isinstance(g, torch.Generator) else None
 
 
+def _sampler_generators(loader: Any) -> list[torch.Generator]:
+    """The generators a pass's index order is drawn from besides the loader's own: a sampler's
+    (``RandomSampler(generator=g)``, also inside a ``BatchSampler`` or Accelerate's ``BatchSamplerShard``)
+    and Accelerate's synchronized one (the same object, usually). In a fixed order, each once."""
+    own = _generator_of(loader)
+    found: list[torch.Generator] = []
+    todo: list[tuple[Any, int]] = [(getattr(loader, name, None), 0)
+                                   for name in ("synchronized_generator", "batch_sampler", "sampler")]
+    while todo:
+        obj, depth = todo.pop(0)
+        if isinstance(obj, torch.Generator):
+            if obj is not own and all(obj is not g for g in found):
+                found.append(obj)
+        elif obj is not None and depth < 4 and not isinstance(obj, (int, float, str, torch.Tensor)):
+            todo += [(getattr(obj, name, None), depth + 1) for name in ("generator", "batch_sampler", "sampler")]
+    return found
+
+
 def open_pass(loader: Iterable[Any], pos: LoopPosition, resume: dict[str, Any] | None) -> Iterator[Any]:
     """An iterator over one pass of ``loader``: from its start (``resume`` None: records in ``pos``
     what a later reopening needs), or reopened at ``pos``. ``resume`` is then the RNG streams of the
     resume version (``RNGState.state_dict()``), which they are left at: whatever the code before the
-    pass drew again on its way here (a probe ``next(iter(loader))`` draws a base seed) is undone."""
-    refuse_unreproducible(loader)
-    install(loader)
-    slot = pass_seed_slot(loader)
+    pass drew again on its way here (a probe ``next(iter(loader))`` draws a base seed) is undone.
+
+    An Accelerate prepared loader (:func:`adapted`) is opened as itself, so that its own work per
+    pass runs (device placement, ``GradientState``'s end of the loader, its epoch counter); reopened,
+    its inner ``DataLoader``'s pass is replayed below it (:func:`_adapter_rest`)."""
+    base = adapted(loader)
+    torch_loader = base if base is not None else loader  # what has workers, a generator, a batch sampler
+    refuse_unreproducible(torch_loader)
+    install(torch_loader)
+    slot = pass_seed_slot(torch_loader)
+    samplers = _sampler_generators(loader)
     if resume is None:
         pos.cpu_rng = torch.get_rng_state()
-        g = _generator_of(loader)
+        g = _generator_of(torch_loader)
         pos.loader_rng = g.get_state() if g is not None else _EMPTY
+        pos.sampler_rng = [s.get_state() for s in samplers]
         # A DataLoader draws its workers' base seed when its iterator is made; for persistent workers
         # the pass draws it (their iterator is made drawing nothing), so that it differs every pass.
-        pos.base_draw = isinstance(loader, DataLoader)
+        pos.base_draw = isinstance(torch_loader, DataLoader)
         if slot is not None:
-            assert isinstance(loader, DataLoader)
-            _start_seeded_workers(loader)
-            slot.fill_(_draw_base(loader))
+            assert isinstance(torch_loader, DataLoader)
+            _start_seeded_workers(torch_loader)
+            slot.fill_(_draw_base(torch_loader))
         pos.opened = True
         return iter(loader)
     torch.set_rng_state(pos.cpu_rng)
-    g = _generator_of(loader)
+    g = _generator_of(torch_loader)
     if g is not None and pos.loader_rng.numel():
         g.set_state(pos.loader_rng)
+    if len(pos.sampler_rng) == len(samplers):
+        for s, state in zip(samplers, pos.sampler_rng):
+            s.set_state(state)
     try:
         if is_stateful(loader):
             if pos.loader_state is not None:
                 loader.load_state_dict(pos.loader_state)  # type: ignore[attr-defined]
             return iter(loader)
-        if isinstance(loader, DataLoader) and not isinstance(loader.dataset, IterableDataset) \
-                and loader.batch_sampler is not None:
-            return _rest_of(loader, pos)
+        if isinstance(torch_loader, DataLoader) and not isinstance(torch_loader.dataset, IterableDataset) \
+                and torch_loader.batch_sampler is not None and _shards_batches(loader):
+            if base is None:
+                return _rest_of(torch_loader, pos)
+            _adapter_prologue(loader)
+            return _adapter_rest(loader, _rest_of(torch_loader, pos),
+                                 pos.base_draw and pos.consumed == 0 and _generator_of(torch_loader) is None)
         it = iter(loader)
         for _ in range(pos.consumed):  # no index stream to skip by: fetch the trained batches again
             next(it)
         return it
     finally:
         RNGState().load_state_dict(resume)  # (the loader's generator stays where the pass's opening left it)
+
+
+def _shards_batches(loader: Any) -> bool:
+    """One batch of ``loader`` is one batch of its index stream (not Accelerate's dispatcher, whose
+    batch is several of its inner loader's: it is reopened by fetching the trained batches again)."""
+    return adapted(loader) is None or type(loader).__name__ != "DataLoaderDispatcher"
+
+
+def _adapter_prologue(loader: Any) -> None:
+    """What an Accelerate ``DataLoaderShard`` does at a pass's start before it iterates its inner loader,
+    done before the inner pass is replayed: the synchronized generator broadcast from rank 0 (one
+    collective, as in the original pass: :func:`_adapter_rest` skips the adapter's own) and the
+    sampler's epoch set from the adapter's epoch counter."""
+    types = getattr(loader, "rng_types", None)
+    if types:
+        from accelerate.utils import synchronize_rng_states
+
+        synchronize_rng_states(types, getattr(loader, "synchronized_generator", None))
+    set_epoch = getattr(loader, "set_epoch", None)
+    if callable(set_epoch) and hasattr(loader, "iteration"):
+        set_epoch(loader.iteration)
+
+
+def _adapter_rest(loader: Any, rest: Iterator[Any], draw: bool) -> Iterator[Any]:
+    """The rest of an Accelerate loader's pass: its own ``__iter__`` (device placement, look-ahead,
+    ``GradientState``, epoch counter) over the replayed inner pass ``rest``. ``draw``: the pass resumes
+    at its first batch, whose fetch drew the inner loader's base seed from the global stream in the
+    original pass (the adapter makes its inner iterator at its first fetch): drawn again."""
+    saved = loader.__dict__["base_dataloader"], loader.__dict__.get("rng_types")
+    loader.base_dataloader, loader.rng_types = _OnePass(rest, saved[0]), None
+    try:
+        if draw:
+            torch.empty((), dtype=torch.int64).random_()
+        inner = iter(loader)
+        first = next(inner, _END)  # the adapter took its inner iterator (and looked one batch ahead)
+    finally:
+        loader.base_dataloader, loader.rng_types = saved
+    if first is _END:
+        return
+    yield first
+    yield from inner
+
+
+class _OnePass:
+    """Stands for an Accelerate adapter's inner loader while the adapter makes its iterator: its
+    iterator is the replayed pass, everything else (sampler, dataset, ...) the inner loader's."""
+
+    def __init__(self, it: Iterator[Any], inner: Any) -> None:
+        self._it, self._inner = it, inner
+
+    def __iter__(self) -> Iterator[Any]:
+        return self._it
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
 
 
 def _draw_base(loader: DataLoader[Any]) -> int:
@@ -222,12 +326,16 @@ def _start_seeded_workers(loader: DataLoader[Any]) -> None:
     stop_workers(loader)
     g = _generator_of(loader)
     cpu, own = torch.get_rng_state(), g.get_state() if g is not None else None
+    samplers = _sampler_generators(loader)  # a sampler's own generator primes too (Accelerate's)
+    states = [s.get_state() for s in samplers]
     try:
         loader._iterator = loader._get_iterator()
     finally:
         torch.set_rng_state(cpu)
         if g is not None and own is not None:
             g.set_state(own)
+        for s, state in zip(samplers, states):
+            s.set_state(state)
 
 
 def stop_workers(loader: DataLoader[Any]) -> None:

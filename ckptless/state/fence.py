@@ -168,12 +168,14 @@ class WriteOrder:
             h.remove()
         self._handles, self.optimizers = [], []
         for obj in objects:
-            if isinstance(obj, torch.optim.Optimizer):
-                try:
-                    self._handles.append(obj.register_step_pre_hook(self._before_optimizer_step))
-                    self.optimizers.append(obj)
-                except AttributeError as exc:
-                    self.go_conservative(f"{type(obj).__qualname__} takes no step pre-hook ({exc})")
+            if not isinstance(obj, torch.optim.Optimizer):
+                continue
+            real, why = hookable(obj)
+            if real is None:
+                self.go_conservative(f"{type(obj).__qualname__} takes no step pre-hook ({why})")
+            elif all(real is not o for o in self.optimizers):  # a wrapper and what it wraps: one hook
+                self._handles.append(real.register_step_pre_hook(self._before_optimizer_step))
+                self.optimizers.append(real)
 
     @property
     def overlapping(self) -> bool:
@@ -232,6 +234,28 @@ class WriteOrder:
             self.conservative = True
             log.warning("%s: every step now waits for the capture's copies at its start (the next step no "
                         "longer overlaps them)", why)
+
+
+WRAPPED = ("optimizer", "_optimizer", "optim")
+"""Attributes an optimizer wrapper keeps what it wraps under (Accelerate's ``AcceleratedOptimizer``,
+Lightning's ``LightningOptimizer``: ``optimizer``/``_optimizer``)."""
+
+
+def hookable(opt: torch.optim.Optimizer) -> tuple[torch.optim.Optimizer | None, str]:
+    """The optimizer whose step pre-hook runs when ``opt`` steps: ``opt`` itself, or for a wrapper
+    that never ran ``Optimizer.__init__`` (it has no hook table) and forwards ``step`` to the optimizer
+    it holds, that one (followed down nested wrappers). A wrapper's step may skip the inner step (an
+    accumulation micro-batch, a GradScaler's inf step): then nothing was written, and nothing waits.
+    (None, why) when no optimizer in the chain takes a hook."""
+    seen: list[Any] = []
+    cur: Any = opt
+    while isinstance(cur, torch.optim.Optimizer) and all(cur is not s for s in seen):
+        if isinstance(vars(cur).get("_optimizer_step_pre_hooks"), dict):
+            return cur, ""
+        seen.append(cur)
+        cur = next((w for w in (vars(cur).get(a) for a in WRAPPED) if isinstance(w, torch.optim.Optimizer)), None)
+    return None, ("it never ran Optimizer.__init__ and wraps no optimizer that did, under "
+                  + "/".join(WRAPPED))
 
 
 def late_sources(objects: Iterable[Any]) -> dict[int, torch.Tensor]:

@@ -153,8 +153,8 @@ class Outcome:
 
 
 def run_loop(make_loader: Callable[[], Any], fn_body: Callable[..., None], epochs: int,
-             rollbacks: dict[int, int]) -> Outcome:
-    """Run ``fn_body`` as job.train's function."""
+             rollbacks: dict[int, int], extra: Callable[[Any], dict[str, Any]] | None = None) -> Outcome:
+    """Run ``fn_body`` as job.train's function (``extra``: more objects to protect, made from the loader)."""
     torch.manual_seed(1234)
     random.seed(1234)
     np.random.seed(1234)
@@ -163,6 +163,8 @@ def run_loop(make_loader: Callable[[], Any], fn_body: Callable[..., None], epoch
     record = Record()
     driver.rt.registry.protect(record=record, **{LOOP_ENTRY: runner.position})
     loader = make_loader()
+    if extra is not None:
+        driver.rt.registry.protect(**extra(loader))
     calls = [0]
 
     def fn() -> None:
