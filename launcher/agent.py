@@ -127,6 +127,7 @@ class NodeAgent:
         old, st.session = st.session, None
         if st.lost_since is None:
             st.lost_since = time.monotonic()  # the lease is gone from now until a renewal succeeds
+            st.lease_lapsed_at = st.lost_since
         try:
             # A short grant deadline: the main loop retries every turn, and while etcd is away a long
             # one would hold the loop (and every exit decision) for the client's whole call deadline.
