@@ -14,8 +14,7 @@ States (one incident = one pass from Watching back to Watching)::
     Planning --plan--> Publishing --published--> AwaitingFormation --all ready--> Watching
     Planning --no replacement--> WaitingForReplacement --spare/node--> Planning
     any --user error / unrecoverable / status set--> Ended
-    Publishing --fenced out--> Deposed (the driver resigns and campaigns again)
-    any --a write fenced out--> Deposed (another agent leads: our lease lapsed, e.g. while paused)
+    any --a publish or write fenced out--> Deposed (the driver resigns and campaigns again)
 
 Every state has a deadline or is left by the next event: Collecting ends at
 the report deadline (silent ranks are lost), WaitingForReplacement at the
@@ -160,10 +159,8 @@ class PublishRejected:
 
 @dataclass(frozen=True)
 class Fenced:
-    """A write of ours (an incident, a note, a grow request, the job's end) failed the fence on our election
-    key: another agent leads. A leader paused past its lease resumes with its old state and a clock that
-    jumped; what it would decide now is not its to write (issue 35: it opened incidents after a pause)."""
-
+    """A write of ours failed the fence on our election key: another agent leads (ours lapsed while paused,
+    issue 35). Deposes from any state, Ended too: an end refused by the fence ended nothing."""
     reason: str
     now: float
 
@@ -232,7 +229,6 @@ class AskGrow:
 
 Action = Union[OpenIncident, RequestPlan, Publish, EndJob, Log, Resign, NoteWaiting, AskGrow]
 Step = tuple[State, tuple[Action, ...]]
-
 INITIAL: State = Watching(-1)
 
 
@@ -247,8 +243,7 @@ def is_terminal(state: State) -> bool:
 # --- the transition function -----------------------------------------------------------------
 def step(state: State, event: Event, cfg: LeaderConfig) -> Step:
     """The whole leader: pure, total over (state, event)."""
-    if isinstance(event, Fenced) and not isinstance(state, Deposed):
-        # Also from Ended: the job's end this machine decided was refused by the fence, so it did not end it.
+    if isinstance(event, Fenced) and not isinstance(state, Deposed):  # (see Fenced)
         return Deposed(event.reason), (Log("warning", f"no longer the leader: {event.reason}"), Resign(event.reason))
     if is_terminal(state):
         return state, ()
