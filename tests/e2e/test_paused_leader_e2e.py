@@ -24,10 +24,13 @@ import os
 import signal
 from pathlib import Path
 
+import pytest
+
 from ckptless.coordinator.embedded import EmbeddedEtcd
 from ckptless.coordinator.keyspace import Keyspace
+from ckptless.recovery.wire import Membership
 
-from ..harness.cluster import FaultFree, assert_recovered, new_cluster
+from ..harness.cluster import FaultFree, assert_bitwise_equal, assert_recovered, new_cluster, wait_exit
 from ..harness.waiting import wait_until
 
 FLAGS = ("--node-grace", "3", "--replacement-timeout", "30")
@@ -62,3 +65,42 @@ def test_leader_agent_paused_past_node_grace_rejoins_and_the_job_survives(
     assert "lease renewed after it was lost" in text, c.tail()
     assert "did not report within" not in text, c.tail()
     assert_recovered(c, baseline, {0, 1})
+
+
+@pytest.mark.rotating(0)  # CI budget: tests/harness/rotation.py (the paused leader's rejoin runs daily)
+def test_leader_agent_paused_while_spares_took_its_ranks_says_so_and_exits_1(
+        module_etcd: EmbeddedEtcd, tmp_path: Path, baseline: FaultFree) -> None:
+    """The same pause with a spare-only agent of two spares: the new leader gives ranks 0 and 1 to the
+    spares and the job goes on without node 0. Resumed, agent 0 finds its ranks run elsewhere and keeps
+    no spare: one line saying so, exit 1 (was: exit 0 without a word, as if its ranks had finished);
+    the job ends bitwise, the other agents 0."""
+    c = new_cluster(module_etcd.endpoint, tmp_path, "leaderaway", REF_PAUSE_RANK="0", REF_PAUSE_STEP="5",
+                    REF_PAUSE_RELEASE="release")
+    try:
+        c.start_leader_then_others(*FLAGS)
+        c.start_agent(*FLAGS, "--spares", "2", nproc=0)
+        c.paused_pid(0)
+        leader = c.leader_agent()
+        assert leader is c.agent_of_rank(0)
+        os.kill(leader.pid, signal.SIGSTOP)
+        try:
+            def moved() -> bool:
+                m = c.membership()
+                return m is not None and m.generation >= 1 and _spares_run(m, (0, 1))
+
+            wait_until(moved, 60, "ranks 0 and 1 given to the spares while agent 0 is paused")
+        finally:
+            os.kill(leader.pid, signal.SIGCONT)
+        c.release()
+        code = wait_exit(leader, 60, "the resumed agent 0")
+        c.wait(timeout=120, expect_fail=[leader])
+    finally:
+        c.kill_all()
+    log0 = c.logs[0].read_text(errors="replace")
+    assert code == 1, log0[-3000:]
+    assert "this node's ranks [0, 1] run on other nodes since generation" in log0, log0[-3000:]
+    assert_bitwise_equal(c.finals(), baseline.finals)
+
+
+def _spares_run(m: Membership, ranks: tuple[int, ...]) -> bool:
+    return all(m.worker_of(r).source == "spare" for r in ranks)
