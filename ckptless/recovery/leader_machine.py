@@ -30,6 +30,8 @@ from typing import Literal, Union
 
 from ckptless.recovery import give_up
 from ckptless.recovery.decision import Decision, DiskFallback, RecoveryPlan, Unrecoverable, WaitForReplacement
+from ckptless.recovery.leader_actions import (  # re-exported: the machine's outputs, named from here too
+    Action, AskGrow, EndJob, Log, NoteWaiting, OpenIncident, Publish, RequestPlan, Resign)
 from ckptless.recovery.view import ExitRecord, JobStatus, JobView, finished_line
 
 
@@ -168,66 +170,6 @@ class Fenced:
 Event = Union[Observed, Planned, PlanFailed, Published, PublishRejected, Fenced]
 
 
-# --- actions -------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class OpenIncident:
-    generation: int
-    lost: tuple[int, ...]
-    reason: str
-
-
-@dataclass(frozen=True)
-class RequestPlan:
-    """Build facts from the last observed view with these ranks lost, plan, answer Planned/PlanFailed."""
-
-    generation: int
-    lost: frozenset[int]
-
-
-@dataclass(frozen=True)
-class Publish:
-    """Bump the generation and write the decision's membership in one fenced transaction."""
-
-    decision: RecoveryPlan | DiskFallback
-    from_generation: int
-
-
-@dataclass(frozen=True)
-class EndJob:
-    status: JobStatus
-
-
-@dataclass(frozen=True)
-class Log:
-    level: Literal["info", "warning", "error"]
-    message: str
-
-
-@dataclass(frozen=True)
-class Resign:
-    reason: str
-
-
-@dataclass(frozen=True)
-class NoteWaiting:
-    """Record on the incident that the job waits for a replacement (``ckptless status``, the ledger)."""
-
-    generation: int
-    lost: tuple[int, ...]
-    deadline_in_s: float  # from now
-    reason: str
-
-
-@dataclass(frozen=True)
-class AskGrow:
-    """Ask a generation with fewer ranks to grow back: its processes leave together at a step boundary
-    (the hosted ranks' state handed to images there) and the next plan gives those ranks to spares."""
-
-    generation: int
-    hosted: tuple[int, ...]
-
-
-Action = Union[OpenIncident, RequestPlan, Publish, EndJob, Log, Resign, NoteWaiting, AskGrow]
 Step = tuple[State, tuple[Action, ...]]
 INITIAL: State = Watching(-1)
 
