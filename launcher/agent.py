@@ -63,7 +63,7 @@ from ckptless.launcher.node_metrics import update_node_metrics
 from ckptless.launcher.node_state import NodeState
 from ckptless.launcher.outbox import OUTBOX_DRAIN_S
 from ckptless.launcher.slots import Slot
-from ckptless.launcher.watchdog import watch_hangs
+from ckptless.launcher.watchdog import end_stuck_teardowns, watch_hangs
 from ckptless.launcher.worker_env import WorkerLayout, build_command, ckptless_env_from_config, worker_env
 from ckptless.launcher.workers import WorkerGroup
 from ckptless.metrics import MetricsExporter
@@ -127,6 +127,7 @@ class NodeAgent:
         old, st.session = st.session, None
         if st.lost_since is None:
             st.lost_since = time.monotonic()  # the lease is gone from now until a renewal succeeds
+            st.lease_lapsed_at = st.lost_since
         try:
             # A short grant deadline: the main loop retries every turn, and while etcd is away a long
             # one would hold the loop (and every exit decision) for the client's whole call deadline.
@@ -267,6 +268,7 @@ class NodeAgent:
                 self._warn_if_unported(spawned_at)
                 self._maybe_warm(group)
                 refill.maybe_refill(st, group)
+                end_stuck_teardowns(group, st.exit_path, cfg.shutdown_timeout, st.killed_in_teardown)
                 code = completion.done(st)
             if code == 0:
                 self._warn_if_unported(spawned_at, at_end=True)

@@ -6,8 +6,12 @@ that failed (its ``status`` record) exits 1 with the root cause printed; a
 node whose ranks all finished exits 0 -- but the store's host waits for the
 other nodes' exit records first (they may still need its store), and not on
 an etcd that is gone: a finished job never exits non-zero (a scheduler reads
-that as a failed job). A node cut off from etcd past the node grace, with
-none of its workers left, exits 1: the job went on without it.
+that as a failed job). "All its ranks" are the ranks the membership it
+follows places on it, each finished by the worker that membership names
+(:func:`node_part`), never "no slot holds a rank right now". A node cut off
+from etcd past the node grace, with none of its workers left, or whose ranks
+the membership moved to other nodes while it keeps no spare, exits 1 with
+one line saying so: the job went on without it.
 """
 
 from __future__ import annotations
@@ -15,10 +19,13 @@ from __future__ import annotations
 import logging
 import sys
 import time
+from collections.abc import Mapping, Sequence
+from typing import Literal
 
 from ckptless.coordinator.client import Compare, Put
 from ckptless.errors import CkptlessError, CoordinatorError
 from ckptless.launcher.node_state import NodeState
+from ckptless.launcher.slots import Slot
 from ckptless.launcher.summary import render_failure
 from ckptless.recovery.view import ExitRecord, JobStatus
 
@@ -62,7 +69,8 @@ def done(st: NodeState) -> int | None:
     status = st.status
     if status is not None and status.state == "failed":
         return 1
-    if st.slots.ever_ranked() and st.slots.all_assigned_succeeded():
+    part = node_part(st.slots.all(), my_ranks(st))
+    if part == "finished":
         # Our ranks passed the final commit: the job's training is complete. The store's host
         # waits for the others' exit records (they may still need the store), but not on an
         # etcd that is gone: a finished job never exits non-zero (a scheduler reads that as
@@ -79,8 +87,11 @@ def done(st: NodeState) -> int | None:
             return 0
     if status is not None and status.state == "succeeded":
         return 0
-    if not st.slots.ever_ranked() and _all_ranks_finished(st):
-        return 0  # a spare-only node outlives nobody
+    if part in ("spare_only", "spares") and _all_ranks_finished(st):
+        return 0  # a node that only keeps spares outlives nobody
+    if part == "moved" and not _hosts_store(st):
+        _say_moved(st)
+        return 1
     if _cut_off(st):
         return 1
     return None
@@ -98,6 +109,59 @@ def _record_success(st: NodeState) -> None:
     # once both are merged.
     if st.recovery and st.status is None and st.membership is not None:
         send_status(st, JobStatus("succeeded", f"all {st.membership.world_size} ranks finished"))
+
+
+Part = Literal["spare_only", "running", "finished", "spares", "moved"]
+
+
+def node_part(slots: Sequence[Slot], mine: Mapping[int, str]) -> Part:
+    """Where this node's part in the job stands: from its slot table and the ranks the membership it
+    follows places here (``mine``: rank -> worker id, a hosted rank excluded: its host runs it).
+
+    * ``spare_only``: no slot ever ran a rank (a spare-only or late node still waiting to serve);
+    * ``running``: a slot runs a rank, or a rank placed here has not ended well here yet (a respawn
+      the follower is starting, or a failure the leader has yet to re-plan);
+    * ``finished``: every rank placed here ended well in the worker the membership names;
+    * ``spares``: the membership places no rank here any more and live spares of ours remain;
+    * ``moved``: the membership places no rank here and nothing of ours is left to serve: the job went
+      on without this node (e.g. its agent was paused past ``--node-grace`` and its ranks run elsewhere).
+
+    Why the membership and not the slots alone: between a membership that moves a rank's worker (the
+    follower unassigns the old slot) and the respawn that starts it again in this node, no slot holds a
+    rank; judged by the slots alone that read as "all our ranks finished", and an agent paused past the
+    node grace exited 0 there, before respawning its ranks, while its job waited for them and failed
+    (issue 35)."""
+    if not any(s.ever_ranked for s in slots):
+        return "spare_only"
+    if any(s.alive and s.rank is not None for s in slots):
+        return "running"
+    if mine:
+        by_worker = {s.worker_id: s for s in slots}
+        placed = [by_worker.get(w) for w in mine.values()]
+        ended_well = all(s is not None and s.succeeded and not s.alive for s in placed)
+        assigned_well = all(s.succeeded for s in slots if s.rank is not None)
+        return "finished" if ended_well and assigned_well else "running"
+    return "spares" if any(s.spare and s.alive for s in slots) else "moved"
+
+
+def my_ranks(st: NodeState) -> dict[int, str]:
+    """The ranks the membership this agent follows places on this node, with their worker ids."""
+    m = st.membership
+    if m is None:
+        return {}
+    return {a.rank: a.worker_id for a in m.ranks if a.node_id == st.node_id and a.source != "hosted"}
+
+
+def _say_moved(st: NodeState) -> None:
+    """One line: why this agent leaves while its job goes on (exit 1: this node failed the job)."""
+    m = st.membership
+    ran = sorted({r for s in st.slots.all() for r in (s.rank, s.last_rank) if r is not None})
+    why = ("this agent lost its lease (paused, or cut off from etcd) and the coordinator gave the node up "
+           f"after --node-grace {st.cfg.node_grace:.0f}s" if st.lease_lapsed_at is not None
+           else "the coordinator re-planned them")
+    print(f"ckptless-run: this node's ranks {ran} run on other nodes since generation "
+          f"{m.generation if m is not None else '?'} ({why}), and it keeps no spare: leaving; the job goes on "
+          "without this node", file=sys.stderr, flush=True)
 
 
 def _etcd_gone_past_grace(st: NodeState) -> bool:

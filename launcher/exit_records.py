@@ -11,7 +11,9 @@ tier (``--shm-dir``) the record also names the newest version of the rank's
 own image found intact on this node. A worker whose GPU failed (kind
 ``device``) has that GPU marked bad for good (one warning naming it), and its
 record says whether this node can start the rank again on another good GPU
-(``respawnable``; launcher/devices.py). Without recovery, the first failure
+(``respawnable``; launcher/devices.py). A worker the agent killed stuck in
+its teardown, after its program ended, is recorded with the code its program
+ended with (launcher/watchdog.py). Without recovery, the first failure
 ends the job, as with torchrun (launcher/completion.py).
 """
 
@@ -35,6 +37,11 @@ log = logging.getLogger("ckptless.agent")
 def record_exit(st: NodeState, ex: WorkerExit) -> None:
     """Called by the reaper the moment a worker is reaped: into etcd first, then decide."""
     slot = st.slots.get(ex.local_rank)
+    if ex.pid in st.killed_in_teardown:
+        # Killed by us in its teardown, after its program ended: it ended as its program said.
+        end = exit_file.read_end(st.exit_path(ex.local_rank), ex.pid)
+        if end is not None:
+            ex = replace(ex, exitcode=end[0], signal=None)
     kind, error = exit_file.read(st.exit_path(ex.local_rank), pid=ex.pid)
     if kind == "reexec" and not ex.requested:
         # A pre-built spare assigned another rank than the one it built for: start it again

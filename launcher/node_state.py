@@ -60,7 +60,9 @@ class NodeState:
         self.membership_lock = threading.Lock()
         self.reexec_pending: set[int] = set()  # local ranks of pre-built spares to start again as their rank
         self.local_failures: list[ExitRecord] = []
+        self.killed_in_teardown: set[int] = set()  # pids killed after their program ended (launcher/watchdog.py)
         self.lost_since: float | None = None  # when our lease was found lost and could not be renewed
+        self.lease_lapsed_at: float | None = None  # when our lease was last found lost (kept after a renewal)
         self.incident_t: dict[int, float] = {}  # generation -> when its incident opened (for metrics)
         self.published_t: dict[int, float] = {}
         self.metrics: MetricsExporter | None = None

@@ -50,11 +50,11 @@ def _respawn(st: NodeState, group: WorkerGroup, a: Assignment, generation: int) 
     log.warning("respawning rank %d as %s (generation %d%s)", a.rank, a.worker_id, generation,
                 "" if gpu is None else f", GPU {gpu}")
     st.slots.reset(slot.local_rank, a.worker_id, a.rank)
-    for stale in (slot.heartbeat_file, st.exit_path(slot.local_rank)):
-        try:  # the new incarnation must not be judged by its predecessor's files
-            os.unlink(stale)
-        except FileNotFoundError:
-            pass
+    try:  # the new incarnation must not be judged by its predecessor's files
+        os.unlink(slot.heartbeat_file)
+    except FileNotFoundError:
+        pass
+    exit_file.clear(st.exit_path(slot.local_rank))
     try:
         group.respawn(slot.local_rank, {
             "CKPTLESS_WORKER_ID": a.worker_id, "CKPTLESS_ROLE": "replacement",

@@ -35,7 +35,7 @@ from ckptless.coordinator.client import Compare, Delete, EtcdClient, Put, WatchE
 from ckptless.coordinator.election import Election
 from ckptless.coordinator.keyspace import Keyspace
 from ckptless.coordinator.session import Session
-from ckptless.errors import CkptlessError, CoordinatorError, CoordinatorUnavailable
+from ckptless.errors import CkptlessError, CoordinatorError, CoordinatorUnavailable, NotLeader
 from ckptless.recovery.facts import PlanPolicy
 from ckptless.recovery.gather import plan_from_view
 from ckptless.recovery.leader_machine import (
@@ -46,6 +46,7 @@ from ckptless.recovery.leader_machine import (
     EndJob,
     Ended,
     Event,
+    Fenced,
     LeaderConfig,
     Log,
     NoteWaiting,
@@ -182,6 +183,9 @@ class RecoveryLeader:
             self.state, actions = step(self.state, pending.pop(0), self.config)
             for action in actions:
                 follow = self._execute(action)
+                if isinstance(follow, Fenced):  # not ours to act on any more: nothing else of this step
+                    pending = [follow]
+                    break
                 if follow is not None:
                     pending.append(follow)
 
@@ -212,21 +216,23 @@ class RecoveryLeader:
         if isinstance(action, Log):
             getattr(log, action.level)("%s", action.message)
         elif isinstance(action, OpenIncident):
-            self._client.put(self._ks.incident(action.generation),
-                             json.dumps({"lost": list(action.lost), "reason": action.reason[:1000], "t": time.time()}))
+            fenced = self._write(Put(self._ks.incident(action.generation), json.dumps(
+                {"lost": list(action.lost), "reason": action.reason[:1000], "t": time.time()})), "an incident")
+            if fenced is not None:
+                return fenced
             self._on_event("incident_opened", {"generation": action.generation,
                                                "lost": ",".join(map(str, action.lost))})
         elif isinstance(action, NoteWaiting):
-            self._note_waiting(action)
+            return self._note_waiting(action)
         elif isinstance(action, AskGrow):
-            self._client.put(self._ks.grow(action.generation), json.dumps({"hosted": list(action.hosted),
-                                                                          "t": time.time()}))
+            return self._write(Put(self._ks.grow(action.generation), json.dumps({"hosted": list(action.hosted),
+                                                                                "t": time.time()})), "a grow request")
         elif isinstance(action, RequestPlan):
             return self._plan(action)
         elif isinstance(action, Publish):
             return self._publish(action.decision, action.from_generation)
         elif isinstance(action, EndJob):
-            self._end(action.status)
+            return self._end(action.status)
         elif isinstance(action, Resign):
             log.warning("resigning leadership: %s", action.reason)
             try:
@@ -235,7 +241,24 @@ class RecoveryLeader:
                 log.info("resign failed; our key expires with our lease", exc_info=True)
         return None
 
-    def _note_waiting(self, action: NoteWaiting) -> None:
+    def _write(self, op: Put, what: str, guard: tuple[Compare, ...] = ()) -> Fenced | None:
+        """One write of the leader's, fenced on our election key (as a publish is): a leader whose lease
+        lapsed while it was paused resumes with its old state and a clock that jumped (a report deadline,
+        a replacement deadline long past) before its session notices; its successor leads by then, and
+        an incident, a note or the job's end it wrote now would be decided on nothing (issue 35).
+        ``guard``: the write's own conditions; when only those fail, nothing is written and we still lead."""
+        try:
+            fence = self._election.fence
+        except NotLeader as exc:
+            return Fenced(f"{what} not written: {exc}", self._now())
+        if self._client.txn([fence, *guard], [op]).succeeded:
+            return None
+        if not guard or not self._client.txn([fence]).succeeded:
+            return Fenced(f"{what} not written: our election key {self._election.key} is gone or another's "
+                          "(our lease lapsed: another agent leads)", self._now())
+        return None
+
+    def _note_waiting(self, action: NoteWaiting) -> Fenced | None:
         """The incident record says the job waits for a replacement, since when and until when (read by
         ``ckptless status``); one etcd write per incident that waits."""
         key, now = self._ks.incident(action.generation), time.time()
@@ -246,9 +269,11 @@ class RecoveryLeader:
             record = {}
         record["waiting"] = {"since": now, "until": now + action.deadline_in_s, "ranks": list(action.lost),
                              "reason": action.reason[:500]}
-        self._client.put(key, json.dumps(record))
-        self._on_event("replacement_waiting", {"generation": action.generation,
-                                               "lost": ",".join(map(str, action.lost))})
+        fenced = self._write(Put(key, json.dumps(record)), "the note of a wait for a replacement")
+        if fenced is None:
+            self._on_event("replacement_waiting", {"generation": action.generation,
+                                                   "lost": ",".join(map(str, action.lost))})
+        return fenced
 
     def _plan(self, action: RequestPlan) -> Event:
         view = self._view
@@ -309,9 +334,10 @@ class RecoveryLeader:
                                           "lost": ",".join(map(str, replaced))})
         return Published(decision.generation, self._now())
 
-    def _end(self, status: JobStatus) -> None:
+    def _end(self, status: JobStatus) -> Fenced | None:
         # Create-if-absent: the first ending wins, a later one (another leader) never overwrites it.
-        self._client.txn([Compare(self._ks.status, "create", "==", 0)], [Put(self._ks.status, status.to_json())])
+        return self._write(Put(self._ks.status, status.to_json()), "the job's end",
+                           guard=(Compare(self._ks.status, "create", "==", 0),))
 
     def _end_after_bug(self, exc: BaseException) -> None:
         try:

@@ -14,7 +14,7 @@ States (one incident = one pass from Watching back to Watching)::
     Planning --plan--> Publishing --published--> AwaitingFormation --all ready--> Watching
     Planning --no replacement--> WaitingForReplacement --spare/node--> Planning
     any --user error / unrecoverable / status set--> Ended
-    Publishing --fenced out--> Deposed (the driver resigns and campaigns again)
+    any --a publish or write fenced out--> Deposed (the driver resigns and campaigns again)
 
 Every state has a deadline or is left by the next event: Collecting ends at
 the report deadline (silent ranks are lost), WaitingForReplacement at the
@@ -30,6 +30,8 @@ from typing import Literal, Union
 
 from ckptless.recovery import give_up
 from ckptless.recovery.decision import Decision, DiskFallback, RecoveryPlan, Unrecoverable, WaitForReplacement
+from ckptless.recovery.leader_actions import (  # re-exported: the machine's outputs, named from here too
+    Action, AskGrow, EndJob, Log, NoteWaiting, OpenIncident, Publish, RequestPlan, Resign)
 from ckptless.recovery.view import ExitRecord, JobStatus, JobView, finished_line
 
 
@@ -157,71 +159,18 @@ class PublishRejected:
     now: float
 
 
-Event = Union[Observed, Planned, PlanFailed, Published, PublishRejected]
-
-
-# --- actions -------------------------------------------------------------------------------
 @dataclass(frozen=True)
-class OpenIncident:
-    generation: int
-    lost: tuple[int, ...]
+class Fenced:
+    """A write of ours failed the fence on our election key: another agent leads (ours lapsed while paused,
+    issue 35). Deposes from any state, Ended too: an end refused by the fence ended nothing."""
     reason: str
+    now: float
 
 
-@dataclass(frozen=True)
-class RequestPlan:
-    """Build facts from the last observed view with these ranks lost, plan, answer Planned/PlanFailed."""
-
-    generation: int
-    lost: frozenset[int]
+Event = Union[Observed, Planned, PlanFailed, Published, PublishRejected, Fenced]
 
 
-@dataclass(frozen=True)
-class Publish:
-    """Bump the generation and write the decision's membership in one fenced transaction."""
-
-    decision: RecoveryPlan | DiskFallback
-    from_generation: int
-
-
-@dataclass(frozen=True)
-class EndJob:
-    status: JobStatus
-
-
-@dataclass(frozen=True)
-class Log:
-    level: Literal["info", "warning", "error"]
-    message: str
-
-
-@dataclass(frozen=True)
-class Resign:
-    reason: str
-
-
-@dataclass(frozen=True)
-class NoteWaiting:
-    """Record on the incident that the job waits for a replacement (``ckptless status``, the ledger)."""
-
-    generation: int
-    lost: tuple[int, ...]
-    deadline_in_s: float  # from now
-    reason: str
-
-
-@dataclass(frozen=True)
-class AskGrow:
-    """Ask a generation with fewer ranks to grow back: its processes leave together at a step boundary
-    (the hosted ranks' state handed to images there) and the next plan gives those ranks to spares."""
-
-    generation: int
-    hosted: tuple[int, ...]
-
-
-Action = Union[OpenIncident, RequestPlan, Publish, EndJob, Log, Resign, NoteWaiting, AskGrow]
 Step = tuple[State, tuple[Action, ...]]
-
 INITIAL: State = Watching(-1)
 
 
@@ -236,6 +185,8 @@ def is_terminal(state: State) -> bool:
 # --- the transition function -----------------------------------------------------------------
 def step(state: State, event: Event, cfg: LeaderConfig) -> Step:
     """The whole leader: pure, total over (state, event)."""
+    if isinstance(event, Fenced) and not isinstance(state, Deposed):  # (see Fenced)
+        return Deposed(event.reason), (Log("warning", f"no longer the leader: {event.reason}"), Resign(event.reason))
     if is_terminal(state):
         return state, ()
     if isinstance(event, Observed):

@@ -7,12 +7,19 @@ recovering. The agent points ``CKPTLESS_EXIT_FILE`` at a per-slot path,
 removes it before each (re)spawn, and copies what it finds into the exit
 record in etcd (``ckptless.recovery.view.ExitRecord``). A worker killed by a
 signal writes nothing, which is itself the fact: a fault.
+
+Beside it, ``<file>.end`` says that the program itself ended, with which
+code (:func:`declare_end`, from the exit guard's ``atexit`` hook): what is
+left is the interpreter's teardown. The agent bounds how long a process that
+said so may take to go (launcher/watchdog.py), and records a process it had
+to kill there with the code it declared.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import time
 import traceback
 from typing import Any
 
@@ -65,8 +72,38 @@ def read(path: str, pid: int | None = None) -> tuple[ExitKind | None, ErrorSumma
     return kind, ErrorSummary.from_doc(doc.get("error"))
 
 
+def end_path(path: str) -> str:
+    return f"{path}.end"
+
+
+def declare_end(code: int, path: str | None = None) -> None:
+    """This process's program ended with ``code``; only the interpreter's teardown is left (best effort)."""
+    target = path if path is not None else environment.current().exit_file
+    if not target:
+        return
+    tmp = f"{end_path(target)}.tmp"
+    try:
+        with open(tmp, "w") as f:
+            json.dump({"pid": os.getpid(), "code": int(code), "t": time.time()}, f)
+        os.replace(tmp, end_path(target))
+    except OSError:
+        pass
+
+
+def read_end(path: str, pid: int) -> tuple[int, float] | None:
+    """``(code, wall time)`` the process ``pid`` declared when its program ended, or None."""
+    try:
+        with open(end_path(path)) as f:
+            doc = json.load(f)
+        if doc.get("pid") == pid and isinstance(doc.get("code"), int):
+            return int(doc["code"]), float(doc["t"])
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+        pass
+    return None
+
+
 def clear(path: str) -> None:
-    for p in (path, f"{path}.tmp"):
+    for p in (path, f"{path}.tmp", end_path(path), f"{end_path(path)}.tmp"):
         try:
             os.unlink(p)
         except FileNotFoundError:

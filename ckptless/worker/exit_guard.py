@@ -8,7 +8,9 @@ sockets close), Python unwinds the thread through C++ frames and the process
 aborts (SIGABRT, "terminate called without an active exception"; reproduced
 here with a core dump). So, at exit, if such a thread is still alive after a
 short grace, the process leaves with ``os._exit`` and the exit code the program
-asked for, after flushing its output.
+asked for, after flushing its output. Before that, it declares the program's end
+and its code (``worker/exit_file.py``): a teardown that still blocks (in an
+earlier ``atexit`` hook, or a destructor at finalization) is bounded by its agent.
 """
 
 from __future__ import annotations
@@ -88,6 +90,14 @@ def _install() -> None:
 def _guard(grace_s: float = 1.0) -> None:
     if threading.current_thread() is not threading.main_thread():
         return
+    # The program has ended: say so, with its code, before anything of the teardown can block (the
+    # atexit hooks registered before ours, torch's and Gloo's destructors at finalization). A worker
+    # stuck there in native code held its agent, and so the job, forever (issue 35); its agent now
+    # ends it after --shutdown-timeout and records this code (launcher/watchdog.py).
+    from ckptless.worker import exit_file  # deferred: this module is imported by the lowest layers
+
+    exit_file.declare_end(_exit_code)
+    _flush()  # what the program printed is out, whatever the teardown does next
     for join in _joins:
         join(grace_s / max(len(_joins), 1))
     if any(alive() for alive in _pending):
@@ -102,9 +112,13 @@ def leave_now(code: int) -> NoReturn:
     finalization) can raise again or hang on the dead device, and a process hung on its way out
     never has its exit recorded. How it ended is already in its exit file by then."""
     logging.shutdown()
+    _flush()
+    os._exit(code)
+
+
+def _flush() -> None:
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
         except (OSError, ValueError):
             pass
-    os._exit(code)

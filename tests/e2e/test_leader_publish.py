@@ -15,7 +15,9 @@ from ckptless.coordinator.session import Session
 from ckptless.errors import CoordinatorUnavailable
 from ckptless.recovery.decision import RecoveryPlan
 from ckptless.recovery.leader import RecoveryLeader, write_initial_membership
-from ckptless.recovery.leader_machine import LeaderConfig, Published, PublishRejected
+from ckptless.recovery.leader_machine import (AskGrow, EndJob, Fenced, LeaderConfig, NoteWaiting, OpenIncident, Published,
+                                              PublishRejected)
+from ckptless.recovery.view import JobStatus
 from ckptless.recovery.wire import membership_from_json
 
 from ..harness.leader_sim import World
@@ -104,3 +106,27 @@ def test_deposed_leader_cannot_publish(leading: tuple[RecoveryLeader, World, Key
     assert isinstance(ev, PublishRejected) and not ev.still_leader
     kv = client.get(ks.membership)
     assert kv is not None and membership_from_json(kv.value).generation == 0, "nothing was published"
+
+
+def test_deposed_leader_writes_no_incident_note_grow_or_end(leading: tuple[RecoveryLeader, World, Keyspace],
+                                                           client: EtcdClient) -> None:
+    """Issue 35: a leader paused past its lease resumes with its old state before its session notices;
+    every write it would make then is fenced out like a publish (was: plain puts, and the job's end a
+    create-if-absent: a stale leader could end a job its successor was recovering)."""
+    leader, _, ks = leading
+    client.delete(leader._election.key)  # our lease lapsed while paused: another agent leads
+    for action in (OpenIncident(0, (1,), "stale"), NoteWaiting(0, (1,), 30.0, "stale"), AskGrow(0, (1,)),
+                   EndJob(JobStatus("failed", "stale: no replacement within 30s"))):
+        ev = leader._execute(action)
+        assert isinstance(ev, Fenced), action
+    assert client.get(ks.incident(0)) is None and client.get(ks.grow(0)) is None
+    assert client.get(ks.status) is None, "the job was not ended by a leader that no longer leads"
+
+
+def test_the_end_is_written_once_and_a_second_end_keeps_leadership(
+        leading: tuple[RecoveryLeader, World, Keyspace], client: EtcdClient) -> None:
+    leader, _, ks = leading
+    assert leader._execute(EndJob(JobStatus("succeeded", "first"))) is None
+    assert leader._execute(EndJob(JobStatus("failed", "second"))) is None, "still the leader: not deposed"
+    kv = client.get(ks.status)
+    assert kv is not None and JobStatus.from_json(kv.value).reason == "first"

@@ -18,9 +18,12 @@ from ckptless.recovery.gather import plan_from_view
 from ckptless.recovery.leader_machine import (
     INITIAL,
     Action,
+    AskGrow,
     EndJob,
     Event,
+    Fenced,
     LeaderConfig,
+    NoteWaiting,
     Observed,
     OpenIncident,
     Planned,
@@ -64,6 +67,7 @@ class World:
     published: list[RecoveryPlan | DiskFallback] = field(default_factory=list)
     lose_next_reply: bool = False
     fence_next: bool | None = None  # True: deposed; False: generation moved
+    leader_gone: bool = False  # another agent leads (our lease lapsed): every write of ours is fenced out
     ported: bool = True
     spare_exits: dict[str, ExitRecord] = field(default_factory=dict)  # worker id -> a dead spare's record
     policy: PlanPolicy = field(default_factory=PlanPolicy)  # --lost-node (shrink: fewer ranks)
@@ -124,6 +128,10 @@ class World:
 
     # --- the fake etcd side of actions -------------------------------------------------------
     def execute(self, action: Action, now: float) -> Event | None:
+        if self.leader_gone and isinstance(action, (OpenIncident, EndJob, NoteWaiting, AskGrow)):
+            return Fenced("fenced", now)
+        if self.leader_gone and isinstance(action, Publish):
+            return PublishRejected(False, "fenced", now)
         if isinstance(action, OpenIncident):
             self.incidents.add(action.generation)
         elif isinstance(action, EndJob):
@@ -173,6 +181,9 @@ class Leader:
             self.log += actions
             for a in actions:
                 follow = self.world.execute(a, self.now)
+                if isinstance(follow, Fenced):  # as the driver: nothing else of this step runs
+                    pending = [follow]
+                    break
                 if follow is not None:
                     pending.append(follow)
 

@@ -18,6 +18,7 @@ from ckptless.recovery.leader_machine import (
     Deposed,
     EndJob,
     Ended,
+    Fenced,
     Observed,
     OpenIncident,
     NoteWaiting,
@@ -415,6 +416,41 @@ def test_fenced_out_leader_resigns() -> None:
     assert isinstance(ld.state, Deposed)
     assert any(isinstance(a, Resign) for a in ld.log)
     assert ld.observe(1) == ld.state, "a deposed machine does nothing more"
+
+
+def test_a_leader_paused_past_its_lease_ends_nothing_when_it_resumes() -> None:
+    """Issue 35: the leader was paused while it waited for a replacement; its lease lapsed and another
+    agent leads. It resumes with its old state and a clock past the wait's deadline: the job's end it
+    would write is fenced out, so it is deposed and the job goes on (its successor decides)."""
+    ld = _waiting_for_node_1()
+    ld.world.leader_gone = True
+    ld.observe(CFG.replacement_timeout_s + 1)
+    assert isinstance(ld.state, Deposed) and ld.world.status is None
+    assert any(isinstance(a, Resign) for a in ld.log)
+    assert ld.observe(1) == ld.state, "a deposed machine does nothing more"
+
+
+def test_a_leader_paused_past_its_lease_opens_no_incident() -> None:
+    """Resumed, the old leader reads reports its successor's incident caused: its own incident (an
+    unfenced put before) is refused, and it says so instead of 'incident ... collecting reports'."""
+    ld = fresh_leader()
+    ld.world.leader_gone = True
+    ld.world.kill(1)
+    ld.observe(0.1)
+    assert isinstance(ld.state, Deposed) and not ld.world.incidents
+    assert "no longer the leader" in ld.messages()
+
+
+def test_fenced_moves_every_live_state_to_deposed() -> None:
+    """Ended too: the end it decided was refused by the fence, so it did not end the job; Deposed stays."""
+    assert step(Deposed("y"), Fenced("x", 0.0), CFG) == (Deposed("y"), ())
+    d = RecoveryPlan("job", 1, (), (1,), 4, (), (), True, (), 0)
+    for s in (Ended("failed", "not written"), Watching(0), Collecting(0, frozenset({1}), 0.0, 10.0), Planning(0, frozenset({1}), 0.0),
+              WaitingForReplacement(0, frozenset({1}), 0.0, 30.0, "r"), Publishing(0, d, 0.0),
+              AwaitingFormation(1, 20.0)):
+        nxt, actions = step(s, Fenced("gone", 1.0), CFG)
+        assert isinstance(nxt, Deposed) and any(isinstance(a, Resign) for a in actions)
+        assert not any(isinstance(a, (OpenIncident, EndJob, Publish)) for a in actions)
 
 
 def test_new_leader_takes_over_an_open_incident() -> None:

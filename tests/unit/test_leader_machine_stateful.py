@@ -3,6 +3,7 @@ readiness, spares, node losses, lost etcd replies and time, checking invariants 
 
 * generations advance by exactly one per publish (the fake etcd asserts it);
 * nothing is published after the job ended, and a user error always ends it;
+* a leader whose lease lapsed (another agent leads) writes no incident, status or generation;
 * the machine never raises, and once faults stop and every live rank reports
   and resumes, it settles (Watching, Ended or Deposed) in bounded time.
 """
@@ -35,6 +36,7 @@ class LeaderSim(RuleBasedStateMachine):
         self.spare_n = 0
         self.user_error_seen = False
         self.published_at_end: int | None = None
+        self.writes_when_gone: tuple[object, ...] | None = None
 
     @property
     def w(self) -> World:
@@ -74,6 +76,13 @@ class LeaderSim(RuleBasedStateMachine):
     def fence(self, deposed: bool) -> None:
         self.w.fence_next = deposed
 
+    @rule()
+    def leader_paused_past_its_lease(self) -> None:
+        """Another agent leads from now on (ours lapsed while paused): none of our writes may land."""
+        if not self.w.leader_gone:
+            self.w.leader_gone = True
+            self.writes_when_gone = (len(self.w.incidents), self.w.status, len(self.w.published))
+
     # --- progress -------------------------------------------------------------------------------
     @rule()
     def everyone_reports(self) -> None:
@@ -100,6 +109,8 @@ class LeaderSim(RuleBasedStateMachine):
         """No more faults: live ranks report and resume; within bounded time the machine settles."""
         self.w.lose_next_reply = False
         self.w.fence_next = None
+        if self.w.leader_gone:  # its successor settles the job; this one writes nothing (the invariant)
+            return
         for _ in range(60):
             if isinstance(self.ld.state, (Collecting, WaitingForReplacement)):
                 self.w.report_all_alive()
@@ -128,6 +139,11 @@ class LeaderSim(RuleBasedStateMachine):
             assert is_terminal(self.ld.state) or self.w.view().finished, self.ld.state
             if isinstance(self.ld.state, Ended):
                 assert self.ld.state.state == "failed"
+
+    @invariant()
+    def a_leader_that_lost_its_lease_writes_nothing(self) -> None:
+        if self.writes_when_gone is not None:
+            assert (len(self.w.incidents), self.w.status, len(self.w.published)) == self.writes_when_gone
 
     @invariant()
     def generations_consecutive(self) -> None:

@@ -39,6 +39,10 @@ Environment knobs for fault injection by the test (which sends the real signal):
                    before ckptless is imported (a module-level constant); any other value: after
                    ckptless.init(). Both give the same states.
   REF_LOOP_API     if set, train with ``for step in job.steps(n): with job.guard(): ...`` instead of run()
+  REF_STUCK_AT_EXIT_RANK
+                   that rank's process (RANK in its environment) registers, before ckptless.init(), an
+                   atexit hook that blocks in native code (libc ``pause()``): its program ends, then its
+                   teardown never does, as a destructor waiting on a peer that is gone at exit would
   REF_DEVICE       ``cuda``: train on the rank's GPU (``job.device``), deterministic algorithms on
                    (the GPU tests, tests/gpu: dropout then draws from the CUDA generator)
 Writes OUT/final_rank<R>.pt (params, optimizer state, RNG draws, data position) and
@@ -77,6 +81,12 @@ def main() -> None:
     out = sys.argv[1]
     steps = int(os.environ.get("REF_STEPS", "12"))
     hidden = int(os.environ.get("REF_HIDDEN", "64"))
+    if os.environ.get("REF_STUCK_AT_EXIT_RANK") not in (None, "") and \
+            os.environ.get("REF_STUCK_AT_EXIT_RANK") == os.environ.get("RANK"):
+        import atexit
+        import ctypes
+
+        atexit.register(ctypes.CDLL(None).pause)  # registered first: runs after ckptless's own hook
     job = ckptless.init()
     # The setup reads no rank (a pre-built spare may take any rank with it as built) and does not
     # seed: ckptless.init() seeds torch, random and numpy the same on every rank and incarnation.
