@@ -13,9 +13,11 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import random
 import signal
+import subprocess
 import time
 import uuid
 from pathlib import Path
@@ -32,7 +34,7 @@ from ckptless.launcher import worker_env
 from ckptless.worker import nccl_env
 
 from ..harness import nccl_like
-from ..harness.flag_matrix import (BASE, BITWISE, ENDS, ENV_ROWS, REFUSED, ROWS, FlagRow, env_job, job_args, jobs,
+from ..harness.flag_matrix import (BASE, BITWISE, ENDS, ENV_ROWS, PRINTS, REFUSED, ROWS, FlagRow, env_job, job_args, jobs,
                                    rows_by_flag)
 from ..harness.repo import PYTHON
 from ..harness.rotation import ci_seed
@@ -57,10 +59,23 @@ def test_every_flag_has_a_fault_case() -> None:
     stale = sorted(set(rows) - have)
     assert not stale, f"rows for flags the parser no longer has: {stale}"
     for row in ROWS:
-        assert row.outcome in (BITWISE, ENDS, REFUSED, BASE), row
+        assert row.outcome in (BITWISE, ENDS, REFUSED, BASE, PRINTS), row
         assert bool(row.job) == (row.outcome in (BITWISE, ENDS)), f"{row.flag}: a run row needs a job, others none"
-        if row.outcome in (BITWISE, ENDS, REFUSED):
+        if row.outcome in (BITWISE, ENDS, REFUSED, PRINTS):
             assert row.args, f"{row.flag}: no non-default value to try"
+
+
+def test_printing_flags_print_and_start_nothing(tmp_path: Path) -> None:
+    """As --help: output and exit 0, with no etcd, no rendezvous and no worker (nothing for a fault to meet)."""
+    for row in (r for r in ROWS if r.outcome == PRINTS):
+        proc = subprocess.run([PYTHON, "-m", "ckptless.launcher.main", *row.args], capture_output=True, text=True,
+                              timeout=60, cwd=tmp_path, env=dict(os.environ, CKPTLESS_ETCD_ENDPOINT="127.0.0.1:1"))
+        if row.flag == "--print-completion" and importlib.util.find_spec("shtab") is None:
+            # torchrun's needs shtab too: without it, one line naming it, exit 1, no traceback.
+            assert proc.returncode == 1 and "shtab" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+        else:
+            assert proc.returncode == 0 and proc.stdout.strip(), (row.flag, proc.returncode, proc.stderr[-2000:])
+        assert not list(tmp_path.iterdir()), f"{row.flag} wrote files"
 
 
 def test_refused_flags_say_so() -> None:

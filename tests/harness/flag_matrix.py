@@ -22,6 +22,7 @@ BITWISE = "bitwise"    # the faulty run ends bitwise equal to the fault-free twi
 ENDS = "ends"          # recovery is off by this flag: the kill ends the job at once, exit non-zero, nothing left
 REFUSED = "refused"    # accepted by the parser for torchrun compatibility, refused at start with one clear line
 BASE = "base"          # given to every job of the matrix (the job cannot run without it)
+PRINTS = "prints"      # prints something and exits 0 before any job exists, as --help (nothing to fault)
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,9 @@ ROWS: tuple[FlagRow, ...] = (
     FlagRow("--duplicate-stderr-filters", ("--duplicate-stderr-filters", "x"), outcome=REFUSED),
     FlagRow("--logs-specs", ("--logs-specs", "my.plugin"), outcome=REFUSED),
     FlagRow("--numa-binding", ("--numa-binding", "node"), outcome=REFUSED),
+    FlagRow("--log-line-prefix-template", ("--log-line-prefix-template", "[${rank}]"), outcome=REFUSED,
+            note="torchrun 2.14's"),
+    FlagRow("--print-completion", ("--print-completion", "bash"), outcome=PRINTS, note="torchrun 2.14's"),
     FlagRow("--signals-to-handle", ("--signals-to-handle", "SIGTERM,SIGINT"), job="telemetry"),
     FlagRow("--shutdown-timeout", ("--shutdown-timeout", "5"), job="telemetry"),
     FlagRow("--virtual-local-rank", ("--virtual-local-rank",), job="elastic"),
