@@ -143,15 +143,18 @@ def _form(rt: WorkerRuntime, a: FormGroups) -> Event:
         return FormFailed(unreachable)
     restoring.roll_back_early(rt, gen)
     reason = ""
+    phases: dict[str, float] = {}
     try:
+        started = time.monotonic()
         ahead.run_or_collect(rt, gen, a.deadline)
+        phases["ahead_s"] = round(time.monotonic() - started, 4)
         physical = gen.physical  # fewer ranks: the communicators span this generation's processes
         gen.mirror_group = groups.bind_all(gen.store, m.generation, gen.rank, gen.world_size,  # type: ignore[arg-type]
                                            rt.ctx.collective_timeout_s, a.deadline,
                                            lambda: ahead.abort_reason(rt, m.generation),
                                            () if physical is not None else
                                            mirror_peers(m, gen.rank, rt.replicas, rt.mirror_config.placement),
-                                           physical=physical)
+                                           physical=physical, phases=phases)
     except TransportError as exc:
         reason = str(exc)
     except (IntegrityError, RecoveryError) as exc:  # from the transfers run ahead
@@ -163,7 +166,8 @@ def _form(rt: WorkerRuntime, a: FormGroups) -> Event:
         return FormFailed(reason)
     gen.bound = True
     if m.decision is not None:
-        rt.ledger.emit(EventKind.GROUPS_REFORMED, generation=m.generation)
+        rt.ledger.emit(EventKind.GROUPS_REFORMED, generation=m.generation, ahead_s=phases.get("ahead_s", 0.0),
+                       arrive_s=phases.get("arrive_s", 0.0), connect_s=phases.get("connect_s", 0.0))
     return Formed(m.generation, -1)
 
 

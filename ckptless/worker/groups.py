@@ -189,8 +189,30 @@ POLLS_PER_S = 100_000
 
 
 def poll_interval(world_size: int) -> float:
-    """How often one rank polls a barrier's counter: 5 ms up to W = 500, then W / 100,000 s, at most 0.1 s."""
+    """How often one rank first polls a barrier's counter: 5 ms up to W = 500, then W / 100,000 s, at most 0.1 s."""
     return min(0.1, max(0.005, world_size / POLLS_PER_S))
+
+
+#: A rank that keeps waiting polls less and less often, up to this interval (or :func:`poll_interval`
+#: where that is longer): ranks that arrived early (the survivors, waiting while a replacement runs its
+#: setup) stop spending the CPU the replacement needs. Measured here (issue 35, bench/scale.py at W = 32 on 2
+#: cores): with a fixed 5 ms, the 31 waiting survivors made ~6,000 store round trips a second for the
+#: ~1 s a replacement's setup took, and that setup was the whole of W = 32's extra recovery time.
+SLOW_POLL_S = 0.05
+#: How much each further poll's interval grows (a geometric back-off).
+POLL_GROWTH = 1.5
+
+
+def poll_intervals(world_size: int) -> Iterator[float]:
+    """The sleeps between one rank's polls of a barrier: :func:`poll_interval` (W) first, growing by
+    :data:`POLL_GROWTH` per poll to ``max(SLOW_POLL_S, poll_interval(W))``. A rank leaves at most one
+    interval after the last arrival: within 5 ms when all arrive together, within 50 ms (100 ms from
+    W = 10,000) after a long wait; a rank waiting T seconds polls about log_1.5(10) + T / 0.05 times."""
+    interval = poll_interval(world_size)
+    cap = max(SLOW_POLL_S, interval)
+    while True:
+        yield interval
+        interval = min(cap, interval * POLL_GROWTH)
 
 
 def arrive(store: dist.Store, generation: int, world_size: int, deadline: float, abort: Abort | None = None,
@@ -199,18 +221,18 @@ def arrive(store: dist.Store, generation: int, world_size: int, deadline: float,
 
     ``barrier`` names the check-in (one per formation step of a generation).
 
-    Cost on the store: each rank adds itself once, then polls the counter every
-    :func:`poll_interval` (W): about 100,000 operations per second for the whole job up to
-    W = 10,000; above it the interval stays at its 0.1 s cap, so the rate grows as 10 x W per second
-    (a million at W = 100,000), and a rank leaves at most one interval after the last arrival (5 ms up to
-    W = 500, 100 ms from 10,000). Before issue 20 every rank polled every 5 ms: 2 million
-    operations per second of formation on the one store at W = 10,000. (Waiting on a key from
-    a second connection per rank was tried and measured: 32 simultaneous connects to one
-    store took 5 s, the client's connect back-off; the caller's own connection cannot wait
-    in slices without a C++ warning per slice.)
+    Cost on the store: each rank adds itself once, then polls the counter at :func:`poll_intervals`
+    (W): at first every :func:`poll_interval` (W), about 100,000 operations per second for the whole
+    job up to W = 10,000 (above it the 0.1 s cap holds, 10 x W per second); a rank that keeps waiting
+    backs off to one poll per 50 ms (20 x W per second for the job up to W = 5,000, then the same
+    100,000). Before issue 20 every rank polled every 5 ms: 2 million operations per second of
+    formation on the one store at W = 10,000; before issue 35's back-off, waiting ranks kept polling
+    at the first interval. (Waiting on a key from a second connection per rank was tried and
+    measured: 32 simultaneous connects to one store took 5 s, the client's connect back-off; the
+    caller's own connection cannot wait in slices without a C++ warning per slice.)
     """
     key = f"ckptless/gen{generation}/{barrier}"
-    interval = poll_interval(world_size)
+    intervals = poll_intervals(world_size)
     try:
         store.add(key, 1)
         while store.add(key, 0) < world_size:
@@ -219,7 +241,7 @@ def arrive(store: dist.Store, generation: int, world_size: int, deadline: float,
                 raise FormationAborted(f"forming generation {generation} abandoned: {why}")
             if time.monotonic() > deadline:
                 raise FormationAborted(f"not all {world_size} ranks of generation {generation} arrived in time")
-            time.sleep(interval)  # bounded by the deadline above
+            time.sleep(next(intervals))  # bounded by the deadline above
     except (RuntimeError, OSError) as exc:
         raise TransportError(f"store unreachable while forming generation {generation}: {exc}") from exc
 
@@ -286,17 +308,22 @@ def form_mirror_group(store: dist.Store, generation: int, rank: int, world_size:
 
 def bind_all(store: dist.Store, generation: int, rank: int, world_size: int, timeout_s: float, deadline: float,
              abort: Abort | None = None, mirror_peers: Sequence[int] = (),
-             physical: tuple[int, int] | None = None) -> dist.ProcessGroup:
+             physical: tuple[int, int] | None = None, phases: dict[str, float] | None = None) -> dist.ProcessGroup:
     """Bind every group of this process to ``generation`` and build its mirror group (collective).
 
     Returns the generation's mirror group (see :func:`mirror_group`); one formed
     ahead by :func:`form_mirror_group` for this generation is taken as it is.
     ``physical``: this process's ``(index, count)`` in a generation with fewer ranks; every
     communicator then spans the processes (the groups keep their logical ranks and sizes).
+    ``phases``, if given, receives where this rank's formation time went (``arrive_s``: waiting at the
+    check-in for the last rank; ``connect_s``: building the communicators), for the ledger: a slow
+    formation names its phase and, by the arrival times, its last rank.
     """
     if physical is not None:
         rank, world_size = physical
+    started = time.monotonic()
     arrive(store, generation, world_size, deadline, abort)
+    arrived = time.monotonic()
     chaos_hooks.pause_point(f"bind:r{rank}:g{generation}", rank=rank, generation=generation)  # (chaos runs only)
     todo = groups()
     with _lock:
@@ -312,6 +339,8 @@ def bind_all(store: dist.Store, generation: int, rank: int, world_size: int, tim
         return built, mirror
 
     built, mirror = _abortable(build, generation, deadline, abort, "bind")
+    if phases is not None:
+        phases.update(arrive_s=round(arrived - started, 4), connect_s=round(time.monotonic() - arrived, 4))
     old: list[Any] = []
     for g, inner, backends in built:
         old.extend(g.install(generation, inner, backends))

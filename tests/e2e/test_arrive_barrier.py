@@ -75,3 +75,21 @@ def test_abort_and_deadline_end_the_wait(server: dist.TCPStore) -> None:
         groups.arrive(c, 6, 2, time.monotonic() + 0.3)
     assert time.monotonic() - t0 < 1.5
     assert c.add("still-fine", 1) == 1
+
+
+def test_a_waiting_rank_backs_off_to_the_slow_interval() -> None:
+    for world in (2, 32, 500, 5_000, 10_000, 100_000):
+        gen = groups.poll_intervals(world)
+        seq = [next(gen) for _ in range(40)]
+        assert seq[0] == groups.poll_interval(world)  # a barrier all reach together still ends within 5 ms
+        assert all(b >= a for a, b in zip(seq, seq[1:]))
+        cap = max(groups.SLOW_POLL_S, groups.poll_interval(world))
+        assert seq[-1] == cap and max(seq) == cap
+        # the job's rate once every rank waits long: at most 100,000 per second up to W = 10,000
+        assert world / cap <= max(groups.POLLS_PER_S, 2 / groups.SLOW_POLL_S) * 1.0001 or cap == 0.1
+    # one rank waiting a second (a replacement's setup): ~25 polls, not 200
+    gen, waited, polls = groups.poll_intervals(32), 0.0, 0
+    while waited < 1.0:
+        waited += next(gen)
+        polls += 1
+    assert polls <= 26
