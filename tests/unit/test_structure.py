@@ -187,3 +187,76 @@ def test_environ_finder_sees_aliases(tmp_path: Path) -> None:
     f = tmp_path / "m.py"
     f.write_text("import os as o\nfrom os import getenv\nx = o.environ.get('A')\ns = 'os.environ'\n")
     assert _environ_uses(f) == [2, 3]
+
+
+#: Module-level state in ckptless/worker/, each justified (issue 40: the driver owns the run's state; what is
+#: left here is process-global by nature: one process has one set of file descriptors, one CUDA context,
+#: one os.environ, one atexit/excepthook chain, torch's process-wide group registry and c10d hooks, and
+#: threads that outlive a generation's objects). ``path name`` -> why it cannot be an object someone passes.
+_ABORT = "the one abort service of the process: NCCL communicators are process-global and any thread (the control "
+_ABORT += "thread, a broken collective's callback) may ask for a generation's abort"
+_GUARD = "the process's exit: atexit and sys.excepthook hooks exist once per process"
+_FORM = "backends torch builds for a generation, found by the abort service and torch's backend hook (process-wide)"
+_GROUPS = "torch's process groups are process-global and held by user code across generations"
+_READS = "the watch of the script's own rank reads patches os.environ and get_rank: once per process"
+_REAPER = "teardown threads of released groups outlive the generation that started them: bounded per process"
+_SOCKETS = "file descriptors are process-global; the at-fork hook is registered once per process"
+_CONST = "a constant: never written"
+WORKER_GLOBALS = {
+    **{f"ckptless/worker/abort.py {n}": _ABORT for n in ("_requests", "_lock", "_thread", "_aborted", "_queued")},
+    "ckptless/worker/device.py _bound": "the device and CUDA backend this process is bound to: one per process",
+    **{f"ckptless/worker/exit_guard.py {n}": _GUARD for n in ("_installed", "_exit_code", "_pending", "_joins",
+                                                               "_uncaught")},
+    **{f"ckptless/worker/forming.py {n}": _FORM for n in ("_by_generation", "_aborted", "_aborted_generations",
+                                                          "_lock")},
+    "ckptless/worker/generation.py _RETIRED_ENGINES": "retired mirror engines whose thread may still run Gloo "
+                                                      "operations: freed only once it ended, which may be after "
+                                                      "the runtime that retired them is gone",
+    "ckptless/worker/gloo_peers.py _warned": "said once per process",
+    **{f"ckptless/worker/gloo_peers.py {n}": "Gloo holds only the C++ half of a Python store: the wrappers are kept "
+                                             "alive for the process, by generation" for n in ("_alive", "_alive_lock")},
+    **{f"ckptless/worker/groups.py {n}": _GROUPS for n in ("_registry", "_live", "_lock", "_early_mirror",
+                                                           "_pinned_mirrors")},
+    **{f"ckptless/worker/rank_reads.py {n}": _READS for n in ("_lock", "_reads", "_active", "_from_start",
+                                                              "_get_rank_watched", "_saved", "_copying")},
+    **{f"ckptless/worker/reaper.py {n}": _REAPER for n in ("_lock", "_running", "_finished", "_kept")},
+    "ckptless/worker/rebindable.py _broken_listeners": "called from torch's done-callbacks on any thread, for groups "
+                                                       "that are process-global (see groups.py)",
+    "ckptless/worker/rebindable.py _lazy_lock": "serialises a change of the process environment (TORCH_GLOO_LAZY_INIT)",
+    **{f"ckptless/worker/sockets.py {n}": _SOCKETS for n in ("_lock", "_shutdown_lock", "_by_generation",
+                                                             "_listener_ports", "_peer_listeners", "_fork_hook")},
+    **{f"ckptless/worker/{p}": _CONST for p in ("faults.py DEVICE_ERROR_CODES", "nccl_env.py _REFUSED",
+                                                "gloo_peers.py _U64", "training.py NO_MORE_STEPS",
+                                                "spare_site/__init__.py DIR", "spare_site/sitecustomize.py _HERE")},
+}
+_IMMUTABLE_CALLS = {"logging.getLogger", "TypeVar", "frozenset", "tuple", "re.compile", "NewType", "timedelta"}
+
+
+def _module_state(path: Path) -> list[tuple[int, str]]:
+    """Module-level names bound to something mutable (a container, an object a call made), or rebound by
+    ``global``: state shared by everything in the process that imports the module."""
+    tree = ast.parse(path.read_text())
+    rebound = {n for node in ast.walk(tree) if isinstance(node, ast.Global) for n in node.names}
+    out = []
+    for node in tree.body:
+        target, value = None, None
+        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+            target, value = node.targets[0].id, node.value
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            target, value = node.target.id, node.value
+        if target is None or target == "__all__":
+            continue
+        mutable = isinstance(value, (ast.Dict, ast.List, ast.Set, ast.DictComp, ast.ListComp, ast.SetComp)) or (
+            isinstance(value, ast.Call) and ast.unparse(value.func) not in _IMMUTABLE_CALLS)
+        if mutable or target in rebound:
+            out.append((node.lineno, target))
+    return out
+
+
+def test_module_state_in_worker_is_justified() -> None:
+    found = {f"{path.relative_to(REPO)} {name}": n for path in sorted((REPO / "ckptless" / "worker").rglob("*.py"))
+             for n, name in _module_state(path)}
+    unjustified = sorted(k for k in found if k not in WORKER_GLOBALS)
+    stale = sorted(k for k in WORKER_GLOBALS if k not in found)
+    assert not unjustified, f"module-level state in ckptless/worker/ (an object the driver owns, or justify it): {unjustified}"
+    assert not stale, f"justified but gone (remove from WORKER_GLOBALS): {stale}"
