@@ -96,8 +96,8 @@ def _local_replicas(shm: str, st: NodeState, rank: int) -> tuple[NodeLocalCopy, 
     (~25 ms per 256 MiB, like its own image): a live worker on this node can adopt them (R11), so a
     lost host's copies of the ranks it hosted, or of its mirrored peers, are not lost with it."""
     from ckptless.mirror.reattach import verified_copies
-    from ckptless.state.layout import manifest_layout_key
-    from ckptless.state.replication import first_held_chunk, region_of
+    from ckptless.state import manifest_layout_key
+    from ckptless.state import first_held_chunk, region_of
 
     try:
         found = verified_copies(shm, st.cfg.run_id, st.node_id, rank)
