@@ -338,6 +338,111 @@ def test_protocols_are_not_found_by_name() -> None:
     assert not found, f"protocol methods looked up by name: {found}"
 
 
+#: The pure machines: neither they nor the code they use (the modules they import, transitively; a name a
+#: package re-exports counts as the module defining it; a type-only import under ``TYPE_CHECKING`` runs
+#: nothing) read the clock, a file, the environment, a socket or a process, or log: every fact reaches them
+#: as an event, every effect leaves as an action (issue 40).
+PURE_MACHINES = ("ckptless.launcher.node_machine", "ckptless.worker.machine", "ckptless.recovery.leader_machine")
+IO_MODULES = {"os", "sys", "time", "socket", "subprocess", "signal", "shutil", "tempfile", "select", "selectors",
+              "asyncio", "pathlib", "io", "logging", "urllib", "http", "multiprocessing", "ctypes", "mmap",
+              "datetime", "random", "grpc", "etcd3"}
+
+
+def _runtime_imports(path: Path, modules: dict[str, Path], name: str) -> set[str]:
+    """Every module ``path`` imports when it runs (project or not), imports under TYPE_CHECKING left out."""
+    tree = ast.parse(path.read_text())
+    typing_only = {id(n) for node in ast.walk(tree)
+                   if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+                   for n in ast.walk(node)}
+    is_pkg = path.name == "__init__.py"
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = name.split(".") if is_pkg else name.split(".")[:-1]
+                anchor = anchor[: len(anchor) - node.level + 1]
+                base = ".".join([*anchor, base] if base else anchor)
+            for alias in node.names:
+                sub = f"{base}.{alias.name}"
+                # A name a package re-exports counts as the module that defines it: that is the code used.
+                found.add(sub if sub in modules else _defined_in(base, alias.name, modules))
+    return found
+
+
+def _defined_in(package: str, name: str, modules: dict[str, Path]) -> str:
+    """The module of ``package`` that ``name`` comes from, by its ``__init__``'s imports (else the package)."""
+    path = modules.get(package)
+    if path is None or path.name != "__init__.py":
+        return package
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.ImportFrom) and node.module and any((a.asname or a.name) == name for a in node.names):
+            return node.module if node.module in modules else package
+    return package
+
+
+def _io_reached(root: str) -> dict[str, set[str]]:
+    modules = _modules()
+    seen: set[str] = set()
+    todo, io = [root], {}
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        found = _runtime_imports(modules[name], modules, name)
+        bad = {m for m in found if m.split(".")[0] in IO_MODULES}
+        if bad:
+            io[name] = bad
+        todo += [m for m in found if m in modules]
+    return io
+
+
+def test_the_machines_import_no_io() -> None:
+    found = {root: io for root in PURE_MACHINES if (io := _io_reached(root))}
+    assert not found, f"a pure machine reaches I/O through its imports: {found}"
+
+
+def test_the_io_finder_finds_one(tmp_path: Path) -> None:
+    f = tmp_path / "m.py"
+    f.write_text("import json\nfrom typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import os\n"
+                 "def f():\n    import time\n")
+    assert _runtime_imports(f, {}, "m") == {"json", "typing", "time"}
+
+
+#: Who may act on the agent's workers (issue 40: no kill, respawn or refill decided outside the node machine).
+#: ``call name`` -> the launcher modules allowed to make it, and why there.
+WORKER_ACTIONS = {
+    "send_signal": {"launcher/node_driver.py": "the machine's Kill", "launcher/workers.py": "the group itself"},
+    "respawn": {"launcher/respawn.py": "the machine's StartRespawn and Reexec, run by the driver"},
+    "add_like": {"launcher/refill.py": "the machine's StartSpare, run by the driver"},
+    "signal_all": {"launcher/agent.py": "the signal handler forwards the signal it caught, at once (torchrun "
+                                        "does too); the machine decides the exit code from it",
+                   "launcher/workers.py": "the group itself"},
+}
+EXECUTORS = {"respawn.start", "respawn.reexec", "refill.start_spare"}
+
+
+def test_only_the_node_machines_driver_acts_on_workers() -> None:
+    found = []
+    for path in (REPO / "launcher").glob("*.py"):
+        rel = str(path.relative_to(REPO))
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+                continue
+            call = ast.unparse(node.func)
+            if node.func.attr in WORKER_ACTIONS and rel not in WORKER_ACTIONS[node.func.attr]:
+                found.append(f"{rel}:{node.lineno} {call}")
+        for node in ast.walk(ast.parse(path.read_text())):  # passed as a thread's target counts too
+            if isinstance(node, ast.Attribute) and ast.unparse(node) in EXECUTORS and rel != "launcher/node_driver.py":
+                found.append(f"{rel}:{node.lineno} {ast.unparse(node)}")
+    assert not found, f"workers acted on outside the node machine's driver: {sorted(set(found))}"
+
+
 #: WorkerRuntime's fields are written by its driver (worker/driver.py) and its own methods; the executors should
 #: return what changed (issue 40). These writes outside them remain, each ``path field``; the list may only
 #: shrink (a new write elsewhere fails the test; one moved into the driver must leave the list).
