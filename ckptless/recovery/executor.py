@@ -325,8 +325,8 @@ def _discard_newer_own(inputs: RestoreInputs, version: int) -> None:
 
 def _from_disk(decision: DiskFallback, inputs: RestoreInputs) -> RestoreOutcome:
     from ckptless.snapshot import load_snapshot, step_dir, verify_snapshot
-    from ckptless.snapshot.reader import scan_steps
-    from ckptless.snapshot.restart import foreign_owner
+    from ckptless.snapshot import scan_steps
+    from ckptless.snapshot import foreign_owner
 
     directory = inputs.snapshot_dir
     step = decision.snapshot_step
