@@ -88,8 +88,8 @@ def flip_point(point: str, registry: object, rank: int) -> None:
         return
     import torch
 
-    from ckptless.state.dtensor import is_dtensor, local_of
-    from ckptless.state.replication import of_dtensors
+    from ckptless.state import is_dtensor, local_of
+    from ckptless.state import of_dtensors
 
     declared: dict[str, object] = getattr(registry, "replicated", dict)()
     items = list(getattr(registry, "items", lambda: iter(()))())

@@ -31,7 +31,7 @@ from ckptless.sample_seeds import SeedPerSample
 from ckptless.sampler import SEED_MIX, ResumableSampler, check_int
 
 if TYPE_CHECKING:
-    from ckptless.state.registry import StateRegistry
+    from ckptless.state import StateRegistry
 
 __all__ = ["DATA_POSITION_ATTR", "ResumableLoader", "ResumableSampler", "protects_data_position", "resumable",
            "set_world"]

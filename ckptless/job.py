@@ -30,7 +30,7 @@ import torch
 from ckptless import environment, sample_seeds
 from ckptless.errors import ConfigError, RecoveryError
 from ckptless.mirror.config import MirrorConfig
-from ckptless.state.registry import StateRegistry
+from ckptless.state import StateRegistry
 from ckptless.worker import device, exit_file, exit_guard, rank_reads, setup_seed, training
 from ckptless.worker.context import WorkerContext
 from ckptless.worker.driver import WorkerDriver

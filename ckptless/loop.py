@@ -40,7 +40,7 @@ from typing import Any
 from ckptless.errors import ConfigError, RecoveryError
 from ckptless.passes import AFTER_EPOCHS, LoopPosition, adapted, is_stateful, open_pass, stop_workers
 from ckptless.sample_seeds import refuse_unreproducible, seeds_per_pass
-from ckptless.state.rng import RNGState
+from ckptless.state import RNGState
 from ckptless.worker import exit_file, exit_guard, training
 from ckptless.worker.driver import WorkerDriver
 from ckptless.worker.machine import Event, UserError

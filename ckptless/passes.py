@@ -52,8 +52,8 @@ from torch.utils.data._utils.worker import _generate_state
 
 from ckptless.errors import StateError
 from ckptless.sample_seeds import SeedPerSample, install, pass_seed_slot, refuse_unreproducible
-from ckptless.state.registry import Stateful
-from ckptless.state.rng import RNGState, numpy_from_tree, numpy_tree, python_from_tree, python_tree
+from ckptless.state import Stateful
+from ckptless.state import RNGState, numpy_from_tree, numpy_tree, python_from_tree, python_tree
 
 __all__ = ["AFTER_EPOCHS", "LoopPosition", "adapted", "is_stateful", "open_pass", "stop_workers"]
 

@@ -54,7 +54,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from ckptless.errors import ConfigError
-from ckptless.state.registry import Stateful
+from ckptless.state import Stateful
 
 __all__ = ["SeedPerSample", "install", "pass_seed_slot", "refuse_unreproducible", "sample_seed",
            "seed_global_streams", "seeds_per_pass", "unreproducible", "wants_seeds"]

@@ -290,7 +290,7 @@ def can_restart(cfg: LaunchConfig) -> bool:
         return True
     if not cfg.snapshot_dir:
         return False
-    from ckptless.snapshot.restart import stored_snapshots
+    from ckptless.snapshot import stored_snapshots
 
     return bool(stored_snapshots(cfg.snapshot_dir, cfg.run_id))
 

@@ -19,12 +19,15 @@ pause longer than its lease (it re-registers under a new lease and follows
 whatever the coordinator decided meanwhile).
 
 This module wires the parts and owns the connections (etcd, lease, leader,
-TCPStore), the first spawn and the main loop. The parts, each over the
-state the agent's threads share (launcher/node_state.py): joining the job
-(launcher/joining.py), recording exits (launcher/exit_records.py), following
-memberships (launcher/follower.py), respawns and re-execs
+TCPStore), the first spawn and the main loop. What the agent decides (kills,
+respawns, re-execs, refills, its exit code) is one pure machine
+(launcher/node_machine.py), driven by launcher/node_driver.py; the parts,
+each over the I/O handles the agent's threads share (launcher/node_state.py),
+turn what they observe into its events or carry out its actions: joining the
+job (launcher/joining.py), recording exits (launcher/exit_records.py),
+following memberships (launcher/follower.py), respawns and re-execs
 (launcher/respawn.py), spare refills (launcher/refill.py), hang detection
-(launcher/watchdog.py) and when to leave (launcher/completion.py).
+(launcher/watchdog.py) and the job's end (launcher/completion.py).
 """
 
 from __future__ import annotations
@@ -59,6 +62,9 @@ from ckptless.launcher.spares import SparePool
 from ckptless.launcher.completion import AgentOutcome
 from ckptless.launcher.exit_records import record_exit
 from ckptless.launcher.joining import join
+from ckptless.launcher.node_driver import NodeDriver
+from ckptless.launcher.node_machine import (
+    LeaseLost, LeaseRenewed, MembershipSeen, NodeConfig, Spawned, StatusSeen, StopRequested)
 from ckptless.launcher.node_metrics import update_node_metrics
 from ckptless.launcher.node_state import NodeState
 from ckptless.launcher.outbox import OUTBOX_DRAIN_S
@@ -93,6 +99,7 @@ class NodeAgent:
         self._link: LinkCheck | None = None  # links/<node>: put back under a renewed lease
         self._warm_started = False
         self._unported_warned = False
+        self._driver: NodeDriver | None = None  # the node machine's driver, once the job formed
 
     # --- signals ---------------------------------------------------------------------
     @property
@@ -117,7 +124,7 @@ class NodeAgent:
 
     # --- hang detection ----------------------------------------------------------------------------
     def _watch_hangs(self) -> None:
-        watch_hangs(self.cfg.hang_timeout, self.state.slots, lambda: self.state.group, self.state.stopping)
+        watch_hangs(self.cfg.hang_timeout, self.state.slots, self.state.feed, self.state.stopping)
 
     # --- leases: survive a pause or an etcd outage longer than the TTL -------------------------------
     def _renew_session(self) -> None:
@@ -125,9 +132,7 @@ class NodeAgent:
         st = self.state
         assert st.client is not None and self._me is not None
         old, st.session = st.session, None
-        if st.lost_since is None:
-            st.lost_since = time.monotonic()  # the lease is gone from now until a renewal succeeds
-            st.lease_lapsed_at = st.lost_since
+        st.feed(LeaseLost())  # the lease is gone from now until a renewal succeeds
         try:
             # A short grant deadline: the main loop retries every turn, and while etcd is away a long
             # one would hold the loop (and every exit decision) for the client's whole call deadline.
@@ -137,7 +142,7 @@ class NodeAgent:
             st.session = old  # still done: try again on the next turn
             log.debug("renewing the lease failed: %s", exc)
             return
-        st.lost_since = None
+        st.feed(LeaseRenewed())
         st.session = session
         Rendezvous(st.client, st.keyspace, session).register(self._me)
         if self._link is not None:
@@ -153,7 +158,7 @@ class NodeAgent:
         hosts (fewer ranks): what a spare started now is most likely to take, so it pre-builds as one
         of them. One etcd read."""
         st = self.state
-        m = st.membership
+        m = self._driver.node.membership if self._driver is not None else None
         if m is None or st.client is None:
             return []
         kvs, _ = st.client.get_prefix(st.keyspace.nodes_prefix)
@@ -168,8 +173,7 @@ class NodeAgent:
         old = self.cfg
         cfg = dataclasses.replace(old, nproc_per_node=0, spares=old.nproc_per_node + old.spares)
         self.cfg = st.cfg = cfg
-        st.spares = SparePool(st.keyspace, self.node_id, lambda: st.client, any_rank=cfg.spare_any_rank,
-                              refill=cfg.spare_refill)
+        st.spares = SparePool(st.keyspace, self.node_id, lambda: st.client, any_rank=cfg.spare_any_rank)
         if self._me is not None:  # re-registered after a lease renewal: as the spare-only node it is now
             self._me = dataclasses.replace(self._me, nproc=0)
         return cfg
@@ -226,14 +230,12 @@ class NodeAgent:
             link.publish(st.session.lease_id)  # the mirrors' interface and address, named before anything runs
             stack.callback(link.close)
             self._prepare_shm(stack)
-            result, st.membership = join(client, st.keyspace, st.session, me, cfg, recovery=st.recovery,
-                                         timeout_s=self.rendezvous_timeout_s, stopping=st.stopping,
-                                         relaunch=relaunch)
+            result, initial = join(client, st.keyspace, st.session, me, cfg, recovery=st.recovery,
+                                   timeout_s=self.rendezvous_timeout_s, stopping=st.stopping, relaunch=relaunch)
             if result.late:
                 cfg = self._serve_as_spares()
             else:
                 link.measure(result)  # once, on its own thread: 0.3 s to the next node
-            st.result = result
             if result.world_size < 2 or cfg.replicas == 0:
                 self._without_recovery(result.world_size)
             elif cfg.replicas >= result.world_size:
@@ -241,6 +243,12 @@ class NodeAgent:
                                   f"must be < the world size ({result.world_size}): a rank's K mirrors live on other ranks")
             # One watch of job/ per node: the follower's, relayed to the node's workers (coordinator/relay_server.py);
             # their writes come back through it and go to etcd in batches (coordinator/relay_writer.py).
+            driver = self._driver = NodeDriver(st, NodeConfig(
+                self.node_id, st.host, st.store_port, node_grace_s=cfg.node_grace, lease_ttl_s=cfg.lease_ttl,
+                recovery=st.recovery, shm=bool(cfg.shm_dir), rank_offset=result.rank_offset, spares=cfg.spares,
+                spare_refill=cfg.spare_refill, hang_timeout_s=cfg.hang_timeout, shutdown_timeout_s=cfg.shutdown_timeout))
+            st.feed = driver.feed
+            driver.feed(MembershipSeen(initial, ()))  # generation 0, as the rendezvous left it
             relay = st.relay = RelayServer(writer=RelayWriter(lambda: st.client, st.keyspace.worker_writes))
             stack.callback(relay.close)
 
@@ -251,15 +259,17 @@ class NodeAgent:
             watch = client.watch_prefix(st.keyspace.job_prefix, on_job_events)
             stack.callback(watch.cancel)
             relay.seed(client.get_prefix(st.keyspace.job_prefix)[0])  # what was there before the watch
-            st.status = completion.read_status(st)
+            status = completion.read_status(st)
+            if status is not None:
+                driver.feed(StatusSeen(status))
 
             group = self._spawn(etcd_config, result)
             stack.callback(lambda: group.stop(timeout=cfg.shutdown_timeout))
             threading.Thread(target=self._watch_hangs, name="ckptless-hang", daemon=True).start()
 
-            code = None
             spawned_at = time.monotonic()
-            while code is None:
+            node = driver.node
+            while node.exit_code is None:
                 st.wake.wait(0.5)
                 st.wake.clear()
                 if st.session is not None and st.session.done.is_set():
@@ -267,17 +277,20 @@ class NodeAgent:
                 self._update_metrics()
                 self._warn_if_unported(spawned_at)
                 self._maybe_warm(group)
-                refill.maybe_refill(st, group)
-                end_stuck_teardowns(group, st.exit_path, cfg.shutdown_timeout, st.killed_in_teardown)
-                code = completion.done(st)
+                end_stuck_teardowns(group, st.exit_path, cfg.shutdown_timeout, driver.feed)
+                if st.stop_signal is not None:
+                    driver.feed(StopRequested(st.stop_signal))
+                node = driver.tick()  # the machine decides on a spare refill, and whether this node's part is over
+            code = node.exit_code
             if code == 0:
                 self._warn_if_unported(spawned_at, at_end=True)
             # Pending exit records get their time to land, unless etcd is known to be gone.
-            st.outbox.drain(timeout=1.0 if st.lost_since is not None else OUTBOX_DRAIN_S)
+            st.outbox.drain(timeout=1.0 if node.lost_since is not None else OUTBOX_DRAIN_S)
             st.stopping.set()  # stops the hang watcher and the outbox retries
             group.stop(timeout=cfg.shutdown_timeout)
-            if code == 1 and st.status is not None:
-                completion.print_failure(st, st.status)
+            node = driver.node  # a status the watch brought meanwhile is printed too
+            if code == 1 and node.status is not None:
+                completion.print_failure(st, node.status, node.local_failures)
             return AgentOutcome(code, tuple(st.slots.failed_ranks()))
         raise AssertionError("unreachable")
 
@@ -333,7 +346,8 @@ class NodeAgent:
         if st.metrics is None:
             return
         try:
-            update_node_metrics(st.metrics, st.slots.all(), st.membership, st.incident_t, st.published_t)
+            m = self._driver.node.membership if self._driver is not None else None
+            update_node_metrics(st.metrics, st.slots.all(), m, st.incident_t, st.published_t)
         except Exception as exc:  # noqa: BLE001 - a gauge must not fail the agent loop
             log.warning("metrics not updated: %s", exc)
 
@@ -433,6 +447,7 @@ class NodeAgent:
                             log_dir=cfg.log_dir, redirects=redirects, tee=tee,
                             warm=cfg.warm_respawn and st.recovery, role=cfg.role)
         st.group = group
+        st.feed(Spawned())  # from now on a membership moves this node's slots
         group.start(start_server=False)  # the fork server starts once our workers train (see _maybe_warm)
         for slot in st.slots.all():
             if slot.rank is None:  # a warm spare: in the pool, on our lease (gone with this node)

@@ -40,9 +40,12 @@ often as not; there is no better rule without the node's topology.
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Mapping
+from typing import TYPE_CHECKING
 
-from ckptless.environment import ProcessEnv
 from ckptless.errors import ConfigError
+
+if TYPE_CHECKING:  # a type only: the rules here read no environment (the node machine imports them)
+    from ckptless.environment import ProcessEnv
 
 NODE_GPUS_VAR = "CKPTLESS_NODE_GPUS"
 

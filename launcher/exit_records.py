@@ -6,7 +6,8 @@ first, from the reaper thread, through the outbox (it must never block on an
 etcd that is away). What the record says comes from the worker's own exit
 file: a fault is recovered, a user error ends the job; a pre-built spare that
 exits to restart as another rank is no failure and is started again
-(launcher/respawn.py); a spare that died leaves the pool. With the node-local
+(launcher/respawn.py, once the node machine says so); a spare that died
+leaves the pool. With the node-local
 tier (``--shm-dir``) the record also names the newest version of the rank's
 own image found intact on this node. A worker whose GPU failed (kind
 ``device``) has that GPU marked bad for good (one warning naming it), and its
@@ -14,7 +15,7 @@ record says whether this node can start the rank again on another good GPU
 (``respawnable``; launcher/devices.py). A worker the agent killed stuck in
 its teardown, after its program ended, is recorded with the code its program
 ended with (launcher/watchdog.py). Without recovery, the first failure
-ends the job, as with torchrun (launcher/completion.py).
+ends the job, as with torchrun (the node machine decides: launcher/node_machine.py).
 """
 
 from __future__ import annotations
@@ -23,12 +24,11 @@ import logging
 from dataclasses import replace
 
 from ckptless import environment
-from ckptless.launcher.completion import send_status
+from ckptless.launcher.node_machine import ExitRecorded, ReexecAsked
 from ckptless.launcher.node_state import NodeState
-from ckptless.launcher.respawn import reexec_when_assigned
 from ckptless.launcher.worker_process import WorkerExit
 from ckptless.recovery.facts import NodeLocalCopy, NodeLocalImage
-from ckptless.recovery.view import ErrorSummary, ExitRecord, JobStatus
+from ckptless.recovery.view import ErrorSummary, ExitRecord
 from ckptless.worker import exit_file
 
 log = logging.getLogger("ckptless.agent")
@@ -46,7 +46,8 @@ def record_exit(st: NodeState, ex: WorkerExit) -> None:
     if kind == "reexec" and not ex.requested:
         # A pre-built spare assigned another rank than the one it built for: start it again
         # (warm) as that rank, under the same worker id. Not a failure: nothing is recorded.
-        reexec_when_assigned(st, ex.local_rank)
+        lr = ex.local_rank
+        st.feed(lambda slots: ReexecAsked(lr, slots))  # now, or once the membership that assigns it reaches us
         return
     respawnable = True
     if kind == "device":
@@ -83,11 +84,8 @@ def record_exit(st: NodeState, ex: WorkerExit) -> None:
             st.outbox.put(st.keyspace.spare_exit(slot.worker_id), rec.to_json(), f"the exit of {slot.worker_id}")
     if not ex.succeeded and not ex.requested:
         log.error("%s", rec.describe())
-        if slot.rank is not None:
-            st.local_failures.append(rec)
-        if not st.recovery and slot.rank is not None and rec.outcome != "other":
-            # No recovery: like torchrun, the first failure ends the job (first writer wins).
-            send_status(st, JobStatus("failed", rec.describe(), rec))
+    # The machine keeps our ranks' failures, and without recovery ends the job on the first (as torchrun).
+    st.feed(ExitRecorded(ex.local_rank, rec, slot.rank is not None, ex.succeeded, ex.requested))
     st.wake.set()
 
 
@@ -96,8 +94,8 @@ def _local_replicas(shm: str, st: NodeState, rank: int) -> tuple[NodeLocalCopy, 
     (~25 ms per 256 MiB, like its own image): a live worker on this node can adopt them (R11), so a
     lost host's copies of the ranks it hosted, or of its mirrored peers, are not lost with it."""
     from ckptless.mirror.reattach import verified_copies
-    from ckptless.state.layout import manifest_layout_key
-    from ckptless.state.replication import first_held_chunk, region_of
+    from ckptless.state import manifest_layout_key
+    from ckptless.state import first_held_chunk, region_of
 
     try:
         found = verified_copies(shm, st.cfg.run_id, st.node_id, rank)

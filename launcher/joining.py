@@ -27,7 +27,7 @@ from ckptless.recovery.decision import Assignment, DiskFallback
 from ckptless.recovery.wire import Membership, membership_from_json
 
 if TYPE_CHECKING:  # importing ckptless.snapshot imports torch: deferred to the restart itself
-    from ckptless.snapshot.restart import WorldMismatch
+    from ckptless.snapshot import WorldMismatch
 
 log = logging.getLogger("ckptless.agent")
 
@@ -180,7 +180,7 @@ def resume_from_disk(cfg: LaunchConfig, world_size: int, ranks: tuple[Assignment
 
 def world_mismatch_error(run_id: str, m: WorldMismatch) -> ConfigError:
     """One line: what does not match, where, and the two ways on (neither loses a snapshot)."""
-    from ckptless.snapshot.restart import SET_ASIDE
+    from ckptless.snapshot import SET_ASIDE
 
     steps = ", ".join(str(s) for s in m.steps[:8]) + (", ..." if len(m.steps) > 8 else "")
     return ConfigError(

@@ -1,40 +1,40 @@
-"""What a node agent's threads share: its slots, the membership it follows, its etcd handles, the job's end.
+"""What a node agent's threads share: its handles (etcd, lease, workers, slot table, outbox) and the machine's feed.
 
 Why one object of its own: the agent's work runs on several threads. The
 reaper records exits (launcher/exit_records.py), the etcd watch follows
 memberships (launcher/follower.py), a respawn thread starts replacements
-(launcher/respawn.py), and the main loop refills spares (launcher/refill.py)
-and decides when this node is done (launcher/completion.py). Each of those
+(launcher/respawn.py), and the main loop refills spares (launcher/refill.py).
+What the agent *decides* (kills, respawns, re-execs, its exit code) is not
+here: it is the node machine's state (launcher/node_machine.py), which each
+thread reaches only through ``feed`` (launcher/node_driver.py). Each of those
 takes this state explicitly instead of reaching into the agent; the agent
 (launcher/agent.py) creates it, fills in the handles as it connects, and
 wires the others together.
 
-Locking: the slot table has its own lock; a new membership and the set of
-pending re-execs change under ``membership_lock``; every other field is
-written by one thread and read by others as a whole (a reference swap).
+Locking: the slot table has its own lock (and the driver's lock around a
+step and the slot writes it asks for); every other field is written by one
+thread and read by others as a whole (a reference swap).
 """
 
 from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from ckptless import environment
 from ckptless.coordinator.client import EtcdClient
 from ckptless.coordinator.keyspace import Keyspace
 from ckptless.coordinator.relay_server import RelayServer
-from ckptless.coordinator.rendezvous import RendezvousResult
 from ckptless.coordinator.session import Session
 from ckptless.launcher.args import LaunchConfig
 from ckptless.launcher.devices import device_env, spare_device_env
+from ckptless.launcher.node_machine import Event
 from ckptless.launcher.outbox import Outbox
-from ckptless.launcher.slots import SlotTable
+from ckptless.launcher.slots import Slot, SlotTable
 from ckptless.launcher.spares import SparePool
 from ckptless.launcher.workers import WorkerGroup
 from ckptless.metrics import MetricsExporter
-from ckptless.recovery.view import ExitRecord, JobStatus
-from ckptless.recovery.wire import Membership
 
 
 class NodeState:
@@ -46,30 +46,23 @@ class NodeState:
         self.recovery = cfg.replicas > 0  # turned off when the world is too small to mirror
         self.wake = threading.Event()  # the main loop looks again now
         self.stopping = threading.Event()  # a signal asked us to stop: every wait obeys it
-        self.stop_signal: int | None = None
-        self.status: JobStatus | None = None  # the job's end, once etcd (or this agent) recorded one
+        self.stop_signal: int | None = None  # the signal handler's note; the main loop feeds it to the machine
+        # The node machine's input (launcher/node_driver.py's feed, set once the job formed; until then nothing
+        # runs that could feed it, and a test without a machine drops what it would be told).
+        self.feed: Callable[[Event | Callable[[tuple[Slot, ...]], Event]], object] = lambda event: None
         self.client: EtcdClient | None = None
         self.session: Session | None = None
-        self.result: RendezvousResult | None = None
         self.group: WorkerGroup | None = None
         self.host = ""  # this node's address: its TCPStore's host
         self.store_port = 0
         self.slots = SlotTable(gpus)  # also which GPU each slot uses (launcher/devices.py)
-        self.refill_gpu_warned = False  # "no free GPU for a refill" is said once
-        self.membership: Membership | None = None
-        self.membership_lock = threading.Lock()
-        self.reexec_pending: set[int] = set()  # local ranks of pre-built spares to start again as their rank
-        self.local_failures: list[ExitRecord] = []
-        self.killed_in_teardown: set[int] = set()  # pids killed after their program ended (launcher/watchdog.py)
-        self.lost_since: float | None = None  # when our lease was found lost and could not be renewed
-        self.lease_lapsed_at: float | None = None  # when our lease was last found lost (kept after a renewal)
+        self.killed_in_teardown: set[int] = set()  # pids the driver killed after their program ended (exit_records reads)
         self.incident_t: dict[int, float] = {}  # generation -> when its incident opened (for metrics)
         self.published_t: dict[int, float] = {}
         self.metrics: MetricsExporter | None = None
         self.outbox = Outbox(lambda: self.client, self.stopping)
         self.relay: RelayServer | None = None  # the node's control relay to its workers (set once the job formed)
-        self.spares = SparePool(self.keyspace, node_id, lambda: self.client,
-                                any_rank=cfg.spare_any_rank, refill=cfg.spare_refill)
+        self.spares = SparePool(self.keyspace, node_id, lambda: self.client, any_rank=cfg.spare_any_rank)
 
     def spare_device_env(self, local_rank: int, gpu: int | None) -> Mapping[str, str]:
         """LOCAL_RANK / CUDA_VISIBLE_DEVICES of a spare in ``local_rank`` on ``gpu`` (launcher/devices.py)."""

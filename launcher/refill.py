@@ -8,44 +8,27 @@ trains again in the generation that took the spare (their heartbeat files say
 so), so the new spare's setup (the script's build, on this node's cores) never
 competes with the recovery itself.
 
-The decisions are pure functions over the slot table and heartbeat records;
-:func:`maybe_refill`, called on each turn of the agent's main loop, acts on
-them: it claims an owed refill, adds the new spare's slot, starts it like the
-node's first spare and offers it on the agent's lease.
+The decisions are the node machine's (launcher/node_machine.py: which refill
+is owed, when the recovery is over, whether a GPU is free, the new spare's
+name); :func:`start_spare` carries one out: it reads the new spare's standby
+rank, adds its slot, starts it like the node's first spare and offers it on
+the agent's lease.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from collections.abc import Mapping
 
 from ckptless.errors import CkptlessError, CoordinatorError
+from ckptless.launcher.node_machine import StartSpare, recovery_over, spares_missing
 from ckptless.launcher.node_state import NodeState
 from ckptless.launcher.slots import Slot
 from ckptless.launcher.workers import WorkerGroup
-from ckptless.worker.heartbeat import read_progress
 
 log = logging.getLogger("ckptless.agent")
 
-
-def recovery_over(slots: Sequence[Slot], generation: int,
-                  progress_of: Callable[[str], dict[str, Any] | None]) -> bool:
-    """Every live rank of this node trains in ``generation`` or later (and there is one)."""
-    ranked = [s for s in slots if s.rank is not None and s.alive]
-    if not ranked:
-        return False
-    for s in ranked:
-        p = progress_of(s.heartbeat_file)
-        gen = p.get("generation") if p is not None else None
-        if p is None or p.get("state") != "training" or not isinstance(gen, int) or gen < generation:
-            return False
-    return True
-
-
-def spares_missing(slots: Sequence[Slot], wanted: int) -> int:
-    """How many spares this node lacks against ``--spares`` (live, unassigned ones count)."""
-    return max(0, wanted - sum(1 for s in slots if s.spare and s.alive))
+__all__ = ["recovery_over", "spare_env", "spares_missing", "start_spare"]  # the rules, named from here too
 
 
 def spare_env(worker_id: str, heartbeat: str, exit_file: str, standby: int | None,
@@ -58,49 +41,35 @@ def spare_env(worker_id: str, heartbeat: str, exit_file: str, standby: int | Non
             "RANK": "0" if standby is None else str(standby)}
 
 
-def maybe_refill(st: NodeState, group: WorkerGroup) -> None:
-    """--spare-refill: start a new spare once one of ours took a rank and that recovery is over."""
-    m = st.membership
-    if (not st.spares.refill_owed or m is None or st.stopping.is_set() or st.status is not None
-            or m.generation in st.incident_t  # another failure: wait for its recovery too
-            or not recovery_over(st.slots.all(), m.generation, read_progress)):
-        return
-    if spares_missing(st.slots.all(), st.cfg.spares) == 0:
-        st.spares.next_refill(st.cfg.spares)  # the pool is full (e.g. a slot came back): nothing owed
-        return
-    if not st.slots.gpu_free():  # still owed: a GPU may free up (a rank that moved away)
-        if not st.refill_gpu_warned:
-            st.refill_gpu_warned = True
-            log.warning("spare refill waits: none of this node's %d GPUs is free and good (failed: %s)",
-                        st.slots.gpus, sorted(st.slots.bad_gpus()) or "none")
-        return
+def start_spare(st: NodeState, group: WorkerGroup, a: StartSpare) -> bool:
+    """Start the new spare the node machine decided on; False: etcd did not answer the standby read, nothing
+    was started or claimed, and the refill stays owed (the driver tells the machine: SpareDeferred)."""
     try:  # etcd may be away: keep the refill owed and try again on a later turn
-        ranks = st.spares.standby_ranks(m.world_size, 1) if st.cfg.spare_prebuild else []
+        ranks = st.spares.standby_ranks(a.world_size, 1) if st.cfg.spare_prebuild else []
     except CoordinatorError as exc:
         log.info("spare refill waits for etcd: %s", exc)
-        return
-    worker_id = st.spares.next_refill(st.cfg.spares)
-    if worker_id is None:
-        return
+        return False
+    worker_id = a.worker_id
     standby = ranks[0] if ranks else None
     lr = group.size  # add_like appends the next local rank; only this loop adds workers
     hb = st.heartbeat_path(lr)
     slot = Slot(lr, worker_id, None, hb)
     if not st.slots.add_with_device(slot):  # it takes the lowest free good GPU, atomically
         log.warning("spare %s not started: a respawn took the last free GPU meanwhile", worker_id)
-        return
+        return True
     # The store of the current generation (node 0's may be gone with its node): a pre-built spare
     # connects to it while it builds, long before it is assigned a rank.
     env = dict(spare_env(worker_id, hb, st.exit_path(lr), standby, st.spare_device_env(lr, slot.device)),
-               MASTER_ADDR=m.store_host, MASTER_PORT=str(m.store_port))
+               MASTER_ADDR=a.store_host, MASTER_PORT=str(a.store_port))
     try:
         added = group.add_like(st.cfg.nproc_per_node, env)
     except CkptlessError:
         log.exception("starting spare %s failed (not retried: a broken start must not loop)", worker_id)
         st.slots.exited(lr, False)
-        return
+        return True
     assert added == lr, (added, lr)
     assert st.session is not None
     st.spares.offer_quietly(worker_id, standby, st.session.lease_id)  # on our lease, like the first
     log.warning("spare %s started (standby rank %s, GPU %s) in place of the one that took a rank", worker_id,
                 standby, "none" if slot.device is None else slot.device)
+    return True

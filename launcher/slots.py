@@ -12,6 +12,7 @@ it must be one step, or a respawn and a spare refill could take the same one
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ckptless.launcher.devices import choose_gpu
@@ -30,6 +31,24 @@ class Slot:
     ever_ranked: bool = False
     last_rank: int | None = None  # the rank it ran before it was unassigned (where that rank respawns)
     device: int | None = None  # the GPU its worker uses (None: a CPU job, or past the node's GPUs)
+
+
+def slot_for_rank(slots: Sequence[Slot], rank: int, rank_offset: int) -> Slot | None:
+    """Where ``rank`` respawns among ``slots`` (the rule of :meth:`SlotTable.for_rank_slot`, pure: the node
+    machine applies it to the table as its own step leaves it)."""
+    for s in slots:
+        if s.rank == rank:
+            return s
+    unassigned = [s for s in slots if s.rank is None and not (s.spare and s.alive)]
+    for s in unassigned:
+        if s.last_rank == rank:
+            return s
+    by_local = {s.local_rank: s for s in slots}
+    s2 = by_local.get(rank - rank_offset)
+    if s2 is not None and s2.rank is None:
+        return s2
+    dead = [s for s in unassigned if not s.alive]
+    return dead[0] if dead else None
 
 
 class SlotTable:
@@ -84,19 +103,8 @@ class SlotTable:
         respawn must never wait on or replace).
         """
         with self._lock:
-            slots = list(self._slots.values())
-            for s in slots:
-                if s.rank == rank:
-                    return Slot(**vars(s))
-            unassigned = [s for s in slots if s.rank is None and not (s.spare and s.alive)]
-            for s in unassigned:
-                if s.last_rank == rank:
-                    return Slot(**vars(s))
-            s2 = self._slots.get(rank - rank_offset)
-            if s2 is not None and s2.rank is None:
-                return Slot(**vars(s2))
-            dead = [s for s in unassigned if not s.alive]
-            return Slot(**vars(dead[0])) if dead else None
+            found = slot_for_rank(list(self._slots.values()), rank, rank_offset)
+            return None if found is None else Slot(**vars(found))
 
     # --- GPUs (launcher/devices.py has the rules) ---------------------------------------------------
     def _used(self, but: int | None = None) -> set[int]:

@@ -3,9 +3,9 @@
 Why a module of its own: the agent offers its spares on its lease (gone with
 the node), offers them again after a lease renewal (exactly as first written:
 a pre-built spare keeps its standby rank), picks each pre-built spare's
-standby rank from what other spares already cover, and with
-``--spare-refill`` counts the spares of its own that took a rank (see
-``launcher/refill.py`` for when a new one starts).
+standby rank from what other spares already cover. The refills a
+``--spare-refill`` owes are counted by the node machine
+(launcher/node_machine.py; launcher/refill.py starts them).
 """
 
 from __future__ import annotations
@@ -25,16 +25,13 @@ log = logging.getLogger("ckptless.agent")
 
 class SparePool:
     def __init__(self, keyspace: Keyspace, node_id: str, client: Callable[[], EtcdClient | None], *,
-                 any_rank: bool, refill: bool) -> None:
+                 any_rank: bool) -> None:
         self._keyspace = keyspace
         self._node_id = node_id
         self._client = client
         self._any_rank = any_rank
-        self._refill = refill
         self._records: dict[str, Worker] = {}  # worker id -> its record, as first written
         self._lock = threading.Lock()
-        self._owed = 0  # --spare-refill: spares of ours that took a rank, not replaced yet
-        self._started = 0  # refills started so far (names the next one)
 
     def key(self, worker_id: str) -> str:
         return f"{self._keyspace.spares_prefix}{worker_id.replace('/', ':')}"
@@ -76,27 +73,6 @@ class SparePool:
             with self._lock:
                 record = self._records.get(wid, Worker(wid, self._node_id))
             client.put(self.key(wid), spare_to_json(record), lease=lease_id)
-
-    # --- refills ---------------------------------------------------------------------------------
-    def took_rank(self) -> None:
-        """A spare of ours takes a rank (called from the membership follower)."""
-        if self._refill:
-            with self._lock:
-                self._owed += 1
-
-    @property
-    def refill_owed(self) -> bool:
-        return self._owed > 0
-
-    def next_refill(self, first_index: int) -> str | None:
-        """Claim one owed refill: the new spare's worker id (None: none owed)."""
-        with self._lock:
-            if self._owed <= 0:
-                return None
-            self._owed -= 1
-            k = first_index + self._started
-            self._started += 1
-        return f"{self._node_id}/spare{k}"
 
     def offer_quietly(self, worker_id: str, standby: int | None, lease_id: int) -> None:
         """Offer a refilled spare; a failed put waits for the next lease renewal (it re-offers it)."""

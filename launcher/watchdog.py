@@ -1,5 +1,5 @@
-"""The agent's hang watchdog: SIGKILL a local worker whose heartbeat stalled, or whose teardown outlives
-its program's end.
+"""The agent's hang watchdog: the facts for killing a local worker whose heartbeat stalled, or whose teardown
+outlives its program's end (the node machine decides: launcher/node_machine.py).
 
 Why: a frozen process (SIGSTOP, a native call holding the GIL) breaks no
 connection, so its peers would only notice at the collective timeout. Killed,
@@ -19,30 +19,18 @@ the code its program ended with (launcher/exit_records.py).
 
 from __future__ import annotations
 
-import logging
 import os
-import signal
 import threading
 import time
 from collections.abc import Callable, Mapping
 
+from ckptless.launcher.node_machine import Heartbeat, HeartbeatsRead, TeardownsStuck, startup_grace_s
 from ckptless.launcher.slots import SlotTable
 from ckptless.launcher.workers import WorkerGroup
 from ckptless.worker import exit_file
 from ckptless.worker.heartbeat import read_progress
 
-log = logging.getLogger("ckptless.agent")
-
-
-def startup_grace_s(hang_timeout: float) -> float:
-    """How long a worker that has not trained a step yet may go without a heartbeat.
-
-    Why longer than the hang timeout: before its first step a process imports
-    modules and builds the script's objects, and on a loaded host C extensions
-    can hold the GIL for seconds (two fresh respawns were killed as frozen at
-    load 20 in the long chaos run before this).
-    """
-    return max(4.0 * hang_timeout, 60.0)
+__all__ = ["end_stuck_teardowns", "starting", "startup_grace_s", "stuck_in_teardown", "watch_hangs"]
 
 
 def starting(heartbeat_file: str) -> bool:
@@ -51,18 +39,16 @@ def starting(heartbeat_file: str) -> bool:
     return doc is not None and doc.get("state") == "starting"
 
 
-def watch_hangs(timeout: float | None, slots: SlotTable, group: Callable[[], WorkerGroup | None],
+def watch_hangs(timeout: float | None, slots: SlotTable, feed: Callable[[HeartbeatsRead], object],
                 stopping: threading.Event) -> None:
-    """Until ``stopping``: SIGKILL a rank whose heartbeat is older than ``timeout``; one that has not
-    trained a step yet (a fresh respawn or spare in its setup) gets :func:`startup_grace_s` instead,
-    so a slow start on a busy host is not taken for a hang."""
+    """Until ``stopping``: read each live rank's heartbeat age (and, past ``timeout``, whether it has trained a
+    step yet) and hand them to the node machine, which decides which are frozen and kills them
+    (launcher/node_rules.py, frozen)."""
     if not timeout:
         return
     while not stopping.wait(min(timeout / 4, 0.25)):
-        g = group()
-        if g is None:
-            continue
         now = time.time()
+        beats = []
         for slot in slots.all():
             if not slot.alive or slot.rank is None:
                 continue
@@ -70,11 +56,10 @@ def watch_hangs(timeout: float | None, slots: SlotTable, group: Callable[[], Wor
                 age = now - os.stat(slot.heartbeat_file).st_mtime
             except FileNotFoundError:
                 continue  # not started yet (a respawn's predecessor's file is removed)
-            if age <= timeout or (starting(slot.heartbeat_file) and age <= startup_grace_s(timeout)):
-                continue
-            log.error("rank %d (%s) is frozen (no heartbeat for %.1fs): SIGKILL", slot.rank, slot.worker_id, age)
-            g.send_signal(slot.local_rank, signal.SIGKILL)
-            os.utime(slot.heartbeat_file)
+            beats.append(Heartbeat(slot.local_rank, slot.rank, slot.worker_id, slot.heartbeat_file, age,
+                                   starting(slot.heartbeat_file) if age > timeout else None))
+        if beats:
+            feed(HeartbeatsRead(tuple(beats)))
 
 
 def stuck_in_teardown(pids: Mapping[int, int], exit_path: Callable[[int], str], grace_s: float,
@@ -90,14 +75,10 @@ def stuck_in_teardown(pids: Mapping[int, int], exit_path: Callable[[int], str], 
 
 
 def end_stuck_teardowns(group: WorkerGroup, exit_path: Callable[[int], str], grace_s: float,
-                        killed: set[int]) -> None:
-    """SIGKILL each worker stuck in its teardown (see the module doc), once, with one line; ``killed``
-    keeps their pids: the exit recorder records the code each declared instead of the signal."""
-    for lr, pid, code, since in stuck_in_teardown(group.pids(), exit_path, grace_s, time.time()):
-        if pid in killed:
-            continue
-        killed.add(pid)
-        log.error("local rank %d (pid %d) ended its program with code %d %.0fs ago and is still in its teardown "
-                  "(an atexit hook or a destructor at exit, --shutdown-timeout %.0fs): SIGKILL; its exit is "
-                  "recorded as code %d", lr, pid, code, since, grace_s, code)
-        group.send_signal(lr, signal.SIGKILL)
+                        feed: Callable[[TeardownsStuck], object]) -> None:
+    """Hand the workers stuck in their teardown (see the module doc) to the node machine, which kills each
+    once, with one line; the driver keeps their pids for the exit recorder, which records the code each
+    declared instead of the signal."""
+    stuck = stuck_in_teardown(group.pids(), exit_path, grace_s, time.time())
+    if stuck:
+        feed(TeardownsStuck(tuple(stuck)))

@@ -52,7 +52,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ckptless.errors import ConfigError
 from ckptless.job import Job, current
-from ckptless.state.rng import RNGState
+from ckptless.state import RNGState
 
 try:
     from transformers import Trainer, TrainerCallback

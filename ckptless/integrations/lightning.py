@@ -46,7 +46,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 from ckptless.errors import ConfigError
 from ckptless.job import Job, current
 from ckptless.passes import LoopPosition, open_pass
-from ckptless.state.rng import RNGState
+from ckptless.state import RNGState
 
 try:
     import lightning.pytorch as pl

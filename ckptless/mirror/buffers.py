@@ -27,7 +27,7 @@ import torch
 from ckptless.errors import DeviceTimeout
 from ckptless.mirror.ownimage import OwnImageFiles
 from ckptless.state import host_memory
-from ckptless.state.fence import CopyFence
+from ckptless.state import CopyFence
 
 log = logging.getLogger(__name__)
 

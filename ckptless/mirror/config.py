@@ -12,7 +12,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ckptless.errors import ConfigError
-from ckptless.state.checksum import DEFAULT_CHUNK_BYTES
+from ckptless.state import DEFAULT_CHUNK_BYTES
 
 
 class MirrorConfig(BaseModel):

@@ -46,10 +46,10 @@ from ckptless.mirror.placement import Placement, compute_placement
 from ckptless.mirror.pool import COMMITTED, FREE, INFLIGHT, QUEUED, OwnerPool, _Buf, _has_checksums
 from ckptless.mirror.store import PeerStore
 from ckptless.mirror.transport import Deadline, MirrorTransport, RoundResult
-from ckptless.state.checksum import chunk_checksums
-from ckptless.state.fence import CopyFence
-from ckptless.state.live_prefix import LivePrefix
-from ckptless.state.manifest import Manifest
+from ckptless.state import chunk_checksums
+from ckptless.state import CopyFence
+from ckptless.state import LivePrefix
+from ckptless.state import Manifest
 
 log = logging.getLogger(__name__)
 
@@ -316,7 +316,7 @@ class MirrorEngine(OwnerPool):
         return lambda e: buffer[e.offset: e.offset + e.nbytes].numpy().data
 
     def _first_of_set(self, manifest: Manifest) -> bool:
-        from ckptless.state.replication import region_of
+        from ckptless.state import region_of
 
         region = region_of(manifest)
         return region is not None and region.ranks.at(0) == self.rank

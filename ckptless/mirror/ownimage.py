@@ -53,8 +53,8 @@ import torch
 from ckptless.errors import IntegrityError, ManifestError
 from ckptless.mirror.shm import FallbackNotice, own_files, own_path, reserve_mapping, unlink_quiet
 from ckptless.state import host_memory
-from ckptless.state.checksum import bad_chunks
-from ckptless.state.manifest import Manifest
+from ckptless.state import bad_chunks
+from ckptless.state import Manifest
 
 log = logging.getLogger(__name__)
 

@@ -28,7 +28,7 @@ from typing import Literal, Union
 
 from ckptless.errors import MirrorError
 from ckptless.mirror.placement import Placement
-from ckptless.state.manifest import Manifest
+from ckptless.state import Manifest
 
 Pair = tuple[int, int]  # (owner, holder)
 #: ``submit(..., pairs=MISSING)``: the engine finds the pairs itself (each pair compares fingerprints).

@@ -60,9 +60,9 @@ from ckptless.mirror import buffers
 from ckptless.mirror.config import MirrorConfig
 from ckptless.mirror.ownimage import OwnImageFiles
 from ckptless.mirror.store import StoredImage
-from ckptless.state.fence import CopyFence
-from ckptless.state.live_prefix import LivePrefix
-from ckptless.state.manifest import Manifest
+from ckptless.state import CopyFence
+from ckptless.state import LivePrefix
+from ckptless.state import Manifest
 
 log = logging.getLogger(__name__)
 

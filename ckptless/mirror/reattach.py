@@ -32,8 +32,8 @@ from ckptless.errors import IntegrityError, ManifestError
 from ckptless.mirror.shm import holder_files, os_error_text, reserve_mapping, slot_path, stat_signature, unlink_quiet
 from ckptless.mirror.slot_files import SlotFiles
 from ckptless.mirror.store import PeerStore
-from ckptless.state.replication import bad_held_chunks, held_bytes
-from ckptless.state.manifest import Manifest
+from ckptless.state import bad_held_chunks, held_bytes
+from ckptless.state import Manifest
 
 log = logging.getLogger(__name__)
 

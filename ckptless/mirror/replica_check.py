@@ -60,9 +60,9 @@ from ckptless.errors import SilentDataCorruption
 from ckptless.mirror import replica_verdict as rv
 from ckptless.mirror import tree
 from ckptless.mirror.transport import Deadline, wait_all
-from ckptless.state.manifest import Manifest, TensorEntry
-from ckptless.state.replication import Region, ReplicaSet
-from ckptless.state.tree import tensor_paths_of
+from ckptless.state import Manifest, TensorEntry
+from ckptless.state import Region, ReplicaSet
+from ckptless.state import tensor_paths_of
 
 log = logging.getLogger(__name__)
 
@@ -215,7 +215,7 @@ def check(group: dist.ProcessGroup, rank: int, manifest: Manifest, deadline: Dea
     """One round's check for this rank's image (None when it has no replicated prefix or is in no set).
     ``abstain``: its prefix checksums are not trustworthy this round. ``read``: its prefix tensors'
     bytes, for naming the tensors that differ."""
-    from ckptless.state.replication import prefix_chunks, region_of
+    from ckptless.state import prefix_chunks, region_of
 
     region = region_of(manifest)
     n = prefix_chunks(manifest)
@@ -312,7 +312,7 @@ def decide(group: dist.ProcessGroup, local: Local, manifest: Manifest, layout: L
     decide (``holders``: the placement's, for the rule that never takes out a rank with all its holders);
     returns the verdict (the same on every member) and its one-line description. Under policy ``stop``
     an undecided round is not deferred: the job stops whoever is odd."""
-    from ckptless.state.replication import region_of
+    from ckptless.state import region_of
 
     region = region_of(manifest)
     assert region is not None

@@ -28,7 +28,7 @@ import torch
 from ckptless.mirror.shm import (
     FallbackNotice, ShmFile, holder_files, reserve_mapping, slot_path, stat_signature, unlink_quiet,
 )
-from ckptless.state.manifest import Manifest
+from ckptless.state import Manifest
 
 
 class SlotFiles:

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ckptless.state.manifest import Manifest
+from ckptless.state import Manifest
 
 
 def image_key(m: Manifest) -> tuple[int, int]:

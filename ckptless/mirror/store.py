@@ -32,9 +32,9 @@ from ckptless.errors import ConfigError, IntegrityError, MirrorError, StaleGener
 from ckptless.mirror.shm import FallbackNotice, file_prefix
 from ckptless.mirror.slot_files import SlotFiles
 from ckptless.mirror.slots import OwnerSlots, Slot, image_key
-from ckptless.state.replication import bad_held_chunks, held_bytes, held_from
-from ckptless.state.layout import manifest_layout_key
-from ckptless.state.manifest import Manifest
+from ckptless.state import bad_held_chunks, held_bytes, held_from
+from ckptless.state import manifest_layout_key
+from ckptless.state import Manifest
 
 
 class Image(Protocol):

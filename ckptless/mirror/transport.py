@@ -52,9 +52,9 @@ import torch.distributed as dist
 from ckptless.errors import ManifestError, MirrorError, StaleGeneration, TransportError
 from ckptless.mirror.partial import same_image
 from ckptless.mirror.store import PeerStore
-from ckptless.state.checksum import bad_chunks
-from ckptless.state.manifest import Manifest
-from ckptless.state.replication import held_from
+from ckptless.state import bad_chunks
+from ckptless.state import Manifest
+from ckptless.state import held_from
 
 MAGIC = 0x636B70746C657373  # "ckptless"
 HEADER_LEN = 9

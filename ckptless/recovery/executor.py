@@ -24,13 +24,13 @@ from ckptless.errors import (IntegrityError, ManifestError, NodeCopyError, Recov
 from ckptless.mirror import ownimage
 from ckptless.mirror.store import PeerStore, StoredImage
 from ckptless.recovery.facts import ReplicaFact, WorkerReport
-from ckptless.state.layout import manifest_layout_key
+from ckptless.state import manifest_layout_key
 from ckptless.recovery.decision import Decision, DiskFallback, LocalRestore, RecoveryPlan
 from ckptless.recovery.transfer import Received, execute_transfers
 from ckptless.recovery.wire import Membership
-from ckptless.state.capture import StateImage, restore
-from ckptless.state.registry import StateRegistry
-from ckptless.state.replication import first_held_chunk, region_of
+from ckptless.state import StateImage, restore
+from ckptless.state import StateRegistry
+from ckptless.state import first_held_chunk, region_of
 
 log = logging.getLogger(__name__)
 
@@ -283,7 +283,7 @@ def adopt_copies(plan: RecoveryPlan, worker_id: str, store: PeerStore | None, sh
     restore fails and is re-planned) when a copy is gone, differs from the plan, or no longer checks.
     """
     from ckptless.mirror.reattach import open_copy
-    from ckptless.state.replication import held_from
+    from ckptless.state import held_from
 
     sent = {t.owner for t in plan.transfers}
     mine = [a for a in plan.adoptions if a.worker_id == worker_id and (not for_transfers or a.owner in sent)]
@@ -325,8 +325,8 @@ def _discard_newer_own(inputs: RestoreInputs, version: int) -> None:
 
 def _from_disk(decision: DiskFallback, inputs: RestoreInputs) -> RestoreOutcome:
     from ckptless.snapshot import load_snapshot, step_dir, verify_snapshot
-    from ckptless.snapshot.reader import scan_steps
-    from ckptless.snapshot.restart import foreign_owner
+    from ckptless.snapshot import scan_steps
+    from ckptless.snapshot import foreign_owner
 
     directory = inputs.snapshot_dir
     step = decision.snapshot_step

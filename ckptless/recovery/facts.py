@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from ckptless.errors import ConfigError
-from ckptless.state.replication import ReplicaSet
+from ckptless.state import ReplicaSet
 
 #: How many complete versions of one owner's image a holder keeps (double buffer).
 MAX_VERSIONS_PER_OWNER = 2

@@ -77,7 +77,7 @@ from ckptless.recovery.facts import NodeLocalImage, PlanningFacts, Worker
 from ckptless.recovery.prebuilt import (fits_prebuilt, layout_index, layouts_match,  # noqa: F401 - (re-exported)
                                         prebuilt_adoptions)
 from ckptless.recovery.shrink import host_lost_ranks
-from ckptless.state.replication import ReplicaSet
+from ckptless.state import ReplicaSet
 
 
 def respawn_worker_id(node_id: str, generation: int, rank: int) -> str:

@@ -30,9 +30,9 @@ from ckptless.mirror.transport import Deadline, wait_all, wait_one
 from ckptless.recovery.decision import RecoveryPlan, Stripe, Transfer
 from ckptless.recovery.wire import Membership
 from ckptless.state import host_memory
-from ckptless.state.checksum import crc_of
-from ckptless.state.manifest import Manifest
-from ckptless.state.replication import held_from
+from ckptless.state import crc_of
+from ckptless.state import Manifest
+from ckptless.state import held_from
 
 log = logging.getLogger(__name__)
 

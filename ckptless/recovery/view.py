@@ -40,7 +40,7 @@ from typing import Any, Literal
 from ckptless.errors import CkptlessError, RecoveryError
 from ckptless.recovery.facts import NodeLocalCopy, NodeLocalImage, Worker, WorkerReport
 from ckptless.recovery.wire import Membership, report_from_json, spare_from_json
-from ckptless.state.replication import ReplicaSet
+from ckptless.state import ReplicaSet
 
 ExitKind = Literal["user_error", "fault", "internal", "device", "job_ended", "fenced", "reexec"]
 EXIT_KINDS: tuple[str, ...] = ("user_error", "fault", "internal", "device", "job_ended", "fenced", "reexec")

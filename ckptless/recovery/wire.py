@@ -15,7 +15,7 @@ from typing import Any
 from ckptless.errors import ManifestError, RecoveryError
 from ckptless.recovery import roster
 from ckptless.recovery.facts import ReplicaFact, Worker, WorkerReport
-from ckptless.state.replication import ReplicaSet
+from ckptless.state import ReplicaSet
 from ckptless.recovery.decision import (Adoption, Assignment, Decision, DiskFallback, LocalRestore, RecoveryPlan, Stripe,
                                        Transfer, Unrecoverable, WaitForReplacement)
 

@@ -23,16 +23,17 @@ from ckptless.snapshot.choose import choose_snapshot, latest_complete, list_comp
 from ckptless.snapshot.config import SnapshotConfig
 from ckptless.snapshot.integrity import FileSum, SnapshotIntegrityError
 from ckptless.snapshot.reader import (
-    FORMAT, MARKER, PartRecord, SnapshotInfo, forget_verified, load_snapshot, read_marker, step_dir,
+    FORMAT, MARKER, PartRecord, SnapshotInfo, forget_verified, load_snapshot, read_marker, scan_steps, step_dir,
     verify_snapshot,
 )
-from ckptless.snapshot.restart import StoredSnapshot, WorldMismatch, check_world, set_aside, stored_snapshots
+from ckptless.snapshot.restart import (
+    SET_ASIDE, StoredSnapshot, WorldMismatch, check_world, foreign_owner, set_aside, stored_snapshots)
 from ckptless.snapshot.retention import SnapshotEntry, plan_retention
 from ckptless.snapshot.writer import SnapshotWriter
 
 __all__ = [
-    "FORMAT", "MARKER", "FileSum", "PartRecord", "SnapshotConfig", "SnapshotEntry", "SnapshotInfo",
+    "FORMAT", "MARKER", "SET_ASIDE", "FileSum", "PartRecord", "SnapshotConfig", "SnapshotEntry", "SnapshotInfo",
     "SnapshotIntegrityError", "SnapshotWriter", "StoredSnapshot", "WorldMismatch", "check_world",
-    "choose_snapshot", "forget_verified", "latest_complete", "list_complete", "load_snapshot", "plan_retention",
-    "read_marker", "set_aside", "step_dir", "stored_snapshots", "verify_snapshot",
+    "choose_snapshot", "foreign_owner", "forget_verified", "latest_complete", "list_complete", "load_snapshot", "plan_retention",
+    "read_marker", "scan_steps", "set_aside", "step_dir", "stored_snapshots", "verify_snapshot",
 ]

@@ -58,9 +58,9 @@ from ckptless.snapshot.integrity import (
     FileSum, SnapshotIntegrityError, VerdictCache, check_file, fingerprint,
 )
 from ckptless.state import checksum
-from ckptless.state.capture import StateImage, restore
-from ckptless.state.manifest import Manifest, dtype_from_name
-from ckptless.state.registry import StateRegistry
+from ckptless.state import StateImage, restore
+from ckptless.state import Manifest, dtype_from_name
+from ckptless.state import StateRegistry
 
 log = logging.getLogger(__name__)
 

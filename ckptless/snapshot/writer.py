@@ -48,9 +48,9 @@ from ckptless.snapshot.reader import (
 )
 from ckptless.snapshot.restart import foreign_owner, marker_world
 from ckptless.snapshot.retention import SnapshotEntry, plan_retention
-from ckptless.state.capture import Capturer, StateImage
-from ckptless.state.registry import StateRegistry
-from ckptless.state.tree import decode
+from ckptless.state import Capturer, StateImage
+from ckptless.state import StateRegistry
+from ckptless.state import decode
 
 log = logging.getLogger(__name__)
 

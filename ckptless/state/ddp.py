@@ -62,6 +62,7 @@ import torch
 from torch import nn
 
 from ckptless.errors import ConfigError, StateError
+from ckptless.state.local_groups import AnswersLocally
 
 HIDDEN_PREFIX = "__ddp__"
 """Registry names starting with this are the hidden reducer objects (reserved)."""
@@ -298,8 +299,7 @@ class DDPReducerState:
         pg = self._ddp.process_group
         if pg.size() == 1:
             return
-        answers_locally = getattr(pg, "answers_locally", None)  # a ckptless group (worker/rebindable.py)
-        if callable(answers_locally) and answers_locally():
+        if isinstance(pg, AnswersLocally) and pg.answers_locally():  # a ckptless group (worker/rebindable.py)
             return
         raise StateError(
             f"{self._name}: restoring a DDP reducer replays its bucket all-reduce and broadcast, which must stay "

@@ -39,8 +39,8 @@ import sys
 from ckptless.data import set_world
 from ckptless.recovery.decision import RecoveryPlan
 from ckptless.recovery.wire import Membership
-from ckptless.state.ddp import HIDDEN_PREFIX
-from ckptless.state.registry import StateRegistry
+from ckptless.state import HIDDEN_PREFIX
+from ckptless.state import StateRegistry
 from ckptless.worker import exit_file, groups, rank_reads
 from ckptless.worker.runtime import WorkerRuntime
 

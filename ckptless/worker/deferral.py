@@ -28,8 +28,8 @@ from collections.abc import Iterable
 import torch
 
 from ckptless.mirror.mirror import MirrorEngine
-from ckptless.state.capture import Plan
-from ckptless.state.dtensor import is_dtensor, local_of
+from ckptless.state import Plan
+from ckptless.state import is_dtensor, local_of
 
 
 def optimizer_tensors(optimizers: Iterable[torch.optim.Optimizer]) -> set[int]:

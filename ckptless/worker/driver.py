@@ -31,7 +31,7 @@ from ckptless.mirror.config import MirrorConfig
 from ckptless.recovery.decision import Assignment
 from ckptless.recovery.wire import Membership
 from ckptless.state import host_memory
-from ckptless.state.digest import write_digest
+from ckptless.state import write_digest
 from ckptless.worker import (abort, actions, ahead, deferral, exit_file, exit_guard, groups, hosted, nccl_env,
                              rank_reads, training)
 from ckptless.worker.context import WorkerContext

@@ -24,7 +24,7 @@ from ckptless.mirror.store import StoredImage
 from ckptless.recovery.decision import Decision
 from ckptless.recovery.transfer import Received
 from ckptless.recovery.wire import Membership
-from ckptless.state.capture import StateImage
+from ckptless.state import StateImage
 from ckptless.worker import exit_guard, groups, reaper
 from ckptless.worker.mirror_peers import node_of
 

@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch.distributed as dist
 
@@ -35,6 +35,7 @@ from ckptless import chaos_hooks
 from ckptless.errors import ConfigError, TransportError
 from ckptless.mirror import agreement
 from ckptless.mirror.transport import Deadline
+from ckptless.state import AnswersLocally
 from ckptless.worker import exit_guard, forming, gloo_peers, reaper, sockets
 from ckptless.worker.rebindable import PLUGIN, RebindableGroup, new_gloo
 
@@ -425,3 +426,7 @@ def mirror_group(store: dist.Store, generation: int, rank: int, world_size: int,
     except (RuntimeError, ValueError) as exc:
         raise TransportError(f"forming generation {generation}'s mirror group failed on rank {rank}: {exc}") from exc
     return cast(dist.ProcessGroup, pg)
+
+
+if TYPE_CHECKING:  # mypy holds the group to state/'s protocol (a pybind11 base class cannot also subclass one)
+    _ANSWERS_LOCALLY: type[AnswersLocally] = RebindableGroup

@@ -35,8 +35,8 @@ import torch.distributed as dist
 
 from ckptless.mirror.ownimage import OwnImageFiles
 from ckptless.mirror.store import StoredImage
-from ckptless.state.capture import Capturer
-from ckptless.state.manifest import Manifest
+from ckptless.state import Capturer
+from ckptless.state import Manifest
 from ckptless.worker.runtime import WorkerRuntime
 
 log = logging.getLogger(__name__)

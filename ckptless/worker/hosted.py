@@ -56,13 +56,13 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ckptless.data import protects_data_position, set_world
 from ckptless.errors import ConfigError, StateError
-from ckptless.state.ddp import DDPReducerState
-from ckptless.state.image import slot
-from ckptless.state.manifest import Manifest, dtype_from_name
-from ckptless.state.registry import StateRegistry, is_hidden
-from ckptless.state.replication import held_from
-from ckptless.state.restore import object_subtrees, tensor_indices
-from ckptless.state.tree import decode
+from ckptless.state import DDPReducerState
+from ckptless.state import slot
+from ckptless.state import Manifest, dtype_from_name
+from ckptless.state import StateRegistry, is_hidden
+from ckptless.state import held_from
+from ckptless.state import object_subtrees, tensor_indices
+from ckptless.state import decode
 
 log = logging.getLogger(__name__)
 

@@ -383,9 +383,9 @@ class RebindableGroup(dist.ProcessGroup):
         self._retired = why
 
     def answers_locally(self) -> bool:
-        """True while every collective on this group stays in this process (unbound or local-only).
-        Asked by state that replays collectives on restore (``ckptless.state.ddp``), by duck typing,
-        so that the state package does not depend on the worker's."""
+        """True while every collective on this group stays in this process (unbound or local-only): the
+        protocol ``ckptless.state.AnswersLocally`` (held to it in worker/groups.py), asked by state that
+        replays collectives on restore."""
         return self._live is None
 
     @property

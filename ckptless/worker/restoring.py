@@ -31,8 +31,8 @@ from ckptless.mirror.partial import MISSING
 from ckptless.recovery.executor import (RestoreInputs, SnapshotLoadFailed, adopt_copies, apply_decision,
                                         build_report, restore_early)
 from ckptless.recovery.decision import DiskFallback, RecoveryPlan
-from ckptless.state.capture import StateImage, restore
-from ckptless.state.registry import StateRegistry
+from ckptless.state import StateImage, restore
+from ckptless.state import StateRegistry
 from ckptless.worker import groups, hosted, reuse
 from ckptless.worker.generation import Generation
 from ckptless.worker.machine import (

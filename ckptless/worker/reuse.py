@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from ckptless.mirror.mirror import MirrorEngine
 from ckptless.mirror.partial import PairSpec
 from ckptless.mirror.store import StoredImage
-from ckptless.state.capture import StateImage
+from ckptless.state import StateImage
 from ckptless.worker.generation import release_retired_buffers, retired_engines_left, take_retired_buffers
 
 

@@ -40,9 +40,9 @@ from ckptless.mirror.store import PeerStore, StoredImage
 from ckptless.recovery.transfer import Received
 from ckptless.recovery.wire import Membership
 from ckptless.snapshot import SnapshotConfig, SnapshotWriter
-from ckptless.state.capture import Capturer, StateImage
-from ckptless.state.fence import WriteOrder
-from ckptless.state.registry import StateRegistry
+from ckptless.state import Capturer, StateImage
+from ckptless.state import WriteOrder
+from ckptless.state import StateRegistry
 from ckptless.worker import deferral, exit_guard, groups, rank_reads, reuse
 from ckptless.worker.context import WorkerContext
 from ckptless.worker.control import WorkerControl

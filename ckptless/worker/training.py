@@ -17,7 +17,7 @@ from ckptless import chaos_hooks
 from ckptless.errors import MirrorError, SilentDataCorruption, StateError, TransportError
 from ckptless.goodput.ledger import EventKind
 from ckptless.mirror.partial import PairSpec
-from ckptless.state.capture import StateImage
+from ckptless.state import StateImage
 from ckptless.worker import exit_file, groups, handoff, reuse
 from ckptless.worker.faults import device_failure, is_fault
 from ckptless.worker.machine import (

@@ -1,4 +1,5 @@
-"""The agent's SparePool against real etcd: standby ranks, records kept across a lease renewal, refills.
+"""The agent's SparePool against real etcd: standby ranks, records kept across a lease renewal (the refills
+owed are the node machine's: tests/unit/test_node_machine.py).
 
 Found while writing --spare-any-rank: after a lease renewal the agent re-put its spares' records
 without their standby rank, so a pre-built spare lost its preference (and its any-rank flag).
@@ -19,7 +20,7 @@ def _records(client: EtcdClient, ks: Keyspace) -> dict[str, tuple[int | None, bo
 
 def test_records_survive_a_new_lease_as_first_written(client: EtcdClient, job_id: str) -> None:
     ks = Keyspace(job_id)
-    pool = SparePool(ks, "n1", lambda: client, any_rank=True, refill=False)
+    pool = SparePool(ks, "n1", lambda: client, any_rank=True)
     assert pool.standby_ranks(4, 2) == [0, 1]
     first = client.grant_lease(5)
     pool.offer("n1/spare0", 0, first)
@@ -30,14 +31,3 @@ def test_records_survive_a_new_lease_as_first_written(client: EtcdClient, job_id
     second = client.grant_lease(5)
     pool.offer_again(["n1/spare0", "n1/spare1"], second)
     assert _records(client, ks) == {"n1/spare0": (0, True), "n1/spare1": (None, False)}
-
-
-def test_refills_are_owed_only_when_enabled_and_named_uniquely(client: EtcdClient, job_id: str) -> None:
-    off = SparePool(Keyspace(job_id), "n1", lambda: client, any_rank=False, refill=False)
-    off.took_rank()
-    assert not off.refill_owed and off.next_refill(2) is None
-    on = SparePool(Keyspace(job_id), "n1", lambda: client, any_rank=False, refill=True)
-    on.took_rank()
-    on.took_rank()
-    assert on.refill_owed
-    assert [on.next_refill(2), on.next_refill(2), on.next_refill(2)] == ["n1/spare2", "n1/spare3", None]

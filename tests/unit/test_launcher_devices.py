@@ -198,7 +198,7 @@ def test_a_respawn_is_put_on_its_gpu_and_one_with_no_gpu_left_is_recorded_at_onc
     assert st.respawn_device_env(None) == {}  # a CPU job (or an oversubscribed rank): LOCAL_RANK as it was
     assert st.respawn_device_env(1) == {"LOCAL_RANK": "1"}
     _device_exit(st, 1, pid=41)  # GPU 1 fails; GPU 0 is rank 0's: nothing left for rank 1 here
-    respawn._respawn(st, None, Assignment(1, "n/respawn-g1-r1", "n", "respawn"), 1)  # type: ignore[arg-type]
+    respawn.start(st, None, 1, Assignment(1, "n/respawn-g1-r1", "n", "respawn"), 1)  # type: ignore[arg-type]
     rec = ExitRecord.from_json(box.puts[st.keyspace.worker_exit(1)])
     assert (rec.worker_id, rec.pid, rec.kind, rec.respawnable) == ("n/respawn-g1-r1", -1, "device", False)
     assert rec.outcome == "fault" and "no free good GPU" in rec.describe() and not st.slots.get(1).alive
