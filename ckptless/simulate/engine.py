@@ -86,15 +86,30 @@ class Timeline:
         self.lost_work_s += lost
         return lost
 
-    def interrupt(self, now: float) -> None:
-        """A failure during a recovery: the recovery's unspent tail is dropped (not paid)."""
+    def interrupt(self, now: float) -> list[tuple[str, float]]:
+        """A failure during a recovery: the recovery starts over. Returns its unspent tail, which
+        :meth:`go_down` still pays where the new recovery would end sooner (a wait for the
+        scheduler's node is not cut short by a crash during it)."""
         self.spend_down(now)
+        tail = [(cat, b - max(a, now)) for cat, a, b in self.down_parts if b > now]
         self.down_parts = []
         self.down_until = now
         self.t = now
+        return tail
 
-    def go_down(self, now: float, parts: list[tuple[str, float]], *, incident: bool = True) -> float:
-        """The job is down from ``now`` for ``parts`` in order; returns when it resumes."""
+    def go_down(self, now: float, parts: list[tuple[str, float]], *, incident: bool = True,
+                tail: list[tuple[str, float]] | None = None) -> float:
+        """The job is down from ``now`` for ``parts`` in order (then what ``tail``, an interrupted
+        recovery's unspent part, holds beyond them); returns when it resumes."""
+        parts = list(parts)
+        extra = sum(s for _, s in tail or []) - sum(s for _, s in parts)
+        kept: list[tuple[str, float]] = []
+        for cat, s in reversed(tail or []):  # the old recovery's last ``extra`` seconds, in its categories
+            if extra <= 0:
+                break
+            kept.append((cat, min(s, extra)))
+            extra -= s
+        parts.extend(reversed(kept))
         t = now
         for cat, s in parts:
             if s > 0:

@@ -24,10 +24,6 @@ class Failure:
     node: int
     local: int | None  # the rank's index on its node; None: the whole node
 
-    @property
-    def ranks_lost(self) -> int:
-        return 1 if self.local is not None else -1  # -1: the node's P (the caller knows P)
-
 
 def draw_failures(p: Params, seed: int, horizon_s: float | None = None) -> list[Failure]:
     """Every failure in [0, horizon) (default the job's duration), in time order."""

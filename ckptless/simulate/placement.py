@@ -80,7 +80,7 @@ def _owners_of(n: int, p: Params) -> list[int]:
 def _poly_mul(a: list[int], b: list[int], cap: int) -> list[int]:
     out = [0] * (cap + 1)
     for i, x in enumerate(a):
-        if x:
+        if x and i <= cap:
             for j, y in enumerate(b[: cap + 1 - i]):
                 out[i + j] += x * y
     return out
@@ -153,7 +153,8 @@ def p_defeat_per_failure(p: Params, window_s: float) -> float:
     r = rates(p)
     q_rank, q_node = r["rank"] * window_s, r["node"] * window_s
     a = min(1.0, q_rank + q_node)
-    windows = k + 1 if p.placement == "ring" else 1
+    # distinct placement windows holding one position: ring K + 1 (one, when the ring is a single window)
+    windows = k + 1 if p.placement == "ring" and p.nodes > k + 1 else 1
     big_p = p.nproc_per_node
     per_rank = 1.0 - (1.0 - min(1.0, a ** k)) ** windows
     node_w = max(0.0, min(1.0, big_p * a ** k - (big_p - 1) * q_node ** k))

@@ -26,6 +26,7 @@ process crash on a healthy node is rebuilt there (``--spare-refill``) after a se
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 
 from ckptless.simulate import costs
@@ -96,6 +97,9 @@ def run_ckptless(p: Params, failures: list[Failure], horizon: float) -> Outcome:
         while shrink_until >= 0 and shrink_until <= to:
             tl.train_until(max(tl.t, shrink_until), speed=0.5)
             at = max(shrink_until, tl.down_until)
+            if at >= to:  # still recovering when ``to`` comes: grow back once that recovery is over
+                shrink_until = max(at, math.nextafter(to, math.inf))
+                break
             tl.spend_down(at)
             tl.go_down(at, [("reformation", costs.ckptless_reform_s(p))], incident=False)  # grow back
             shrink_until = -1.0
@@ -117,9 +121,9 @@ def run_ckptless(p: Params, failures: list[Failure], horizon: float) -> Outcome:
             out.windows.append(down.pop(u) - failed_at.pop(u))
         unit: Unit = (f.node, f.local)
         beaten = defeats(unit, list(down) + pending, p)
-        if tl.down:
-            tl.interrupt(f.t)
-        elif shrink_until < 0:
+        # a failure during a recovery restarts it; the loss rule applies either way (idempotent after a rollback)
+        tail = tl.interrupt(f.t) if tl.down else []
+        if shrink_until < 0:
             tl.lose(committed_point(tl.progress, tl.resume_point, every_work, p.round_s))
         else:
             tl.lose(tl.resume_point)  # a generation with fewer ranks mirrors nothing
@@ -135,7 +139,7 @@ def run_ckptless(p: Params, failures: list[Failure], horizon: float) -> Outcome:
             parts.insert(1, ("replacement_wait", p.replace_s))
         if shrink:
             shrink_until = max(shrink_until, f.t + p.replace_s)
-        t_resume = tl.go_down(f.t, parts)
+        t_resume = tl.go_down(f.t, parts, tail=tail)
         tl.resume_point = tl.progress
         pending.extend(u for u in list(down) if down[u] > f.t)  # losses not yet re-protected stay pending
         for u in pending:
@@ -164,14 +168,12 @@ def run_restart(p: Params, failures: list[Failure], horizon: float) -> Outcome:
             break
         tl.train_until(f.t, overheads=save)
         pool.at(f.t)
-        if tl.down:
-            tl.interrupt(f.t)
-        else:
-            tl.lose((tl.progress // interval) * interval)
+        tail = tl.interrupt(f.t) if tl.down else []
+        tl.lose((tl.progress // interval) * interval)
         parts = costs.restart_phases(p, kind=f.kind)
         if f.kind in HARDWARE and not pool.take(_ranks(p, f), f.t + p.replace_s):
             parts.insert(1, ("replacement_wait", p.replace_s))
-        tl.go_down(f.t, parts)
+        tl.go_down(f.t, parts, tail=tail)
         tl.resume_point = tl.progress
     tl.train_until(horizon, overheads=save)
     tl.finish(horizon)
@@ -197,9 +199,14 @@ def run_torchft(p: Params, failures: list[Failure], horizon: float) -> Outcome:
                 return
             t = due[0]
             tl.train_until(max(tl.t, t), speed=speed, overheads=per_step)
-            for g in [g for g, tb in back.items() if tb == t]:
-                del back[g]
             at = max(t, tl.down_until)
+            returning = [g for g, tb in back.items() if tb == t]
+            if at >= to:  # the job is down when ``to`` comes: these groups rejoin once it is up again
+                for g in returning:
+                    back[g] = max(at, math.nextafter(to, math.inf))
+                continue
+            for g in returning:
+                del back[g]
             tl.spend_down(at)
             tl.go_down(at, rejoin_stall, incident=False)
 
@@ -210,12 +217,10 @@ def run_torchft(p: Params, failures: list[Failure], horizon: float) -> Outcome:
         advance(f.t)
         pool.at(f.t)
         g = (f.node * p.nproc_per_node + (f.local or 0)) // p.group_ranks
-        if tl.down:
-            tl.interrupt(f.t)
-        else:
-            tl.lose((tl.progress // p.step_s) * p.step_s)  # the step in flight is discarded by every group
+        tail = tl.interrupt(f.t) if tl.down else []
+        tl.lose((tl.progress // p.step_s) * p.step_s)  # the step in flight is discarded by every group
         stall = costs.torchft_stall(p, f.kind)
-        t_resume = tl.go_down(f.t, stall)
+        t_resume = tl.go_down(f.t, stall, tail=tail)
         wait = 0.0
         if f.kind in HARDWARE and not pool.take(_ranks(p, f), f.t + p.replace_s):
             wait = p.replace_s

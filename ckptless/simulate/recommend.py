@@ -12,7 +12,6 @@ twice that.
 
 from __future__ import annotations
 
-import math
 import statistics
 from dataclasses import dataclass, replace
 
@@ -46,7 +45,7 @@ def _score(p: Params, seeds: int) -> Candidate:
 def recommend(p: Params, seeds: int = 4) -> tuple[Candidate, list[Candidate]]:
     """The best candidate (by goodput per GPU) and every candidate tried."""
     ks = [k for k in (1, 2) if k < p.nodes] or [p.replicas]
-    spare_opts = sorted({0, p.nproc_per_node, 2 * p.nproc_per_node, 4 * p.nproc_per_node, p.spares})
+    spare_opts = sorted({0, p.spares} | {m * p.nproc_per_node for m in (1, 2, 4, 8, 16)})
     tried = []
     for k in ks:
         for sp in spare_opts:
@@ -75,7 +74,3 @@ def recommend(p: Params, seeds: int = 4) -> tuple[Candidate, list[Candidate]]:
 def memory_per_rank_gib(p: Params, k: int) -> float:
     """ckptless's host-memory bound per rank at K: (2 + 2K) x S."""
     return (2 + 2 * k) * p.state_mib / 1024.0
-
-
-def is_finite(x: float) -> bool:
-    return math.isfinite(x)
