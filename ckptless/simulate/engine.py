@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-CATEGORIES = ("productive", "mirror", "checkpoint_save", "detection", "replacement_wait", "restart", "reformation",
+CATEGORIES = ("productive", "startup", "mirror", "checkpoint_save", "detection", "replacement_wait", "restart", "reformation",
               "transfer", "rollback", "disk_restore", "reprotection", "lost_work", "degraded", "step_quorum")
 
 

@@ -87,6 +87,9 @@ class Params:
     # the failure process of a chaos run: an arrival during a recovery lands once the job trains again
     # (bench/goodput_check.py's kills); False: it lands when it comes, as a real failure does
     defer_in_recovery: bool = False
+    # the job's own start (launch -> first step: processes, imports, rendezvous), badput "startup"; failures
+    # due before it land at its end (ckptless-chaos goodput: "failures during start-up are not in the mix")
+    startup_s: float = 0.0
 
     def __post_init__(self) -> None:
         for f in fields(self):

@@ -68,9 +68,18 @@ class SparePool:
 def landed(p: Params, f: Failure, tl: Timeline) -> Failure:
     """With ``defer_in_recovery`` (a chaos run's kills), an arrival during a recovery lands one
     step after the job resumed; otherwise where it comes."""
+    if f.t < p.startup_s:
+        f = replace(f, t=p.startup_s + p.step_s)
     if p.defer_in_recovery and tl.down_until > f.t:
         return replace(f, t=tl.down_until + p.step_s)
     return f
+
+
+def _start(p: Params) -> Timeline:
+    tl = Timeline(p.step_s)
+    if p.startup_s:
+        tl.go_down(0.0, [("startup", p.startup_s)], incident=False)
+    return tl
 
 
 def _ranks(p: Params, f: Failure) -> int:
@@ -78,7 +87,7 @@ def _ranks(p: Params, f: Failure) -> int:
 
 
 def run_ckptless(p: Params, failures: list[Failure], horizon: float) -> Outcome:
-    tl = Timeline(p.step_s)
+    tl = _start(p)
     out = Outcome(tl)
     every_work = p.mirror_every * p.step_s
     mirror = {"mirror": p.mirror_block_s / every_work} if p.replicas else {}
@@ -158,7 +167,7 @@ def run_ckptless(p: Params, failures: list[Failure], horizon: float) -> Outcome:
 
 
 def run_restart(p: Params, failures: list[Failure], horizon: float) -> Outcome:
-    tl = Timeline(p.step_s)
+    tl = _start(p)
     interval = p.restart_interval_s
     save = {"checkpoint_save": p.save_s / interval}
     pool = SparePool(p.spares)
@@ -184,7 +193,7 @@ def run_torchft(p: Params, failures: list[Failure], horizon: float) -> Outcome:
     r = p.ft_groups
     if r == 1:
         return run_restart(p, failures, horizon)
-    tl = Timeline(p.step_s)
+    tl = _start(p)
     per_step = {"step_quorum": p.ft_overhead} if p.ft_overhead else {}
     pool = SparePool(p.spares)
     back: dict[int, float] = {}  # group -> when it rejoins

@@ -61,6 +61,8 @@ def to_json(rep: Report) -> dict[str, Any]:
                   "badput": {c: v / d for c, v in secs.items() if c != "productive" and v > 0},
                   "seconds": secs, "incidents": rep.incidents[s], "lost_work_per_failure_s": rep.lost_work_s[s]}
     out["ckptless"]["placement_defeats"] = rep.defeats
+    # the ledger's definition (ckptless report, ckptless-chaos goodput): time inside kept steps, mirroring included
+    out["ckptless"]["goodput_ledger"] = (rep.seconds["ckptless"]["productive"] + rep.seconds["ckptless"]["mirror"]) / d
     out["ckptless"]["mirror_overhead"] = p.mirror_overhead
     out["restart"]["ckpt_every_s"] = p.restart_interval_s
     out["torchft"]["groups"] = p.ft_groups
