@@ -31,7 +31,10 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from dataclasses import replace  # noqa: E402
+
 from ckptless.simulate import Params, expected, simulate  # noqa: E402
+from ckptless.simulate.model import mean_categories  # noqa: E402
 from ckptless.simulate.failures import Failure  # noqa: E402
 
 SLEEP_KEY = "step_s"
@@ -77,16 +80,33 @@ def cmd_predict(a: argparse.Namespace) -> int:
     cal = json.loads(Path(a.calib).read_text())
     preds = []
     for spec in a.configs:
-        name, world, nnodes, state, mtbf, dur, seed = spec.split(":")
+        name, world, nnodes, state, mtbf, dur, seed, *tool = spec.split(":")
         run = {"world": world, "nnodes": nnodes, "state_mib": state, "mtbf_s": mtbf, "duration_s": dur}
         step = a.step_sleep + cal["compute_s_per_mib"] * float(state)
         p = _params(run, step_s=step, recovery_fixed_s=cal["recovery_fixed_s"], mirror_fixed_s=cal["mirror_fixed_s"])
-        _, spread = expected(p, seeds=300)
-        preds.append({"name": name, "world": int(world), "nnodes": int(nnodes), "state_mib": float(state),
-                      "mtbf_s": float(mtbf), "duration_s": float(dur), "seed": int(seed), "step_s": step,
-                      "predicted": spread["ckptless"].mean, "p10": spread["ckptless"].p10,
+        x: dict[str, Any] = {"name": name, "world": int(world), "nnodes": int(nnodes), "state_mib": float(state),
+                             "mtbf_s": float(mtbf), "duration_s": float(dur), "seed": int(seed), "step_s": step}
+        if tool == ["goodrun"]:
+            # ckptless-chaos goodput: wall from launch (startup is badput), the node-local tier on (a crashed
+            # process's image outlives it), kills of survivors during a recovery not deferred, and its goodput
+            # the ledger's (time inside kept steps: mirroring counts as productive there)
+            q = replace(p, node_local=True, defer_in_recovery=False, startup_s=a.startup_s)
+            cats = mean_categories(q, 300)["ckptless"]
+            runs = [simulate(q, i)["ckptless"] for i in range(300)]
+            led = sorted((r.seconds["productive"] + r.seconds["mirror"]) / q.duration_s for r in runs)
+            x.update({"tool": "ckptless-chaos goodput", "startup_s": a.startup_s,
+                      "predicted": (cats["productive"] + cats["mirror"]) / q.duration_s,
+                      "p10": led[29], "p90": led[269]})
+            t = replace(p, node_local=True, defer_in_recovery=False, startup_s=a.torchrun_startup_s)
+            rs = sorted(simulate(t, i)["restart"].goodput for i in range(300))
+            x.update({"torchrun_startup_s": a.torchrun_startup_s, "restart_predicted": statistics.fmean(rs),
+                      "restart_p10": rs[29], "restart_p90": rs[269], "restart_ckpt_every_s": t.restart_interval_s})
+        else:
+            _, spread = expected(p, seeds=300)
+            x.update({"predicted": spread["ckptless"].mean, "p10": spread["ckptless"].p10,
                       "p90": spread["ckptless"].p90, "restart_predicted": spread["restart"].mean,
                       "torchft_predicted": spread["torchft"].mean})
+        preds.append(x)
     doc = {"predicted_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "calibration": cal, "predictions": preds}
     Path(a.out).write_text(json.dumps(doc, indent=1))
@@ -105,6 +125,14 @@ def cmd_compare(a: argparse.Namespace) -> int:
         m = measured.get(x["name"])
         if m is None:
             continue
+        if "ckptless" in m:  # a ckptless-chaos goodput --json: both systems
+            tr = m["torchrun"]
+            d = tr["goodput"] - x["restart_predicted"]
+            print(f"| {x['name']} torchrun + DCP | {x['world']} | {x['state_mib']:g} | {x['mtbf_s']:g} | "
+                  f"{x['duration_s']:g} | {tr.get('incidents')} | {x['restart_predicted']:.3f} | "
+                  f"{x['restart_p10']:.3f}-{x['restart_p90']:.3f} | {tr['goodput']:.3f} | {d:+.3f} | "
+                  f"{d / tr['goodput']:+.1%} |")
+            m = m["ckptless"]
         d = m["goodput"] - x["predicted"]
         print(f"| {x['name']} | {x['world']} | {x['state_mib']:g} | {x['mtbf_s']:g} | {x['duration_s']:g} | "
               f"{m['incidents']} | {x['predicted']:.3f} | {x['p10']:.3f}-{x['p90']:.3f} | {m['goodput']:.3f} | "
@@ -122,6 +150,8 @@ def main() -> int:
     pr.add_argument("--calib", required=True)
     pr.add_argument("--out", required=True)
     pr.add_argument("--step-sleep", type=float, default=0.2)
+    pr.add_argument("--startup-s", type=float, default=10.0, help="ckptless launch -> first step (goodrun runs)")
+    pr.add_argument("--torchrun-startup-s", type=float, default=7.0, help="torchrun launch -> first step")
     pr.add_argument("configs", nargs="+")
     c = sub.add_parser("compare")
     c.add_argument("pred")

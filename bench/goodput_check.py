@@ -84,6 +84,7 @@ def run(a: argparse.Namespace, work: Path) -> dict[str, Any]:
     logs = []
     kills: list[dict[str, Any]] = []
     load0 = os.getloadavg()
+    t_launch = time.monotonic()  # launch -> first step (etcd, agents, imports, rendezvous): not in the window
     with EmbeddedEtcd(data_dir=out / "etcd", log_path=out / "etcd.log") as etcd:
         common = ["--nnodes", str(a.nnodes + (1 if a.spares else 0)), "--rdzv-id", job,
                   "--rdzv-endpoint", etcd.endpoint, "--goodput-dir", str(out / "goodput"), "--no-shm-dir",
@@ -154,7 +155,7 @@ def run(a: argparse.Namespace, work: Path) -> dict[str, Any]:
            "kills": kills, "incidents": len(kills), "useful_steps": useful, "steps_run": len(steps),
            "bare_step_s": bare, "steady_step_s": statistics.median(gaps) if gaps else float("nan"),
            "goodput": useful * bare / a.duration_s, "load_before": load0, "load_after": os.getloadavg(),
-           "generations": steps[-1]["gen"]}
+           "generations": steps[-1]["gen"], "launch_to_first_step_s": t0 - t_launch}
     return row
 
 

@@ -58,6 +58,8 @@ class Params:
     spares: int = 0                      # warm spare ranks (on spare nodes), refilled by the scheduler
     snapshot_every_s: float = 0.0        # ckptless's disk snapshot interval (0: none; the last resort)
     lost_node: str = "wait"              # no spare for a lost device: wait for the scheduler, or train on with fewer
+    node_local: bool = False             # own images in /dev/shm (ckptless-run's default; bench/goodput_check.py runs
+    #                                      --no-shm-dir): a process that dies on a healthy node leaves its image there
     detect_s: float = 0.12               # kill -> first survivor knows (bench/recovery.py 2026-11-23: 0.11-0.14 s)
     detect_node_s: float = 2.0           # a node lost whole: its agent's lease must expire (ckptless-run --lease-ttl)
     recovery_fixed_s: float = 0.55       # report, plan, publish, form the new generation (calibrated; see above)

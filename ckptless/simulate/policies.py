@@ -129,7 +129,9 @@ def run_ckptless(p: Params, failures: list[Failure], horizon: float) -> Outcome:
         for u in [u for u, until in down.items() if until <= f.t]:
             out.windows.append(down.pop(u) - failed_at.pop(u))
         unit: Unit = (f.node, f.local)
-        beaten = defeats(unit, list(down) + pending, p)
+        # with the node-local tier a crashed process's image outlives it on its node: no copy is lost
+        survives = p.node_local and f.kind == "software"
+        beaten = not survives and defeats(unit, list(down) + pending, p)
         # a failure during a recovery restarts it; the loss rule applies either way (idempotent after a rollback)
         tail = tl.interrupt(f.t) if tl.down else []
         if shrink_until < 0:
@@ -153,8 +155,9 @@ def run_ckptless(p: Params, failures: list[Failure], horizon: float) -> Outcome:
         pending.extend(u for u in list(down) if down[u] > f.t)  # losses not yet re-protected stay pending
         for u in pending:
             down.pop(u, None)
-        pending.append(unit)
-        failed_at.setdefault(unit, f.t)
+        if not survives:
+            pending.append(unit)
+            failed_at.setdefault(unit, f.t)
         if shrink_until < 0:
             _resume(t_resume)
         else:

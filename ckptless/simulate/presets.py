@@ -57,6 +57,7 @@ _GPU_CLUSTER: dict[str, Any] = dict(
     ft_group_ranks=128,          # one model replica = TP 8 x PP 16 (Llama 3 405B's layout): R = W / 128 groups
     ft_quorum_s=1.0,             # assumed: TorchFT's lighthouse quorum
     snapshot_every_s=3600.0,     # ckptless's last-resort disk snapshot, hourly
+    node_local=True,             # ckptless-run's default: own images in /dev/shm outlive a crashed process
 )
 
 PRESETS: dict[str, dict[str, Any]] = {
