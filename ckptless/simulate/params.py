@@ -176,7 +176,7 @@ class Params:
     def save_s(self) -> float:
         """A disk checkpoint's blocking part: given, else a synchronous DCP save (every rank writes S at
         the job's aggregate bandwidth; measured here: 1.5 s for 4 x 256 MiB, DESIGN.md)."""
-        return self.save_block_s or self.world * self.state_bytes / (self.disk_gbps * GB)
+        return self.save_block_s or self.write_s
 
     @property
     def load_s(self) -> float:
@@ -184,9 +184,21 @@ class Params:
         return self.world * self.state_bytes / (self.disk_gbps * GB)
 
     @property
+    def write_s(self) -> float:
+        """Writing one checkpoint of the whole job to storage (W S at the aggregate bandwidth)."""
+        return self.world * self.state_bytes / (self.disk_gbps * GB)
+
+    @property
+    def snapshot_block_s(self) -> float:
+        """What one of ckptless's own disk snapshots holds the loop: its copy out of the live state (the
+        write is the background's; docs/snapshots.md: 0.044-0.049 s for 256 MiB here)."""
+        return self.capture_blocking * self.state_bytes / (self.host_gbps * GB)
+
+    @property
     def restart_interval_s(self) -> float:
-        """Restart-from-disk's checkpoint interval: given, else Young/Daly sqrt(2 save MTBF)."""
-        return self.ckpt_every_s or young_daly(self.save_s, self.mtbf_s)
+        """Restart-from-disk's checkpoint interval: given, else Young/Daly sqrt(2 save MTBF), never
+        shorter than one checkpoint's write (an asynchronous save must finish before the next)."""
+        return self.ckpt_every_s or max(young_daly(self.save_s, self.mtbf_s), self.write_s)
 
 
 def young_daly(save_s: float, mtbf_s: float) -> float:

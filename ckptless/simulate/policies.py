@@ -93,7 +93,7 @@ def run_ckptless(p: Params, failures: list[Failure], horizon: float) -> Outcome:
     mirror = {"mirror": p.mirror_block_s / every_work} if p.replicas else {}
     snap = p.snapshot_every_s
     if snap:
-        mirror["checkpoint_save"] = p.save_s / snap
+        mirror["checkpoint_save"] = p.snapshot_block_s / snap
     pool = SparePool(p.spares)
     down: dict[Unit, float] = {}         # unprotected losses -> until when (inf: its incident not resumed yet)
     pending: list[Unit] = []

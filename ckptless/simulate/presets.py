@@ -53,6 +53,7 @@ _GPU_CLUSTER: dict[str, Any] = dict(
     comm_base_s=0.05,
     comm_per_rank_s=2.7e-3,      # stock NCCL ~265 s at ~96k GPUs; MegaScale < 30 s at 10k+ (same slope)
     restart_s=120.0,             # assumed: every process starts, CUDA, imports, model build
+    save_block_s=400 * 2**20 / 45.5e9,  # async DCP (torchtitan, Llama 3): the loop waits for the staging copy only
     requeue_s=600.0,             # assumed: the scheduler stops and requeues the whole job (DESIGN.md: 15-30 min a failure in all)
     ft_group_ranks=128,          # one model replica = TP 8 x PP 16 (Llama 3 405B's layout): R = W / 128 groups
     ft_quorum_s=1.0,             # assumed: TorchFT's lighthouse quorum
@@ -68,7 +69,8 @@ PRESETS: dict[str, dict[str, Any]] = {
     # ~100k GPUs (12,288 nodes of 8): Meta's per-GPU rate at 16k-131k (1.8 h x 16,384 ~ 14 min x 131,072
     # ~ 30,000 GPU-hours) gives a job MTBF of 30,000 / 98,304 h ~ 18 min; state 1 GiB per GPU (assumed: a
     # larger model than Llama 3's)
-    "100k": dict(_GPU_CLUSTER, world=98304, duration_s=30 * DAY, mtbf_s=30000 * 3600 / 98304, state_mib=1024.0),
+    "100k": dict(_GPU_CLUSTER, world=98304, duration_s=30 * DAY, mtbf_s=30000 * 3600 / 98304, state_mib=1024.0,
+                 save_block_s=2**30 / 45.5e9),
 }
 
 SOURCES = {

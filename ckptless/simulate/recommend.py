@@ -55,7 +55,7 @@ def recommend(p: Params, seeds: int = 4) -> tuple[Candidate, list[Candidate]]:
     base = replace(p, replicas=best.replicas, spares=best.spares, mirror_every=best.mirror_every)
     defeat_rate = best.defeats_per_day / 86400.0
     if defeat_rate > 0:
-        yd = young_daly(base.save_s, 1.0 / defeat_rate)
+        yd = young_daly(base.snapshot_block_s, 1.0 / defeat_rate)
         snaps = [yd / 2, yd, 2 * yd]
     else:  # never defeated in the runs: snapshots cost without paying back; keep a rare one
         snaps = [max(p.snapshot_every_s, 6 * 3600.0)]

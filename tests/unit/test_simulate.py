@@ -68,7 +68,8 @@ def test_without_failures_goodput_is_one_minus_the_mirror_overhead(p: Params) ->
     # with snapshots too: each costs its blocking part once per interval of work
     q = replace(p, mtbf_s=1e12, snapshot_every_s=600.0)
     mirror = q.mirror_block_s / (q.mirror_every * q.step_s)
-    assert math.isclose(simulate(q, 0)["ckptless"].goodput, 1 / (1 + mirror + q.save_s / 600.0), rel_tol=1e-9)
+    assert math.isclose(simulate(q, 0)["ckptless"].goodput, 1 / (1 + mirror + q.snapshot_block_s / 600.0),
+                        rel_tol=1e-9)
 
 
 def test_the_mirror_overhead_alone_matches_the_closed_form() -> None:
