@@ -27,6 +27,7 @@ WHAT_IFS = [
     ("TorchFT's per-step quorum costs 2 % of a step", {"ft_overhead": 0.02}),
     ("TorchFT replica groups of 1,024 ranks (R = W / 1,024)", {"ft_group_ranks": 1024}),
     ("restart-from-disk without the 10-min requeue (restart in place)", {"requeue_s": 0.0}),
+    ("restart-from-disk checkpointing every 30 min (not Young/Daly)", {"ckpt_every_s": 1800.0}),
     ("K = 2", {"replicas": 2}),
 ]
 
