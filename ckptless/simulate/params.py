@@ -36,15 +36,16 @@ class Params:
     resumed 0.98 s median at W = 4, 1.61 s at W = 32; bench/recovery.py, 2026-11-23: transfer,
     respawn ready 0.28 s, setup 0.9 s at 256 MiB; DESIGN.md's measured facts: torchrun + DCP
     restart 6.2-6.4 s to every rank through init_process_group, copy 3.5-4.0 GB/s, Gloo p2p
-    1.2-2.4 GB/s); the calibration that sets ``recovery_fixed_s`` and ``mirror_fixed_s`` is in
-    docs/benchmarks.md ("Simulator: calibration and validation").
+    1.2-2.4 GB/s); ``recovery_fixed_s`` and ``mirror_fixed_s`` are the median fit over the five
+    round-1 runs of docs/benchmarks.md ("Simulator: calibration and validation", bench/goodput_calibrate.py).
     """
 
     # the job
     world: int = 4                       # W ranks (accelerators) that train
     nproc_per_node: int = 2              # P ranks per node
     state_mib: float = 16.0              # S: protected bytes per rank, MiB
-    step_s: float = 0.2                  # one training step at full width, bare (without ckptless)
+    step_s: float = 0.22                 # one training step at full width, bare (without ckptless; the bench's 0.2 s
+    #                                      sleep + AdamW of 16 MiB: 0.218-0.235 s measured)
     duration_s: float = 300.0            # simulated wall time
     # failures
     mtbf_s: float = 30.0                 # the JOB's mean time between failures (every rank and node together)
@@ -62,12 +63,12 @@ class Params:
     #                                      --no-shm-dir): a process that dies on a healthy node leaves its image there
     detect_s: float = 0.12               # kill -> first survivor knows (bench/recovery.py 2026-11-23: 0.11-0.14 s)
     detect_node_s: float = 2.0           # a node lost whole: its agent's lease must expire (ckptless-run --lease-ttl)
-    recovery_fixed_s: float = 0.55       # report, plan, publish, form the new generation (calibrated; see above)
+    recovery_fixed_s: float = 0.82       # report, plan, publish, form the new generation (calibrated here, 2026-11-28)
     plan_s_per_rank: float = 8.6e-5      # leader's O(W) planning (bench/control_plane.py --plan-only: 0.86 s at 10k)
     contention_s_per_rank: float = 0.022  # CPU of W processes on 2 cores (bench/scale.py: 0.98 -> 1.61 s, W 4 -> 32)
     respawn_s: float = 0.28              # a warm respawn is ready (bench/recovery.py 2026-11-23)
     setup_s_per_gib: float = 3.5         # the script builds its state again (0.9 s at 256 MiB, same run)
-    mirror_fixed_s: float = 0.004        # per mirrored step beyond the copy: commit, CRC, the round's CPU (calibrated)
+    mirror_fixed_s: float = 0.001        # per mirrored step beyond the copy: commit, CRC, the round's CPU (calibrated)
     capture_blocking: float = 1.0        # share of the capture copy on the training thread (CPU: 1; GPU async: ~0.05)
     reprotect_s: float = 0.0             # extra re-protection time after resume (0: the round's S K / nic)
     # platform
