@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from ckptless.cli import main as cli_main
 from ckptless.errors import ConfigError
-from ckptless.simulate import Params, simulate
+from ckptless.simulate import Params, costs, simulate
 from ckptless.simulate.failures import Failure, draw_failures
 from ckptless.simulate.model import SYSTEMS
 from ckptless.simulate.placement import defeats, p_defeat_given_f, p_defeat_per_failure, surviving_subsets
@@ -90,7 +90,10 @@ def test_one_more_failure_never_raises_goodput(p: Params, seed: int, where: floa
     for name, run in RUNNERS.items():
         g0 = run(p, base, p.duration_s).timeline.seconds["productive"]
         g1 = run(p, more, p.duration_s).timeline.seconds["productive"]
-        assert g1 <= g0 + 1e-6, (name, g0, g1)
+        # TorchFT-style: groups that come back together join in one quorum, so a failure that delays a
+        # group's return can merge two rejoin stalls into one: it may save at most that one stall
+        slack = p.ft_quorum_s + costs.comm_init_s(p, p.ft_groups) if name == "torchft" else 0.0
+        assert g1 <= g0 + slack + 1e-6, (name, g0, g1)
 
 
 @settings(max_examples=25, deadline=None)
