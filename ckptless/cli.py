@@ -2,6 +2,8 @@
 
     ckptless report RUN_DIR [--json] [--html FILE] [--baseline DIR] [--ckpt-every N ...]
     ckptless status --rdzv-endpoint HOST:PORT --rdzv-id ID [--json]
+    ckptless simulate [--preset NAME] [--world W --nproc-per-node P --step-s T --state-mib S --mtbf-s M
+                      --duration-s D --spares N ...] [--seed S] [--json FILE]
 
 Why a thin wrapper: all accounting lives in :mod:`ckptless.goodput` (pure,
 tested there) and all rendering in :mod:`ckptless.report`; the CLI parses
@@ -106,7 +108,28 @@ def _parser() -> argparse.ArgumentParser:
     st.add_argument("--rdzv-id", required=True, help="the job id (ckptless-run --rdzv-id)")
     st.add_argument("--json", action="store_true", help="print the status as JSON")
     st.add_argument("--timeout", type=_seconds, default=5.0, help="seconds to reach etcd (default 5)")
+    from ckptless.simulate.cli import add_arguments
+    add_arguments(sub.add_parser(
+        "simulate", help="model a job's goodput under failures: ckptless vs restart-from-disk vs TorchFT-style",
+        description="A seeded discrete-event model (docs/goodput.md): goodput, badput by category, lost work, the "
+                    "chance a failure set defeats the mirrors' placement, and recommended K / spares / mirror_every "
+                    "/ snapshot interval, for ckptless, restart-from-disk and dropping a replica group."))
     return p
+
+
+def _simulate(args: argparse.Namespace) -> int:
+    from ckptless.simulate.cli import params_from
+    from ckptless.simulate.report import build, render, to_json
+
+    params, seed, seeds = params_from(args)
+    rep = build(params, preset=args.preset, seed=seed, seeds=seeds, search=not args.no_recommend)
+    sys.stdout.write(render(rep))
+    if args.json:
+        try:
+            Path(args.json).write_text(json.dumps(to_json(rep), indent=1, sort_keys=True) + "\n")
+        except OSError as exc:
+            raise ReportInputError(f"{args.json}: cannot write ({exc.strerror or exc})") from exc
+    return 0
 
 
 def _report(args: argparse.Namespace) -> int:
@@ -170,6 +193,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _report(args)
         if args.command == "status":
             return _status(args)
+        if args.command == "simulate":
+            return _simulate(args)
     except (ReportInputError, CkptlessError) as exc:
         print(f"ckptless {args.command}: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
