@@ -136,7 +136,10 @@ def run_ckptless(job: GoodputJob, schedule: Sequence[TimedFault], out: Path,
     env = {**job.env, "CKPTLESS_CHAOS_DIR": str(out / "chaos")}
     spec = ClusterSpec(nodes=job.nnodes, nproc_per_node=job.nproc_per_node, script=job.script.resolve(),
                        script_args=job.args, env=env, spare_nodes=1 if job.spares else 0,
-                       spares_per_spare_node=max(job.spares, 1))
+                       spares_per_spare_node=max(job.spares, 1),
+                       # a spare that took a rank is replaced once that recovery is over: every failure of the
+                       # schedule finds a warm spare, not only the first --spares ones
+                       spare_node_args=("--spare-refill",) if job.spares else ())
     ended = "stopped"
     sent = 0
     launch_wall, t0 = time.time(), time.monotonic()
