@@ -70,7 +70,7 @@ def _cards(r: Report) -> str:
         cards.append(("bad", _n(k if k is not None else inc.downtime_s, 2) + " s",
                       f"incident {inc.index}: " + ("kill → first step" if k is not None else
                                                   "detection → first step (no kill time)")))
-    if r.baseline is not None:  # measured: the estimate is shown only where no baseline ran
+    if r.baseline is not None and r.baseline.has_failures:  # measured: no estimate beside it
         cards.append(("", f"{r.baseline.baseline.goodput:.1%}", "baseline goodput (measured)"))
     else:
         cards.append(("", f"{e.goodput:.1%}", "restart-from-disk goodput (estimate)"))
@@ -93,8 +93,9 @@ def _incident_rows(r: Report) -> list[list[str]]:
 
 
 def _comparison(r: Report) -> str:
-    """The measured baseline when one ran (``--baseline DIR``); else the restart-from-disk ESTIMATE."""
-    if r.baseline is not None:
+    """The measured baseline with failures when one ran (``--baseline DIR``, e.g. torchrun + DCP with the same
+    faults); else the restart-from-disk ESTIMATE (and a fault-free baseline beside it, if given)."""
+    if r.baseline is not None and r.baseline.has_failures:
         return _measured(r)
     a, e = r.analysis, r.estimate
     inp = e.inputs
@@ -114,7 +115,7 @@ def _comparison(r: Report) -> str:
              f"Estimated saving by ckptless: <b>{e.saved_s:.2f} s</b>. Override with <code>--ckpt-every</code>, "
              "<code>--restart-s</code>, <code>--load-s</code>, <code>--save-s</code>, or measure with "
              "<code>--baseline DIR</code>.</p>")
-    return html
+    return html + (_measured(r) if r.baseline is not None else "")
 
 
 def _measured(r: Report) -> str:

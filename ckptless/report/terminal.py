@@ -98,10 +98,11 @@ def _incidents(r: Report) -> list[Table]:
 
 
 def _comparison(r: Report) -> list[RenderableType]:
-    """The measured baseline when one ran (``--baseline DIR``); else the restart-from-disk ESTIMATE."""
+    """The measured baseline with failures when one ran (``--baseline DIR``); else the restart-from-disk
+    ESTIMATE (and a fault-free baseline beside it, if given)."""
     a, e = r.analysis, r.estimate
     out: list[RenderableType] = []
-    if r.baseline is not None:
+    if r.baseline is not None and r.baseline.has_failures:
         return _measured(r)
     t = _table("ckptless vs restart-from-disk", ["", "ckptless (measured)", "restart-from-disk (ESTIMATE)"],
                {1, 2})
@@ -121,7 +122,7 @@ def _comparison(r: Report) -> list[RenderableType]:
         f"median step) per failure; checkpoint every {inp.interval_steps} steps ({inp.interval_source}), "
         f"{inp.save_s:.2f} s blocking per save. Source: {inp.source}. "
         f"Estimated saving: {e.saved_s:.3f} s.", style="italic"))
-    return out
+    return out + _measured(r)
 
 
 def _measured(r: Report) -> list[RenderableType]:
