@@ -94,27 +94,38 @@ def _record(goodput: Path, f: TimedFault, pid: int, t_mono: float, late_s: float
 def inject(schedule: Sequence[TimedFault], t0: float, end: float, chaos: Path, goodput: Path,
            running: Callable[[], bool], log: Callable[[str], None]) -> int:
     """Send each fault at ``t0 + f.t`` (monotonic) to the process training its rank; stop at ``end``
-    or when the job is gone. Returns how many were sent."""
+    or when the job is gone. Faults due at the same time (a node loss) are one event: every target's
+    process is found first, then all are killed at once (else torchrun's restart after the first kill
+    would turn the second into a failure of the restarted job). Returns how many were sent."""
     sent = 0
+    groups: list[list[TimedFault]] = []
     for f in schedule:
-        due = t0 + f.t
-        pid = None
+        if groups and groups[-1][0].t == f.t:
+            groups[-1].append(f)
+        else:
+            groups.append([f])
+    for group in groups:
+        due = t0 + group[0].t
+        pids: list[int | None] = [None] * len(group)
         while running() and time.monotonic() < end:
             if time.monotonic() >= due:
-                pid = _rank_pid(chaos, f.rank)
-                if pid is not None:
+                pids = [_rank_pid(chaos, f.rank) for f in group]
+                if all(p is not None for p in pids):
                     break
             time.sleep(POLL_S)
-        if pid is None:
+        if any(p is None for p in pids):
             return sent
         t = time.monotonic()
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            continue
-        sent += 1
-        _record(goodput, f, pid, t, t - due)
-        log(f"  t={t - t0:6.1f}s SIGKILL rank {f.rank} (pid {pid})" + (f", {t - due:.1f}s late" if t - due > 0.05 else ""))
+        for f, pid in zip(group, pids):
+            assert pid is not None
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                continue
+            sent += 1
+            _record(goodput, f, pid, t, t - due)
+            log(f"  t={t - t0:6.1f}s SIGKILL rank {f.rank} (pid {pid})"
+                + (f", {t - due:.1f}s late" if t - due > 0.05 else ""))
     return sent
 
 

@@ -35,6 +35,7 @@ from ckptless import environment
 from ckptless.chaos.catalogue import (
     DEMO_STEPS, LONG_SEED, catalogue, demo_faults, demo_job, long_scenario, random_scenario,
 )
+from ckptless.chaos.goodput_plan import RunFigures
 from ckptless.chaos.long_schedule import LongConfig
 from ckptless.chaos.scenario import (
     BaselineCache, Scenario, Verdict, render_fault_table, render_table, run_scenario,
@@ -77,22 +78,33 @@ def _demo(args: argparse.Namespace) -> int:
     v = run_script("demo", job, out, faults=lambda _steps: faults, log=lambda line: print(line, flush=True))
     goodput = out / "demo" / "goodput"
     html = out / "report.html"
-    print(f"\n== goodput report of the faulty run (ckptless report {goodput} --html {html}) ==", flush=True)
+    measured = None  # (figures, goodput dir) of the torchrun + DCP run with the same faults
+    if args.baseline == "torchrun" and v.faulty is not None:
+        measured = _demo_torchrun(v.faulty, job, out)
+    base = ["--baseline", str(measured[1])] if measured is not None else []
+    print(f"\n== goodput report of the faulty run ({' '.join(['ckptless report', str(goodput), *base, '--html', str(html)])}) ==",
+          flush=True)
     if goodput.is_dir():
-        ckptless_cli(["report", str(goodput), "--html", str(html)])
+        ckptless_cli(["report", str(goodput), *base, "--html", str(html)])
         sys.stdout.flush()
         rep = build_report(load_run(goodput))
         a, e = rep.analysis, rep.estimate
         print(f"\n== ckptless vs restart-from-disk, same {len(a.incidents)} failures ==")
         print(f"goodput with ckptless: {a.goodput:.1%} (measured: {a.productive_s:.1f}s productive of "
               f"{a.wall_s:.1f}s; failures cost {e.ckptless_failure_s:.1f}s)")
-        print(f"goodput restarting from disk: {e.goodput:.1%} (ESTIMATE: failures would cost "
-              f"{e.failure_badput_s:.1f}s -- restart {e.inputs.restart_s:g}s + load {e.inputs.load_s:g}s + "
-              f"warm-up {e.warmup_s:.1f}s + steps since a checkpoint every {e.inputs.interval_steps} steps, each; "
-              f"see the report's estimate inputs)")
+        if measured is not None:  # measured: the estimate only where no baseline ran
+            tr = measured[0]
+            tb = build_report(load_run(measured[1])).analysis
+            print(f"goodput under torchrun + DCP: {tb.goodput:.1%} (MEASURED, the same faults at the same times: "
+                  f"{tb.productive_s:.1f}s productive of {tb.wall_s:.1f}s, {tr.incidents} restarts, {tr.steps_lost} "
+                  f"steps redone, checkpoint every {tr.extra.get('ckpt_every')} steps, "
+                  f"{tr.extra.get('ckpt_every_source')}; {tr.ended})")
+        else:
+            print(f"goodput restarting from disk: {e.goodput:.1%} (ESTIMATE: failures would cost "
+                  f"{e.failure_badput_s:.1f}s -- restart {e.inputs.restart_s:g}s + load {e.inputs.load_s:g}s + "
+                  f"warm-up {e.warmup_s:.1f}s + steps since a checkpoint every {e.inputs.interval_steps} steps, each; "
+                  f"see the report's estimate inputs; measure it with --baseline torchrun)")
         print(f"HTML report: {html}")
-    if args.baseline == "torchrun" and v.faulty is not None:
-        _demo_torchrun(v.faulty, job, out, goodput, html)
     print("\n== verdict: faulty run vs fault-free run (library digest of every protected object, RNG included) ==")
     print(render_details(v), end="")
     print(v.line)
@@ -148,13 +160,12 @@ def _goodput(args: argparse.Namespace, script_args: list[str]) -> int:
     return 0 if ck.ended != "failed" and not ck.ended.startswith("failed") else 1
 
 
-def _demo_torchrun(faulty: JobRun, job: ScriptJob, out: Path, goodput: Path, html: Path) -> None:
+def _demo_torchrun(faulty: JobRun, job: ScriptJob, out: Path) -> tuple[RunFigures, Path]:
     """The demo's measured baseline: the same job under plain torchrun + DCP, the same faults at the
-    same times after launch (a node loss kills that node's ranks; a hang is a kill: torchrun has no
-    hang detector, a frozen rank would hold every rank until the collective timeout)."""
+    same times after launch (a node loss kills that node's ranks at once; a hang is a kill: torchrun has
+    no hang detector, a frozen rank would hold every rank until the collective timeout)."""
     from ckptless.chaos.goodput import GoodputJob, calibrate, run_torchrun
     from ckptless.chaos.goodput_plan import TimedFault, young_daly_steps
-    from ckptless.cli import main as ckptless_cli
 
     schedule = sorted((TimedFault(round(inj.t_monotonic - faulty.t0, 3), r) for inj in faulty.injections
                        for r in (inj.lost or inj.fault.targets)), key=lambda f: f.t)
@@ -168,12 +179,7 @@ def _demo_torchrun(faulty: JobRun, job: ScriptJob, out: Path, goodput: Path, htm
     every = young_daly_steps(save_s, mtbf, step_s)
     tr = run_torchrun(tj, schedule, out / "torchrun", every, len(schedule) + 1, log=lambda line: print(line, flush=True),
                       extra={"ckpt_every_source": f"Young/Daly: save {save_s:.2f}s, MTBF {mtbf:.0f}s"})
-    print(f"goodput under torchrun + DCP: {tr.goodput:.1%} (MEASURED: {tr.productive_s:.1f}s productive of "
-          f"{tr.wall_s:.1f}s from launch, {tr.incidents} restarts, {tr.steps_lost} steps redone, checkpoint every "
-          f"{every} steps by Young/Daly; {tr.ended})", flush=True)
-    if goodput.is_dir() and (out / "torchrun" / "goodput").is_dir():
-        ckptless_cli(["report", str(goodput), "--baseline", str(out / "torchrun" / "goodput"), "--html", str(html)])
-        sys.stdout.flush()
+    return tr, out / "torchrun" / "goodput"
 
 
 def _long(args: argparse.Namespace) -> int:

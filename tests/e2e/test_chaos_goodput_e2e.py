@@ -109,3 +109,32 @@ def test_plain_init_under_torchrun_resumes_from_the_last_dcp_checkpoint(tmp_path
         assert after[0]["kind"] == "first_step_after_recovery" and after[0]["step"] == got + 1
         assert after[-1]["step"] == steps
     assert job_processes_of(out) == []
+
+
+@pytest.mark.timeout(60)
+def test_faults_due_together_are_killed_together(tmp_path: Path) -> None:
+    """A node loss in a schedule (two ranks at one time) is one event: both processes are found, then
+    both killed at once; a later fault whose rank nobody trains any more waits, and gives up at the end."""
+    from ckptless.chaos.goodput import inject
+    from ckptless.chaos.goodput_plan import TimedFault
+
+    procs = [subprocess.Popen(["sleep", "60"]) for _ in range(2)]
+    try:
+        chaos, goodput = tmp_path / "chaos", tmp_path / "goodput"
+        chaos.mkdir()
+        for r, p in enumerate(procs):
+            (chaos / f"rank{r}.json").write_text(json.dumps({"pid": p.pid, "rank": r}))
+        t0 = time.monotonic()
+        sent = inject([TimedFault(0.1, 0), TimedFault(0.1, 1), TimedFault(0.2, 0)], t0, t0 + 1.5, chaos, goodput,
+                      lambda: True, lambda _line: None)
+        assert sent == 2
+        assert [p.wait(timeout=10) for p in procs] == [-signal.SIGKILL, -signal.SIGKILL]
+        evs = _lines(goodput / "chaos.jsonl")
+        assert [(e["kind"], e["attrs"]["target"]) for e in evs] == [("fault_injected", 0), ("fault_injected", 1)]  # type: ignore[index]
+        assert evs[0]["t_monotonic"] == evs[1]["t_monotonic"]
+        assert time.monotonic() - t0 >= 1.5  # the third waited for a process of rank 0 until the end
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
