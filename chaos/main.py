@@ -157,7 +157,7 @@ def _goodput(args: argparse.Namespace, script_args: list[str]) -> int:
                "load_1min": [load0[0], os.getloadavg()[0]]}
         Path(args.json).write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n")
         print(f"wrote {args.json}")
-    return 0 if ck.ended != "failed" and not ck.ended.startswith("failed") else 1
+    return 1 if ck.ended.startswith("failed") else 0  # (a failed torchrun run is a measurement too)
 
 
 def _demo_torchrun(faulty: JobRun, job: ScriptJob, out: Path) -> tuple[RunFigures, Path]:
