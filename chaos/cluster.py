@@ -407,26 +407,8 @@ class LocalCluster:
         return tuple(sorted(a.rank for a in membership_from_json(kv.value).ranks if f"-{agent.pid}-" in a.node_id))
 
     def job_processes(self) -> list[int]:
-        """Live (non-zombie) processes of this job: their command line names the output dir, or
-        their environment carries ``RUN_MARK`` for it (any script, whatever its arguments)."""
-        needle = str(self.out).encode() + b"\0"  # the script's argument, exactly
-        mark = b"\0" + f"{RUN_MARK}={self.out}".encode() + b"\0"
-        found = []
-        for entry in os.listdir("/proc"):
-            if not entry.isdigit() or int(entry) == os.getpid():
-                continue
-            try:
-                with open(f"/proc/{entry}/cmdline", "rb") as f:
-                    cmd = f.read()
-                hit = needle in cmd
-                if not hit:
-                    with open(f"/proc/{entry}/environ", "rb") as f:
-                        hit = mark in b"\0" + f.read()
-                if hit and proc_state(int(entry)) not in ("Z", "X"):
-                    found.append(int(entry))
-            except OSError:
-                continue
-        return found
+        """Live (non-zombie) processes of this job (:func:`job_processes_of` its output dir)."""
+        return job_processes_of(self.out)
 
     def pids(self, rank: int) -> list[dict[str, object]]:
         path = self.out / f"pids_rank{rank}.jsonl"
@@ -440,6 +422,29 @@ class LocalCluster:
 
     def logs_text(self) -> str:
         return "\n".join(a.log.read_text(errors="replace") for a in self.agents if a.log.exists())
+
+
+def job_processes_of(out: Path) -> list[int]:
+    """Live (non-zombie) processes of the run writing to ``out``: their command line names it, or
+    their environment carries ``RUN_MARK`` for it (any script, whatever its arguments)."""
+    needle = str(out).encode() + b"\0"  # the script's argument, exactly
+    mark = b"\0" + f"{RUN_MARK}={out}".encode() + b"\0"
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmd = f.read()
+            hit = needle in cmd
+            if not hit:
+                with open(f"/proc/{entry}/environ", "rb") as f:
+                    hit = mark in b"\0" + f.read()
+            if hit and proc_state(int(entry)) not in ("Z", "X"):
+                found.append(int(entry))
+        except OSError:
+            continue
+    return found
 
 
 def wait_gone(pids: Sequence[int], timeout_s: float) -> list[int]:

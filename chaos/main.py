@@ -2,7 +2,10 @@
 
     ckptless-chaos run    SCENARIO --script PATH [--nnodes N] [--nproc-per-node N] [--spares N]
                           [--env K=V ...] [--rank R] [--at S[,S]] [--hang-timeout S] [--out DIR] [-- ARGS...]
-    ckptless-chaos demo   [--out DIR] [--steps N]
+    ckptless-chaos demo   [--out DIR] [--steps N] [--baseline torchrun]
+    ckptless-chaos goodput --script PATH [--every-s T | --schedule FILE] --duration-s D [--nnodes N]
+                          [--nproc-per-node N] [--spares N] [--ckpt-every N] [--max-restarts M] [--seed S]
+                          [--env K=V ...] [--json FILE] [--out DIR] [-- ARGS...]
     ckptless-chaos list
     ckptless-chaos run    NAME [--seed S] [--out DIR]     (NAME from `list`, or `random`: the matrix's demo job)
     ckptless-chaos run    long [--seed S] [--faults N] [--spares N] [--out DIR]   (>= 20 seeded faults in ONE job)
@@ -21,6 +24,7 @@ by name, runs them and prints the verdicts.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import tempfile
 import time
@@ -31,12 +35,13 @@ from ckptless import environment
 from ckptless.chaos.catalogue import (
     DEMO_STEPS, LONG_SEED, catalogue, demo_faults, demo_job, long_scenario, random_scenario,
 )
+from ckptless.chaos.goodput_plan import RunFigures
 from ckptless.chaos.long_schedule import LongConfig
 from ckptless.chaos.scenario import (
     BaselineCache, Scenario, Verdict, render_fault_table, render_table, run_scenario,
 )
 from ckptless.chaos.script import (
-    DEFAULT_HANG_TIMEOUT_S, SCRIPT_SCENARIOS, ScriptJob, describe, render_details, run_script,
+    DEFAULT_HANG_TIMEOUT_S, SCRIPT_SCENARIOS, JobRun, ScriptJob, describe, render_details, run_script,
 )
 from ckptless.errors import CkptlessError, ConfigError
 
@@ -73,25 +78,108 @@ def _demo(args: argparse.Namespace) -> int:
     v = run_script("demo", job, out, faults=lambda _steps: faults, log=lambda line: print(line, flush=True))
     goodput = out / "demo" / "goodput"
     html = out / "report.html"
-    print(f"\n== goodput report of the faulty run (ckptless report {goodput} --html {html}) ==", flush=True)
+    measured = None  # (figures, goodput dir) of the torchrun + DCP run with the same faults
+    if args.baseline == "torchrun" and v.faulty is not None:
+        measured = _demo_torchrun(v.faulty, job, out)
+    base = ["--baseline", str(measured[1])] if measured is not None else []
+    print(f"\n== goodput report of the faulty run ({' '.join(['ckptless report', str(goodput), *base, '--html', str(html)])}) ==",
+          flush=True)
     if goodput.is_dir():
-        ckptless_cli(["report", str(goodput), "--html", str(html)])
+        ckptless_cli(["report", str(goodput), *base, "--html", str(html)])
         sys.stdout.flush()
         rep = build_report(load_run(goodput))
         a, e = rep.analysis, rep.estimate
         print(f"\n== ckptless vs restart-from-disk, same {len(a.incidents)} failures ==")
         print(f"goodput with ckptless: {a.goodput:.1%} (measured: {a.productive_s:.1f}s productive of "
               f"{a.wall_s:.1f}s; failures cost {e.ckptless_failure_s:.1f}s)")
-        print(f"goodput restarting from disk: {e.goodput:.1%} (ESTIMATE: failures would cost "
-              f"{e.failure_badput_s:.1f}s -- restart {e.inputs.restart_s:g}s + load {e.inputs.load_s:g}s + "
-              f"warm-up {e.warmup_s:.1f}s + steps since a checkpoint every {e.inputs.interval_steps} steps, each; "
-              f"see the report's estimate inputs)")
+        if measured is not None:  # measured: the estimate only where no baseline ran
+            tr = measured[0]
+            tb = build_report(load_run(measured[1])).analysis
+            print(f"goodput under torchrun + DCP: {tb.goodput:.1%} (MEASURED, the same faults at the same times: "
+                  f"{tb.productive_s:.1f}s productive of {tb.wall_s:.1f}s, {tr.incidents} restarts, {tr.steps_lost} "
+                  f"steps redone, checkpoint every {tr.extra.get('ckpt_every')} steps, "
+                  f"{tr.extra.get('ckpt_every_source')}; {tr.ended})")
+        else:
+            print(f"goodput restarting from disk: {e.goodput:.1%} (ESTIMATE: failures would cost "
+                  f"{e.failure_badput_s:.1f}s -- restart {e.inputs.restart_s:g}s + load {e.inputs.load_s:g}s + "
+                  f"warm-up {e.warmup_s:.1f}s + steps since a checkpoint every {e.inputs.interval_steps} steps, each; "
+                  f"see the report's estimate inputs; measure it with --baseline torchrun)")
         print(f"HTML report: {html}")
     print("\n== verdict: faulty run vs fault-free run (library digest of every protected object, RNG included) ==")
     print(render_details(v), end="")
     print(v.line)
     print(f"demo {'PASSED' if v.passed else 'FAILED'} in {time.monotonic() - t0:.0f}s")
     return 0 if v.passed else 1
+
+
+def _goodput(args: argparse.Namespace, script_args: list[str]) -> int:
+    """``goodput``: ckptless and torchrun + DCP on the same script and timed failures, side by side."""
+    import json
+
+    from ckptless.chaos.goodput import GoodputJob, compare
+    from ckptless.chaos.goodput_plan import draw_schedule, load_schedule, render
+
+    job = GoodputJob(Path(args.script).resolve(), tuple(script_args), nnodes=args.nnodes,
+                     nproc_per_node=args.nproc_per_node, spares=args.spares, env=_env_pairs(args.env or []),
+                     duration_s=args.duration_s)
+    job.validate()
+    if args.schedule:
+        schedule = load_schedule(Path(args.schedule), job.world_size, job.duration_s)
+        mtbf = job.duration_s / max(1, len(schedule))
+        source = f"--schedule {args.schedule}"
+    else:
+        if args.every_s is None:
+            raise ConfigError("every_s", None, "give --every-s T (mean seconds between failures) or --schedule FILE")
+        seed = _seed(args.seed)
+        schedule = draw_schedule(seed, args.every_s, job.duration_s, job.world_size)
+        mtbf = args.every_s
+        source = f"seed {seed}, one failure every {args.every_s:g}s on average (exponential)"
+    if args.ckpt_every is not None and args.ckpt_every < 1:
+        raise ConfigError("ckpt_every", args.ckpt_every, "must be >= 1 step")
+    out = _out_dir(args.out, "goodput")
+    print(f"ckptless-chaos goodput: {job.script} for {job.duration_s:g}s per system, W={job.world_size}; "
+          f"{len(schedule)} SIGKILLs ({source}): " + ", ".join(f"{f.t:.1f}s r{f.rank}" for f in schedule), flush=True)
+    load0 = os.getloadavg()
+    t0 = time.monotonic()
+    runs = compare(job, schedule, out, mtbf, args.ckpt_every, args.max_restarts,
+                   log=lambda line: print(line, flush=True))
+    ck, tr = runs["ckptless"], runs["torchrun"]
+    print("\n" + render([ck, tr]), end="")
+    ratio = ck.goodput / tr.goodput if tr.goodput > 0 else None
+    print(f"ckptless / torchrun + DCP goodput: " + (f"{ratio:.2f}x" if ratio else "-") +
+          f"; steps kept {ck.steps_kept} vs {tr.steps_kept}; checkpoint every {tr.extra.get('ckpt_every')} steps "
+          f"({tr.extra.get('ckpt_every_source')}); wall {time.monotonic() - t0:.0f}s, 1-min load "
+          f"{load0[0]:.1f} -> {os.getloadavg()[0]:.1f}; output {out}", flush=True)
+    if args.json:
+        doc = {"ckptless": ck.to_json(), "torchrun": tr.to_json(), "ratio": ratio,
+               "schedule": [{"t": f.t, "rank": f.rank, "kind": f.kind} for f in schedule], "schedule_source": source,
+               "world_size": job.world_size, "duration_s": job.duration_s, "mtbf_s": mtbf, "out": str(out),
+               "load_1min": [load0[0], os.getloadavg()[0]]}
+        Path(args.json).write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n")
+        print(f"wrote {args.json}")
+    return 1 if ck.ended.startswith("failed") else 0  # (a failed torchrun run is a measurement too)
+
+
+def _demo_torchrun(faulty: JobRun, job: ScriptJob, out: Path) -> tuple[RunFigures, Path]:
+    """The demo's measured baseline: the same job under plain torchrun + DCP, the same faults at the
+    same times after launch (a node loss kills that node's ranks at once; a hang is a kill: torchrun has
+    no hang detector, a frozen rank would hold every rank until the collective timeout)."""
+    from ckptless.chaos.goodput import GoodputJob, calibrate, run_torchrun
+    from ckptless.chaos.goodput_plan import TimedFault, young_daly_steps
+
+    schedule = sorted((TimedFault(round(inj.t_monotonic - faulty.t0, 3), r) for inj in faulty.injections
+                       for r in (inj.lost or inj.fault.targets)), key=lambda f: f.t)
+    bound = max(300.0, 4 * faulty.wall_s)
+    tj = GoodputJob(job.script, job.args, job.nnodes, job.nproc_per_node, 0, job.env, bound)
+    print(f"\n== the same job under torchrun + DCP (--baseline torchrun): SIGKILL "
+          + ", ".join(f"rank {f.rank} at {f.t:.1f}s" for f in schedule) + " after launch ==", flush=True)
+    mtbf = faulty.wall_s / max(1, len(faulty.injections))
+    save_s, step_s = calibrate(tj, out / "torchrun-calibration", 0.05, log=lambda line: print(line, flush=True),
+                               seconds=30.0)
+    every = young_daly_steps(save_s, mtbf, step_s)
+    tr = run_torchrun(tj, schedule, out / "torchrun", every, len(schedule) + 1, log=lambda line: print(line, flush=True),
+                      extra={"ckpt_every_source": f"Young/Daly: save {save_s:.2f}s, MTBF {mtbf:.0f}s"})
+    return tr, out / "torchrun" / "goodput"
 
 
 def _long(args: argparse.Namespace) -> int:
@@ -178,6 +266,31 @@ def _parser() -> argparse.ArgumentParser:
     d = sub.add_parser("demo", help="the fault-injected demo (what `make demo` runs)")
     d.add_argument("--out", help="output directory (default: a fresh temp dir)")
     d.add_argument("--steps", type=int, default=DEMO_STEPS, help=f"training steps (default {DEMO_STEPS})")
+    d.add_argument("--baseline", choices=("torchrun",), default=None,
+                   help="also run the demo job under plain torchrun + DCP with the same faults at the same "
+                        "times, and show its measured row (else restart-from-disk is an ESTIMATE)")
+    g = sub.add_parser("goodput", help="goodput of your script under ckptless and under torchrun + DCP, the same "
+                                       "seeded failures, measured side by side",
+                       usage="ckptless-chaos goodput --script PATH (--every-s T | --schedule FILE) --duration-s D "
+                             "[...] [-- SCRIPT_ARGS...]")
+    g.add_argument("--script", required=True, help="your training script (ckptless.init/protect/run or job.train); "
+                                                   "its arguments after `--` ({out}: the run's dir); it must train "
+                                                   "for at least --duration-s")
+    g.add_argument("--every-s", type=float, default=None, help="mean seconds between failures (exponential)")
+    g.add_argument("--schedule", default=None, help="a JSON schedule [{t, rank, kind}] instead of --every-s")
+    g.add_argument("--duration-s", type=float, required=True, help="wall seconds each system runs")
+    g.add_argument("--nnodes", type=int, default=2, help="ckptless agents (default 2); torchrun runs W on one")
+    g.add_argument("--nproc-per-node", type=int, default=2, help="workers per node (default 2)")
+    g.add_argument("--spares", type=int, default=0, help="ckptless warm spares on a spare-only node (default 0: "
+                                                         "respawns)")
+    g.add_argument("--ckpt-every", type=int, default=None,
+                   help="torchrun's DCP checkpoint interval in steps (default: Young/Daly from a measured save)")
+    g.add_argument("--max-restarts", type=int, default=None,
+                   help="torchrun --max-restarts (default: the schedule's failures + 1)")
+    g.add_argument("--seed", default="0", help="seed of the failure schedule (default 0)")
+    g.add_argument("--env", action="append", metavar="KEY=VALUE", help="the script's environment (repeatable)")
+    g.add_argument("--json", default=None, help="write both systems' figures as JSON")
+    g.add_argument("--out", help="output directory")
     sub.add_parser("list", help="list the scenarios (for --script, and of the matrix)")
     r = sub.add_parser("run", help="run one scenario against its fault-free twin: on your script (--script) "
                                    "or on the matrix's demo job",
@@ -223,7 +336,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = _parser().parse_args(argv)
     except SystemExit as exc:
         return exc.code if isinstance(exc.code, int) else 2
-    if script_args and not (args.command == "run" and args.script):
+    if script_args and not ((args.command == "run" and args.script) or args.command == "goodput"):
         print("ckptless-chaos: error: arguments after `--` go to a --script", file=sys.stderr)
         return 2
     try:
@@ -233,6 +346,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         environment.set_default("GRPC_ENABLE_FORK_SUPPORT", "false")
         if args.command == "demo":
             return _demo(args)
+        if args.command == "goodput":
+            return _goodput(args, script_args)
         if args.command == "list":
             print("for `run SCENARIO --script PATH` (your script; steps are fractions of its run):")
             for ss in SCRIPT_SCENARIOS.values():

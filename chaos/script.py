@@ -163,6 +163,7 @@ class JobRun:
     problems: list[str] = field(default_factory=list)
     hints: list[str] = field(default_factory=list)
     tail: str = ""
+    t0: float = 0.0  # monotonic time the run was launched (injections' times are on the same clock)
 
 
 @dataclass
@@ -240,7 +241,7 @@ def run_job(spec: ClusterSpec, out: Path, name: str, faults: Sequence[Fault] = (
     """Start the job, inject ``faults`` at their steps (whole-node kills), wait, collect. Never raises
     for a failing job: its problems are in the result."""
     t0 = time.monotonic()
-    run = JobRun(out, {}, {}, 0.0)
+    run = JobRun(out, {}, {}, 0.0, t0=t0)
     with LocalCluster(spec, out, name, points=points_spec(faults), digest=True) as c:
         try:
             c.start()

@@ -27,6 +27,7 @@ from ckptless.environment import ProcessEnv
 
 HOLD_S = 120.0
 _points: tuple[ProcessEnv, dict[str, str]] | None = None  # parsed once per settings object
+_announced: tuple[int, int] | None = None  # (pid, rank) this process last announced
 
 
 def _load() -> dict[str, str]:
@@ -69,6 +70,29 @@ def pause_point(point: str, **info: object) -> None:
     deadline = time.monotonic() + HOLD_S
     while not os.path.exists(release) and time.monotonic() < deadline:
         time.sleep(0.005)  # held until the runner's signal (or its release file) arrives
+
+
+def announce_rank(rank: int) -> None:
+    """Say which process trains ``rank`` now: ``$CKPTLESS_CHAOS_DIR/rank<R>.json`` {pid, rank, t_wall}.
+
+    Why: a runner that kills "a random rank every T seconds" (``ckptless-chaos goodput``) needs the
+    process that trains a rank at that moment, under ckptless-run (a respawn, a spare that took the
+    rank, a fork server's child, whose /proc environ says nothing) and under plain torchrun alike.
+    Written once per (process, rank), atomically; a no-op (one tuple compare) outside chaos runs."""
+    global _announced
+    key = (os.getpid(), rank)
+    if _announced == key:
+        return
+    _announced = key
+    d = environment.current().chaos_dir
+    if not d:
+        return
+    os.makedirs(d, exist_ok=True)
+    path = os.path.join(d, f"rank{rank}.json")
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump({"pid": os.getpid(), "rank": rank, "t_wall": time.time()}, f)
+    os.replace(tmp, path)
 
 
 def flip_point(point: str, registry: object, rank: int) -> None:

@@ -12,6 +12,7 @@ from html import escape
 from pathlib import Path
 
 from ckptless.goodput import CATEGORIES, GOOGLE, PHASES
+from ckptless.goodput.merge import BADPUT_CATEGORIES
 from ckptless.report import svg
 from ckptless.report.model import LABELS, MEANING, Report
 
@@ -69,7 +70,10 @@ def _cards(r: Report) -> str:
         cards.append(("bad", _n(k if k is not None else inc.downtime_s, 2) + " s",
                       f"incident {inc.index}: " + ("kill → first step" if k is not None else
                                                   "detection → first step (no kill time)")))
-    cards.append(("", f"{e.goodput:.1%}", "restart-from-disk goodput (estimate)"))
+    if r.baseline is not None and r.baseline.has_failures:  # measured: no estimate beside it
+        cards.append(("", f"{r.baseline.baseline.goodput:.1%}", "baseline goodput (measured)"))
+    else:
+        cards.append(("", f"{e.goodput:.1%}", "restart-from-disk goodput (estimate)"))
     return '<div class="cards">' + "".join(
         f'<div class="card {c}"><div class="v">{escape(v)}</div><div class="k">{escape(k)}</div></div>'
         for c, v, k in cards) + "</div>"
@@ -89,6 +93,10 @@ def _incident_rows(r: Report) -> list[list[str]]:
 
 
 def _comparison(r: Report) -> str:
+    """The measured baseline with failures when one ran (``--baseline DIR``, e.g. torchrun + DCP with the same
+    faults); else the restart-from-disk ESTIMATE (and a fault-free baseline beside it, if given)."""
+    if r.baseline is not None and r.baseline.has_failures:
+        return _measured(r)
     a, e = r.analysis, r.estimate
     inp = e.inputs
     rows = [["wall time s", _n(a.wall_s), _n(e.wall_s)], ["goodput", f"{a.goodput:.1%}", f"{e.goodput:.1%}"],
@@ -107,19 +115,28 @@ def _comparison(r: Report) -> str:
              f"Estimated saving by ckptless: <b>{e.saved_s:.2f} s</b>. Override with <code>--ckpt-every</code>, "
              "<code>--restart-s</code>, <code>--load-s</code>, <code>--save-s</code>, or measure with "
              "<code>--baseline DIR</code>.</p>")
-    b = r.baseline
-    if b is not None:
-        ba = b.baseline
-        rows = [["wall time s", _n(a.wall_s), _n(ba.wall_s)], ["goodput", f"{a.goodput:.1%}", f"{ba.goodput:.1%}"],
-                ["incidents", str(len(a.incidents)), str(len(ba.incidents))],
-                ["badput from failures s", _n(b.failure_badput(a)), _n(b.failure_badput(ba))],
-                ["mean downtime per incident s", _n(b.mean_downtime(a)), _n(b.mean_downtime(ba))]]
-        html += f"<h3>Measured baseline: <code>{escape(str(r.baseline_source))}</code></h3>"
-        html += _table(["", "this run", "baseline"], rows, {1, 2})
-        html += ("<p class='est'>The baseline had failures: its figures are measured restart costs.</p>"
-                 if b.has_failures else
-                 f"<p class='est'>The baseline had no failures: this run took {-b.wall_delta_s:+.3f} s longer "
-                 "(its failures plus run-to-run variation).</p>")
+    return html + (_measured(r) if r.baseline is not None else "")
+
+
+def _measured(r: Report) -> str:
+    """This run beside a measured baseline (torchrun + DCP with the same faults, or a fault-free run)."""
+    a, b = r.analysis, r.baseline
+    assert b is not None
+    ba = b.baseline
+    rows = [["wall time s", _n(a.wall_s), _n(ba.wall_s)], ["goodput", f"{a.goodput:.1%}", f"{ba.goodput:.1%}"],
+            ["incidents", str(len(a.incidents)), str(len(ba.incidents))],
+            ["badput from failures s", _n(b.failure_badput(a)), _n(b.failure_badput(ba))],
+            ["mean downtime per incident s", _n(b.mean_downtime(a)), _n(b.mean_downtime(ba))]]
+    rows += [["steps done / lost", f"{a.steps_done} / {a.steps_lost}", f"{ba.steps_done} / {ba.steps_lost}"],
+             ["median step s", _n(a.median_step_s, 4), _n(ba.median_step_s, 4)]]
+    rows += [[f"badput {c} s", _n(a.seconds[c]), _n(ba.seconds[c])] for c in BADPUT_CATEGORIES
+             if a.seconds[c] > 0.0005 or ba.seconds[c] > 0.0005]
+    html = f"<h3>Measured baseline: <code>{escape(str(r.baseline_source))}</code></h3>"
+    html += _table(["", "this run", "baseline"], rows, {1, 2})
+    html += ("<p class='est'>The baseline had failures: its figures are measured restart costs.</p>"
+             if b.has_failures else
+             f"<p class='est'>The baseline had no failures: this run took {-b.wall_delta_s:+.3f} s longer "
+             "(its failures plus run-to-run variation).</p>")
     return html
 
 

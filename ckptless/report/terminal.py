@@ -98,8 +98,12 @@ def _incidents(r: Report) -> list[Table]:
 
 
 def _comparison(r: Report) -> list[RenderableType]:
+    """The measured baseline with failures when one ran (``--baseline DIR``); else the restart-from-disk
+    ESTIMATE (and a fault-free baseline beside it, if given)."""
     a, e = r.analysis, r.estimate
     out: list[RenderableType] = []
+    if r.baseline is not None and r.baseline.has_failures:
+        return _measured(r)
     t = _table("ckptless vs restart-from-disk", ["", "ckptless (measured)", "restart-from-disk (ESTIMATE)"],
                {1, 2})
     t.add_row("wall s", f"{a.wall_s:.3f}", f"{e.wall_s:.3f}")
@@ -118,7 +122,12 @@ def _comparison(r: Report) -> list[RenderableType]:
         f"median step) per failure; checkpoint every {inp.interval_steps} steps ({inp.interval_source}), "
         f"{inp.save_s:.2f} s blocking per save. Source: {inp.source}. "
         f"Estimated saving: {e.saved_s:.3f} s.", style="italic"))
-    b = r.baseline
+    return out + _measured(r)
+
+
+def _measured(r: Report) -> list[RenderableType]:
+    a, b = r.analysis, r.baseline
+    out: list[RenderableType] = []
     if b is not None:
         bt = _table(f"Measured baseline: {r.baseline_source}", ["", "this run", "baseline"], {1, 2})
         bt.add_row("wall s", f"{a.wall_s:.3f}", f"{b.baseline.wall_s:.3f}")
@@ -126,6 +135,8 @@ def _comparison(r: Report) -> list[RenderableType]:
         bt.add_row("incidents", str(len(a.incidents)), str(len(b.baseline.incidents)))
         bt.add_row("failure badput s", f"{b.failure_badput(a):.3f}", f"{b.failure_badput(b.baseline):.3f}")
         bt.add_row("mean downtime s", _s(b.mean_downtime(a)), _s(b.mean_downtime(b.baseline)))
+        bt.add_row("steps done / lost", f"{a.steps_done} / {a.steps_lost}",
+                   f"{b.baseline.steps_done} / {b.baseline.steps_lost}")
         out.append(bt)
         out.append(Text(("baseline had failures: its figures are measured restart costs"
                          if b.has_failures else "baseline had no failures: this run took "

@@ -111,7 +111,9 @@ class WorkerContext:
             master_port=_int(e, "MASTER_PORT", low=1),
             job_id=e.get("CKPTLESS_JOB_ID") or e.get("TORCHELASTIC_RUN_ID") or "default",
             node_id=node_id,
-            generation=_int(e, "CKPTLESS_GENERATION", 0),
+            # Under plain torchrun (no ckptless-run) each elastic restart is a new generation: the store keys of
+            # a restarted round never meet the previous round's, and the ledgers show the restart as an incident.
+            generation=_int(e, "CKPTLESS_GENERATION", _int(e, "TORCHELASTIC_RESTART_COUNT", 0)),
             etcd_endpoint=e.get("CKPTLESS_ETCD_ENDPOINT") or None,
             replicas=_int(e, "CKPTLESS_REPLICAS", 1, low=0),
             mirror_every=_int(e, "CKPTLESS_MIRROR_EVERY", 1, low=1),

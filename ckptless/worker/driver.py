@@ -189,12 +189,12 @@ class WorkerDriver:
     def _start_without_coordinator(self) -> None:
         """No etcd or nothing to mirror to (K = 0, world size 1): one generation, failures end the job."""
         rt, c = self.rt, self.rt.ctx
-        m = Membership(0, c.world_size, c.master_addr, c.master_port,
+        m = Membership(c.generation, c.world_size, c.master_addr, c.master_port,
                        tuple(Assignment(r, rt.worker_id if r == c.rank else f"rank{r}", c.node_id, "survivor")
                              for r in range(c.world_size)))
         actions.adopt(rt, m)
         gen = Generation(m, rt.worker_id, rt.store_for(m))
-        gen.mirror_group = groups.bind_all(gen.store, 0, gen.rank, gen.world_size, c.collective_timeout_s,  # type: ignore[arg-type]
+        gen.mirror_group = groups.bind_all(gen.store, c.generation, gen.rank, gen.world_size, c.collective_timeout_s,  # type: ignore[arg-type]
                                            time.monotonic() + c.recovery_timeout_s)
         gen.bound = True
         rt.gen = gen

@@ -131,6 +131,7 @@ def train_steps(rt: WorkerRuntime, generation: int, from_step: int,
             if grown is not None:
                 return grown
         chaos_hooks.pause_point(f"step:r{rt.rank}:{step}", rank=rt.rank, step=step)
+        chaos_hooks.announce_rank(rt.rank)  # (chaos runs only: the process a timed kill of this rank hits)
         rt.write_order.before_step()  # the step must not overwrite what the last capture still copies
         failed = yield from _one_step(rt, step)
         if isinstance(failed, NoMoreSteps):
@@ -258,7 +259,7 @@ def _resume_from_snapshot(rt: WorkerRuntime) -> int:
         return 0
     step = load_snapshot(info, rt.registry, rt.rank)
     lost = max(0, (rt.ledger.last_step_before or step) - step)
-    rt.ledger.emit(EventKind.DISK_RESTORE, step=step, generation=0, steps_lost=lost)
+    rt.ledger.emit(EventKind.DISK_RESTORE, step=step, generation=rt.generation, steps_lost=lost)
     log.warning("rank %d: resumed from the disk snapshot of step %d (%d steps of the previous run lost)",
                 rt.rank, step, lost)
     return step
@@ -268,12 +269,19 @@ def plain_steps(rt: WorkerRuntime) -> Generator[int, None, None]:
     """No coordinator or nothing to mirror to: the steps to run; any failure propagates (ends the job)."""
     spec = rt.spec
     assert spec is not None
-    s = max(spec.start_step, _resume_from_snapshot(rt))
+    resumed = _resume_from_snapshot(rt)
+    s = max(spec.start_step, resumed)
+    # A restarted job (torchrun's restart: a later generation, or a relaunch that found a snapshot): its
+    # first step closes the incident in the ledger, as a recovery's does.
+    first = resumed > 0 or rt.generation > 0
     while s < _total(rt):  # (read every step: job.train learns it when its loop ends)
+        chaos_hooks.announce_rank(rt.rank)  # (chaos runs only)
         yield s
         rt.step_done(s + 1, rt.generation, mirrored=False)
         rt.maybe_snapshot(s + 1, rt.generation)
-        rt.ledger.emit(EventKind.STEP_DONE, step=s + 1, generation=rt.generation)
+        rt.ledger.emit(EventKind.FIRST_STEP_AFTER_RECOVERY if first else EventKind.STEP_DONE, step=s + 1,
+                       generation=rt.generation)
+        first = False
         s += 1
 
 

@@ -184,3 +184,23 @@ def test_console_invocation_without_traceback(tmp_path: Path) -> None:
                           cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert proc.stderr.strip().endswith("no such file or directory")
+
+
+def test_a_baseline_with_failures_replaces_the_estimate(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 39: a measured baseline that had failures (torchrun + DCP with the same faults) is what the page
+    compares with; the restart-from-disk ESTIMATE stays only where no such baseline ran."""
+    run, base = tmp_path / "run", tmp_path / "base"
+    for d in (run, base):
+        d.mkdir()
+        for r in (0, 1):
+            rank_ledger(r).save(d / f"rank{r}.jsonl")
+    page = tmp_path / "report.html"
+    assert main(["report", str(run), "--html", str(page), "--baseline", str(base)]) == 0
+    out = capsys.readouterr().out
+    assert "Measured baseline" in out and "ESTIMATE" not in out and "steps done / lost" in out
+    text = page.read_text(encoding="utf-8")
+    assert "Measured baseline" in text and "baseline goodput (measured)" in text
+    assert "ESTIMATE" not in text and "restart-from-disk goodput (estimate)" not in text
+    assert main(["report", str(run), "--html", str(page)]) == 0  # no baseline: the estimate, labelled
+    capsys.readouterr()
+    assert "ESTIMATE" in page.read_text(encoding="utf-8")
