@@ -66,7 +66,7 @@ def notice(reads: Sequence[str], times: Mapping[str, float], watched_from_start:
     cost = (f"ckptless: {why}. A pre-built spare takes only the rank it was built as (1 of {world_size} ranks per "
             f"spare) with its objects as built; for any other lost rank it restarts as that rank and runs the whole "
             f"setup again on the recovery's critical path, as a warm respawn does: there it saves a respawn little "
-            f"({WHERE_TO_READ}) while it holds one rank's memory. {took}. ")
+            f"({WHERE_TO_READ}) while it holds one rank's memory. {took[0].upper()}{took[1:]}. ")
     fix = ("To make a spare worth having, leave the rank out of everything before job.run()/job.steps(): take it "
            "inside the training step (job.rank, dist.get_rank()), let ResumableSampler(n, seed) take it from the job, "
            "and let ckptless.init() seed an unseeded script the same on every rank; a spare then takes any rank as "

@@ -71,7 +71,7 @@ def test_spare_whose_setup_read_its_rank_restarts_as_the_lost_rank(module_etcd: 
     notice = "ckptless: this job's setup reads its rank (os.environ['RANK'] at "
     assert text.count(notice) == 1, c.tail()
     said = text.split(notice, 1)[1][:2000]
-    assert "train_ref.py:" in said.split(")", 1)[0] and "its setup took " in said and "s after it up to" in said
+    assert "train_ref.py:" in said.split(")", 1)[0] and "Its setup took " in said and "s after it up to" in said
     assert text.index(notice) < text.index("cannot take rank 1 as built")
 
 

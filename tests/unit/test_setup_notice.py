@@ -23,7 +23,7 @@ def test_a_setup_that_reads_its_rank_is_told_where_how_long_and_what_to_change()
     assert warn
     assert "reads its rank (torch.distributed.get_rank() at /x/train.py:42 and 1 more)" in text
     assert "1 of 8 ranks per spare" in text
-    assert "its setup took 3.60 s here: 1.50 s from the process's start (forked" in text
+    assert "Its setup took 3.60 s here: 1.50 s from the process's start (forked" in text
     assert "0.10 s in init(), 2.00 s after it" in text
     assert "leave the rank out of everything before job.run()" in text
     # every read after init(): a waiting spare keeps the part before it
