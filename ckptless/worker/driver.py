@@ -226,7 +226,7 @@ class WorkerDriver:
         reads = rank_reads.stop()  # a pre-built spare's setup ends here
         if setup_notice.says(rt.prebuilt, rt.ctx.standby_rank):  # once per job, at start: what a spare costs
             warn, text = setup_notice.notice(reads, rank_reads.setup_times(), rank_reads.watched_from_start(),
-                                             rt.ctx.world_size)
+                                             rt.ctx.world_size, rank_reads.imported_before_init())
             log.log(logging.WARNING if warn else logging.INFO, "%s", text)
         if rt.ctx.role == "member" and rt.ctx.generation == 0:
             self.write_digest("init")  # only when a chaos runner asked: the state training starts from

@@ -61,6 +61,7 @@ _saved: dict[str, Any] = {}  # kept once saved: a setup may hold _watched_get_ra
 # script's call of ckptless.init(), "built" its return, "end" the setup's end (stop()); "reads_before_init"
 # how many of the reads came before init(); "warm" whether the fork server started the process.
 _times: dict[str, float] = {}
+_modules: dict[str, frozenset[str]] = {}  # top-level modules loaded at the process's start ("start"), at init ("init")
 
 
 def _caller() -> str | None:
@@ -133,13 +134,28 @@ def at_process_start(env: Mapping[str, str] | None = None) -> bool:
     with _lock:
         _reads.clear()
         _times.clear()
+        _modules.clear()
         _from_start[0] = False
     if not spare(os.environ if env is None else env):
         return False
     _times.update(start=time.monotonic() - _process_age(), warm=float(env is not None))
+    _modules["start"] = _top_modules()
     _watch_environ()
     _from_start[0] = True
     return True
+
+
+def _top_modules() -> frozenset[str]:
+    return frozenset(name.partition(".")[0] for name in list(sys.modules))
+
+
+def imported_before_init() -> list[str]:
+    """Top-level modules the script imported between the process's start and ``ckptless.init()``
+    (what a restart imports again unless the fork server preloads them: ``CKPTLESS_PRELOAD``)."""
+    with _lock:
+        if "start" not in _modules or "init" not in _modules:
+            return []
+        return sorted(_modules["init"] - _modules["start"])
 
 
 def _process_age() -> float:
@@ -180,6 +196,7 @@ def start(init_called: float | None = None) -> None:
         now = time.monotonic()
         _times.update(init=now if init_called is None else init_called, built=now,
                       reads_before_init=float(len(_reads)))
+        _modules.setdefault("init", _top_modules())
         if not _get_rank_watched[0]:
             _saved["get_rank"] = dist.get_rank
             dist.get_rank = _watched_get_rank

@@ -21,9 +21,21 @@ the model's build, loaders, anything else the setup does. Pure: text from facts.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import sys
+from collections.abc import Iterable, Mapping, Sequence
 
 WHERE_TO_READ = 'docs/benchmarks.md, "A spare for a setup that reads its rank"'
+ALWAYS_PRELOADED = frozenset({"torch", "ckptless"})  # the fork server's own (launcher/forkserver_program.py)
+WORTH_PRELOADING_S = 0.5  # below this, the imports before init() are not worth a line
+
+
+def to_preload(imported: Iterable[str]) -> list[str]:
+    """Of the top-level modules the script imported before ``init()``, those a warm restart imports
+    again and ``CKPTLESS_PRELOAD`` could import once in the fork server: not the standard library's,
+    not what the server always preloads, not private ones."""
+    std: frozenset[str] = getattr(sys, "stdlib_module_names", frozenset())
+    return sorted({m for m in imported if m not in std and m not in ALWAYS_PRELOADED and not m.startswith("_")
+                   and m != "__main__"})
 
 
 def says(prebuilt: bool, standby_rank: int | None) -> bool:
@@ -40,7 +52,7 @@ def parts(times: Mapping[str, float]) -> tuple[float, float, float] | None:
 
 
 def notice(reads: Sequence[str], times: Mapping[str, float], watched_from_start: bool,
-           world_size: int) -> tuple[bool, str]:
+           world_size: int, imported: Iterable[str] = ()) -> tuple[bool, str]:
     """(a warning?, the text): what a spare will cost this job and what to change."""
     p = parts(times)
     if p is None:
@@ -74,4 +86,10 @@ def notice(reads: Sequence[str], times: Mapping[str, float], watched_from_start:
     if after_only and p is not None:
         fix += (f" Every read came after ckptless.init(): with --no-spare-prebuild a spare waits in init() and runs "
                 f"only the part after it ({p[2]:.2f} s) once given its rank, in the process it already has.")
+    preload = to_preload(imported)
+    if preload and p is not None and p[0] >= WORTH_PRELOADING_S:
+        fix += (f" Either way a restart (this spare's, or any warm respawn) imports again what the agent's fork server "
+                f"did not: CKPTLESS_PRELOAD={','.join(preload[:8])} imports them once, off the critical path (a module "
+                f"that starts threads or CUDA at import is refused by the fork server, with a line, and respawns "
+                f"then start cold).")
     return True, cost + fix

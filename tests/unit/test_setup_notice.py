@@ -50,3 +50,12 @@ def test_parts_are_never_negative_and_need_every_stamp(times: dict[str, float]) 
     p = setup_notice.parts(times)
     assert (p is None) == (len(times) < 4)
     assert p is None or all(x >= 0 for x in p)
+
+
+def test_imports_a_restart_repeats_are_named_for_the_fork_server() -> None:
+    assert setup_notice.to_preload(["os", "json", "torch", "ckptless", "transformers", "_private", "numpy",
+                                    "__main__"]) == ["numpy", "transformers"]
+    warn, text = setup_notice.notice(["os.environ['RANK'] at t.py:3"], TIMES, True, 4, ["transformers", "os"])
+    assert "CKPTLESS_PRELOAD=transformers " in text
+    quick = {**TIMES, "init": 10.1}  # 0.1 s before init(): not worth a line
+    assert "CKPTLESS_PRELOAD" not in setup_notice.notice(["x at t.py:1"], quick, True, 4, ["transformers"])[1]
