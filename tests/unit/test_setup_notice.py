@@ -26,8 +26,10 @@ def test_a_setup_that_reads_its_rank_is_told_where_how_long_and_what_to_change()
     assert "Its setup took 3.60 s here: 1.50 s from the process's start (forked" in text
     assert "0.10 s in init(), 2.00 s after it" in text
     assert "leave the rank out of everything before job.run()" in text
-    # every read after init(): a waiting spare keeps the part before it
-    assert "--no-spare-prebuild" in text and "(2.00 s)" in text
+    # every read after init(), 1.5 s before it: a waiting spare keeps that part, not the one after init()
+    assert "--no-spare-prebuild" in text and "skips the 1.50 s before it (it still runs the 2.00 s after it)" in text
+    quick = {**TIMES, "init": 10.1, "built": 10.2}  # 0.1 s before init(): a waiting spare ties with a respawn
+    assert "--no-spare-prebuild" not in setup_notice.notice(["x at t.py:1"], quick, True, 4)[1]
 
 
 def test_a_read_before_init_gets_no_waiting_spare_advice() -> None:
