@@ -79,17 +79,20 @@ def _steady_step(evs: list[dict[str, Any]], gen: int) -> float:
 #: "standby": no spare node; the ranks' own agent keeps one spare (--spares 1 --spare-any-rank
 #: --spare-refill), every kill hits a rank it was not built as, and each recovery's refill is
 #: pre-built before the next kill: what a respawn costs when every node keeps a standby.
+#: "spare-wait": the spares wait in ckptless.init() for their rank and build once given it
+#: (--no-spare-prebuild; bench/spare_setup.py).
 MODE_LABELS = {"spare": "spare", "spare-other": "spare, other rank (re-exec, --no-spare-any-rank)",
                "spare-any": "spare, other rank (any-rank, default)",
+               "spare-wait": "spare waiting in init() (--no-spare-prebuild)",
                "standby": "standby on the node (any rank, refilled)", "respawn": "respawn"}
 
 
 def run_ckptless(etcd_ep: str, size: int, world: int, spares: int, respawns: int, workdir: Path,
                  log: Any, spare_mode: str = "spare", *, mirror_buffers: int, shm_root: str,
-                 memory: list[dict[str, Any]]) -> list[Recovery]:
+                 memory: list[dict[str, Any]], extra_env: dict[str, str] | None = None) -> list[Recovery]:
     """``spares`` + ``respawns`` recoveries of one job of ``world`` ranks with ``size`` bytes of state
     each; ``mirror_buffers`` (--mirror-buffers) and ``shm_root`` (--shm-dir, "" for none) as given on
-    the command line. Appends the job's peak-memory row to ``memory``."""
+    the command line; ``extra_env`` goes to every worker. Appends the job's peak-memory row to ``memory``."""
     job = f"bench-{uuid.uuid4().hex[:6]}"
     out = workdir / job
     gdir = out / "goodput"
@@ -99,7 +102,7 @@ def run_ckptless(etcd_ep: str, size: int, world: int, spares: int, respawns: int
     # spare covers), so the spare cases kill those ranks: the spare then only receives bytes.
     # Respawns hit the last rank (still on the main agent).
     # "spare-other"/"spare-any": kill ranks W-1, W-2, ... which no spare stands by for.
-    other = spare_mode in ("spare-other", "spare-any", "standby")
+    other = spare_mode in ("spare-other", "spare-any", "standby", "spare-wait")
     victims = [world - 1 - i if other else i for i in range(spares)] + [world - 1] * respawns
     gap = 3
     pauses = [(victims[i], 4 + gap * i) for i in range(kills)]
@@ -107,7 +110,8 @@ def run_ckptless(etcd_ep: str, size: int, world: int, spares: int, respawns: int
     env = child_env({"BENCH_STATE_BYTES": str(size), "BENCH_STEPS": str(steps),
                      "BENCH_PAUSES": ",".join(f"{r}:{s}" for r, s in pauses),
                      "CKPTLESS_LOG_LEVEL": "WARNING", "CKPTLESS_COLLECTIVE_TIMEOUT": "60",
-                     "CKPTLESS_RECOVERY_TIMEOUT": "120", "CKPTLESS_MIRROR_BUFFERS": str(mirror_buffers)})
+                     "CKPTLESS_RECOVERY_TIMEOUT": "120", "CKPTLESS_MIRROR_BUFFERS": str(mirror_buffers),
+                     **(extra_env or {})})
     common = ["--rdzv-id", job, "--rdzv-endpoint", etcd_ep, "--lease-ttl", "1", "--goodput-dir", str(gdir)]
     if shm_root:  # the node-local tier: a respawn restores its own image from this node's shm
         shm = Path(shm_root) / job
@@ -134,13 +138,15 @@ def run_ckptless(etcd_ep: str, size: int, world: int, spares: int, respawns: int
               *(["--spares", "1", "--spare-any-rank", "--spare-refill"] if standby and spares else []))
         if spares and not standby:
             agent("--nproc-per-node", "0", "--spares", str(spares),
-                  *(["--no-spare-any-rank"] if spare_mode == "spare-other" else []))
+                  *(["--no-spare-any-rank"] if spare_mode == "spare-other" else []),
+                  *(["--no-spare-prebuild"] if spare_mode == "spare-wait" else []))
         for i, (victim, step) in enumerate(pauses):
             doc = wait_file(out / f"pause{i}.json", 300, procs)
             if i < spares:  # the spares must be warm and built (a refilled standby: the new one too)
                 need = i + 1 if spare_mode == "standby" else spares
                 deadline = time.monotonic() + 120
-                while len(list(out.glob("spare_built_*.json"))) < need and time.monotonic() < deadline:
+                ready = "spare_ready_*.json" if spare_mode == "spare-wait" else "spare_built_*.json"
+                while len(list(out.glob(ready))) < need and time.monotonic() < deadline:
                     time.sleep(0.05)
             time.sleep(settle_s(size, world))
             t_kill = time.monotonic()
@@ -173,6 +179,7 @@ def run_ckptless(etcd_ep: str, size: int, world: int, spares: int, respawns: int
             ph["steady_step"] = _steady_step(evs, max(gens) - 1)
             ph["load1"] = os.getloadavg()[0]
             role = _role_of(out, victim, max(gens))
+            ph.update(_replacement_parts(out, victim, max(gens), t_kill))
             mode = MODE_LABELS[spare_mode] if role == "spare" else ("respawn (node-local)" if shm_root else "respawn")
             results.append(Recovery(size, world, mode, ph["total"], ph["detect"], ph["reform"], ph["transfer"],
                                     ph["rollback"], ph["reprotect_step"], ph["repl"], role, ph))
@@ -224,6 +231,22 @@ def _memory_row(out: Path, size: int, world: int, buffers: int) -> dict[str, Any
             "peak_over_base_in_S": max(over, default=float("nan")),
             "shmem": max((d.get("rss_shmem", 0) for d in docs), default=0),
             "per_rank": {d["rank"]: round((d["peak_rss"] - d["rss_before_state"]) / size, 2) for d in docs}}
+
+
+def _replacement_parts(out: Path, rank: int, gen: int, t_kill: float) -> dict[str, float]:
+    """Where the replacement's time went, from the kill (seconds; what ran before the kill, e.g. a
+    pre-built spare's setup, counts 0): ``repl_start`` to its script's first line (a process started:
+    a fork or an exec, with the interpreter), ``repl_imports`` to its call of ``ckptless.init()``,
+    ``repl_init`` in ``init()`` (a waiting spare waits there for its rank)."""
+    lines = [json.loads(x) for x in (out / f"pids_rank{rank}.jsonl").read_text().splitlines() if x.strip()]
+    hits = [d for d in lines if d["generation"] == gen]
+    if not hits or "t_init_called" not in hits[-1]:
+        return {}
+    d = hits[-1]
+    marks = [t_kill, d["t_process"], d["t_init_called"], d["t_init"]]
+    clipped = [max(t_kill, m) for m in marks]
+    return {"repl_start": clipped[1] - clipped[0], "repl_imports": clipped[2] - clipped[1],
+            "repl_init": clipped[3] - clipped[2]}
 
 
 def _role_of(out: Path, rank: int, gen: int) -> str:

@@ -9,6 +9,10 @@ elements plus its AdamW state (exp_avg, exp_avg_sq), i.e. ~BENCH_STATE_BYTES per
 gradient, AdamW update of the whole shard, and one small all_reduce (so a dead peer
 is seen by the collective, as in a real job).
 
+BENCH_READ_RANK=1: the setup reads its rank (``dist.get_rank()`` right after ``ckptless.init()``, for a
+per-rank seed); BENCH_SETUP_S (seconds, default 0): the setup also sleeps, as a real model's build takes
+time (bench/spare_setup.py).
+
 BENCH_STEP_SLEEP (seconds, default 0): each step also sleeps, releasing the CPU as a GPU step
 does (bench/scale.py runs up to 32 ranks on two cores).
 
@@ -80,6 +84,7 @@ def _build(rank: int) -> tuple[Shard, torch.optim.Optimizer]:
 
 
 STEP_SLEEP = float(os.environ.get("BENCH_STEP_SLEEP", "0"))  # a step that releases the CPU (as a GPU's)
+SETUP_S = float(os.environ.get("BENCH_SETUP_S", "0"))  # extra setup time after init (bench/spare_setup.py)
 
 
 def _step(model: Shard, opt: torch.optim.Optimizer, step: int) -> None:
@@ -100,11 +105,18 @@ def run_ckptless(out: str) -> None:
         _announce(os.path.join(out, f"spare_ready_{os.getpid()}.json"), {"pid": os.getpid(), "t": time.monotonic()})
     global RSS_BEFORE_STATE
     RSS_BEFORE_STATE = _memory()["rss"]  # torch + ckptless imported, nothing protected yet
+    t_init_called = time.monotonic()
     job = ckptless.init()
     t_init = time.monotonic()
-    # The setup reads no rank: a pre-built spare may then take any lost rank with its objects as built
-    # (its values are replaced by the received image; only the layout, the same on every rank, matters).
+    # By default the setup reads no rank: a pre-built spare may then take any lost rank with its objects
+    # as built (its values are replaced by the received image; only the layout, the same on every rank,
+    # matters). BENCH_READ_RANK=1 (bench/spare_setup.py) reads it right after init, as most real scripts
+    # do (a per-rank seed, master_process): a pre-built spare then restarts as any other rank it is given.
     t0 = time.monotonic()
+    if os.environ.get("BENCH_READ_RANK"):
+        torch.manual_seed(1000 + dist.get_rank())  # overwritten for the image by the restored RNG
+    if SETUP_S:
+        time.sleep(SETUP_S)  # the rest of a real setup (a model's build, a tokenizer, loaders), CPU released
     model, opt = _build(0)
     job.protect(model=model, optimizer=opt)
     t_built = time.monotonic()
@@ -118,7 +130,7 @@ def run_ckptless(out: str) -> None:
         recorded.append(job.rank)
         with open(os.path.join(out, f"pids_rank{job.rank}.jsonl"), "a") as f:
             f.write(json.dumps({"pid": os.getpid(), "role": job.ctx.role, "generation": job.generation,
-                                "t_process": T_PROCESS, "t_init": t_init}) + "\n")
+                                "t_process": T_PROCESS, "t_init_called": t_init_called, "t_init": t_init}) + "\n")
         with open(os.path.join(out, f"built_rank{job.rank}.jsonl"), "a") as f:
             f.write(json.dumps({"pid": os.getpid(), "generation": job.generation, "t0": t0,
                                 "t_built": t_built}) + "\n")

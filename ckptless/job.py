@@ -275,7 +275,7 @@ def init(env: dict[str, str] | None = None) -> Job:
     job = Job(ctx)
     _CURRENT[:] = [job]
     if job.prebuilt:
-        rank_reads.start()  # the setup that follows is the standby rank's: does it read its rank?
+        rank_reads.start(t0)  # the setup that follows is the standby rank's: does it read its rank?
     log.info("rank %d joined generation %d in %.3fs", job.rank, job.generation, time.monotonic() - t0)
     return job
 

@@ -33,7 +33,7 @@ from ckptless.recovery.wire import Membership
 from ckptless.state import host_memory
 from ckptless.state import write_digest
 from ckptless.worker import (abort, actions, ahead, deferral, exit_file, exit_guard, groups, hosted, nccl_env,
-                             rank_reads, training)
+                             rank_reads, setup_notice, training)
 from ckptless.worker.context import WorkerContext
 from ckptless.worker.faults import device_failure, is_fault
 from ckptless.worker.generation import Generation
@@ -223,7 +223,11 @@ class WorkerDriver:
             if why is not None:  # said at start, not first at the loss it would have served
                 log.warning("ckptless: --lost-node shrink cannot apply to this job (%s): a node lost with no spare "
                             "waits for a replacement instead (--replacement-timeout)", why)
-        rank_reads.stop()  # a pre-built spare's setup ends here
+        reads = rank_reads.stop()  # a pre-built spare's setup ends here
+        if setup_notice.says(rt.prebuilt, rt.ctx.standby_rank):  # once per job, at start: what a spare costs
+            warn, text = setup_notice.notice(reads, rank_reads.setup_times(), rank_reads.watched_from_start(),
+                                             rt.ctx.world_size, rank_reads.imported_before_init())
+            log.log(logging.WARNING if warn else logging.INFO, "%s", text)
         if rt.ctx.role == "member" and rt.ctx.generation == 0:
             self.write_digest("init")  # only when a chaos runner asked: the state training starts from
         # The script's setup objects (torch's modules, the model) live for the whole job: frozen out

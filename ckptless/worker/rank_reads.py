@@ -39,6 +39,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -55,6 +56,12 @@ _active = [False]  # os.environ is watched
 _from_start = [False]  # ... since before the script's first line (at_process_start)
 _get_rank_watched = [False]
 _saved: dict[str, Any] = {}  # kept once saved: a setup may hold _watched_get_rank after stop()
+# When the watched setup's parts began and ended (time.monotonic), for the notice a spare gives at start
+# (worker/setup_notice.py): "start" the process (its exec, or its fork from the fork server), "init" the
+# script's call of ckptless.init(), "built" its return, "end" the setup's end (stop()); "reads_before_init"
+# how many of the reads came before init(); "warm" whether the fork server started the process.
+_times: dict[str, float] = {}
+_modules: dict[str, frozenset[str]] = {}  # top-level modules loaded at the process's start ("start"), at init ("init")
 
 
 def _caller() -> str | None:
@@ -126,12 +133,42 @@ def at_process_start(env: Mapping[str, str] | None = None) -> bool:
     stop()
     with _lock:
         _reads.clear()
+        _times.clear()
+        _modules.clear()
         _from_start[0] = False
     if not spare(os.environ if env is None else env):
         return False
+    _times.update(start=time.monotonic() - _process_age(), warm=float(env is not None))
+    _modules["start"] = _top_modules()
     _watch_environ()
     _from_start[0] = True
     return True
+
+
+def _top_modules() -> frozenset[str]:
+    return frozenset(name.partition(".")[0] for name in list(sys.modules))
+
+
+def imported_before_init() -> list[str]:
+    """Top-level modules the script imported between the process's start and ``ckptless.init()``
+    (what a restart imports again unless the fork server preloads them: ``CKPTLESS_PRELOAD``)."""
+    with _lock:
+        if "start" not in _modules or "init" not in _modules:
+            return []
+        return sorted(_modules["init"] - _modules["start"])
+
+
+def _process_age() -> float:
+    """Seconds since this process began (its exec or fork): what ran before :func:`at_process_start`
+    (the interpreter's own start) counts as setup too. /proc's start time is in clock ticks since boot
+    (10 ms); 0.0 where it cannot be read."""
+    try:
+        with open("/proc/self/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        started = int(fields[19]) / os.sysconf("SC_CLK_TCK")
+        return max(0.0, time.clock_gettime(time.CLOCK_BOOTTIME) - started)
+    except (OSError, ValueError, IndexError, AttributeError):
+        return 0.0
 
 
 def watched_from_start() -> bool:
@@ -148,13 +185,18 @@ def _watch_environ() -> None:
             _active[0] = True
 
 
-def start() -> None:
+def start(init_called: float | None = None) -> None:
     """Watch the script's rank reads from now on (a pre-built spare, before its setup); the reads seen
-    since :func:`at_process_start` are kept, and ``torch.distributed.get_rank`` is watched from here."""
+    since :func:`at_process_start` are kept, and ``torch.distributed.get_rank`` is watched from here.
+    ``init_called``: when the script called ``ckptless.init()`` (this runs as it returns)."""
     import torch.distributed as dist  # here: at_process_start runs before the script imports torch
 
     _watch_environ()
     with _lock:
+        now = time.monotonic()
+        _times.update(init=now if init_called is None else init_called, built=now,
+                      reads_before_init=float(len(_reads)))
+        _modules.setdefault("init", _top_modules())
         if not _get_rank_watched[0]:
             _saved["get_rank"] = dist.get_rank
             dist.get_rank = _watched_get_rank
@@ -167,12 +209,19 @@ def stop() -> list[str]:
         if _active[0]:
             os.environ.__class__ = _saved.pop("environ_class")
             _active[0] = False
+            _times.setdefault("end", time.monotonic())
         if _get_rank_watched[0]:
             import torch.distributed as dist
 
             dist.get_rank = _saved["get_rank"]
             _get_rank_watched[0] = False
         return list(_reads)
+
+
+def setup_times() -> dict[str, float]:
+    """The watched setup's timestamps (see ``_times``); empty where nothing was watched."""
+    with _lock:
+        return dict(_times)
 
 
 def reads() -> list[str]:

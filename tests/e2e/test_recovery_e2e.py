@@ -174,6 +174,7 @@ def test_any_rank_spare_takes_another_rank_as_built(module_etcd: EmbeddedEtcd, t
     assert last["role"] == "spare"
     assert last["pid"] in standby and standby[last["pid"]] == 0, (
         f"rank 1 ran in pid {last['pid']}, not in the spare that stood by as rank 0 ({standby}): it was re-executed")
+    assert "setup reads its rank" not in c.log_text()  # issue 38's at-start warning: only for a setup that does
 
 
 @pytest.mark.rotating(1)  # CI budget: tests/harness/rotation.py

@@ -66,6 +66,13 @@ def test_spare_whose_setup_read_its_rank_restarts_as_the_lost_rank(module_etcd: 
     text = c.log_text()
     assert "its setup read its rank (os.environ['RANK'] at" in text, c.tail()
     assert "train_ref.py" in text.split("its setup read its rank", 1)[1][:300]
+    # Issue 38: the user was told at start, once for the job (by the spare pre-built as rank 0, before it
+    # waited for a rank: its own line precedes the one it logs when assigned), where and what it costs.
+    notice = "ckptless: this job's setup reads its rank (os.environ['RANK'] at "
+    assert text.count(notice) == 1, c.tail()
+    said = text.split(notice, 1)[1][:2000]
+    assert "train_ref.py:" in said.split(")", 1)[0] and "Its setup took " in said and "s after it up to" in said
+    assert text.index(notice) < text.index("cannot take rank 1 as built")
 
 
 def test_late_nodes_spares_whose_setup_read_the_rank_at_import_restart_as_the_lost_ranks(
