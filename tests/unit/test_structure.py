@@ -219,6 +219,9 @@ WORKER_GLOBALS = {
                                                            "_pinned_mirrors")},
     **{f"ckptless/worker/rank_reads.py {n}": _READS for n in ("_lock", "_reads", "_active", "_from_start",
                                                               "_get_rank_watched", "_saved", "_copying")},
+    **{f"ckptless/worker/rank_reads.py {n}": "when the process's setup began and which modules it had loaded: "
+                                           "recorded from the process's first line, before any runtime exists"
+       for n in ("_times", "_modules")},
     **{f"ckptless/worker/reaper.py {n}": _REAPER for n in ("_lock", "_running", "_finished", "_kept")},
     "ckptless/worker/rebindable.py _broken_listeners": "called from torch's done-callbacks on any thread, for groups "
                                                        "that are process-global (see groups.py)",
