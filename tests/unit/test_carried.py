@@ -258,3 +258,60 @@ def test_ignored_names_are_not_named(caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.WARNING, logger="ckptless.loop_check"):
         _loop_with_unprotected_locals(Carried({}, ignore=("X", "best")))
     assert not [r for r in caplog.records if loop_check.HINT in r.getMessage()]
+
+
+# --- a rollback in one process: the prefetching loop resumes exactly only with its values carried ---------
+
+
+def _prefetch_run(steps: int, rollback_at: tuple[int, int] | None, carry: bool) -> dict[str, torch.Tensor]:
+    """nanoGPT's loop shape on one process: batches drawn from the global torch stream, the next one
+    prefetched inside the step, a best metric. ``rollback_at=(v, s)``: at the end of step ``s`` the
+    survivor rolls back to version ``v`` (captured when the loop reached it) and trains on from there."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Dropout(0.1), torch.nn.Linear(16, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    def get_batch() -> tuple[torch.Tensor, torch.Tensor]:
+        x = torch.randn(4, 8)
+        return x, x.sum(1, keepdim=True)
+
+    X, Y = get_batch()
+    c = Carried({"X": X, "Y": Y, "best": 1e9}) if carry else None
+    reg = StateRegistry()
+    reg.protect(model=model, optimizer=opt, **({"carried": c} if c is not None else {}))
+    cap = Capturer(reg, job_id="job", owner=0)
+    images: dict[int, StateImage] = {0: cap.capture(version=0, generation=0)}
+    best, step = 1e9, 0
+    rolled = False
+    while step < steps:
+        x, y = (c.X, c.Y) if c is not None else (X, Y)
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        if c is not None:
+            c.X, c.Y = get_batch()
+            c.best = min(c.best, loss.item())
+        else:
+            X, Y = get_batch()
+            best = min(best, loss.item())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        step += 1
+        images[step] = cap.capture(version=step, generation=0)  # the end of the step's body
+        if rollback_at is not None and not rolled and step == rollback_at[1]:
+            rolled = True
+            restore(reg, images[rollback_at[0]])
+            step = rollback_at[0]
+    return {**{k: v.detach().clone() for k, v in model.state_dict().items()},
+            "best": torch.tensor(c.best if c is not None else best)}
+
+
+@pytest.mark.parametrize("v, s", [(3, 5), (1, 7), (6, 6)])
+def test_a_prefetching_loop_rolled_back_is_bitwise_only_with_its_values_carried(v: int, s: int) -> None:
+    want = _prefetch_run(10, None, carry=True)
+    got = _prefetch_run(10, (v, s), carry=True)
+    assert all(torch.equal(want[k], got[k]) for k in want), [k for k in want if not torch.equal(want[k], got[k])]
+    # the same loop with plain locals: same model, optimizer and RNG restored, the prefetched batch not
+    plain_want, plain_got = _prefetch_run(10, None, carry=False), _prefetch_run(10, (v, s), carry=False)
+    assert all(torch.equal(want[k], plain_want[k]) for k in want)  # the two loops are the same training
+    if v != s:
+        assert not all(torch.equal(plain_want[k], plain_got[k]) for k in want if k != "best")
