@@ -258,6 +258,7 @@ HINT = "carries unprotected from one iteration to the next"
 """The warning's fixed words (the chaos verdict quotes the line that holds them beside a FAIL)."""
 
 _SEEN: set[tuple[str, int]] = set()
+_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep  # this package's own files
 
 
 def warn_unprotected(frame: Any, carried: Any = None) -> LoopFinding | None:
@@ -270,7 +271,7 @@ def warn_unprotected(frame: Any, carried: Any = None) -> LoopFinding | None:
     try:
         code = frame.f_code
         where = (code.co_filename, frame.f_lineno)
-        if where in _SEEN or os.sep + "ckptless" + os.sep in code.co_filename:
+        if where in _SEEN or os.path.abspath(code.co_filename).startswith(_PACKAGE):
             return None  # checked already, or a loop of ckptless's own (an integration's)
         _SEEN.add(where)
         source = "".join(linecache.getlines(code.co_filename))
