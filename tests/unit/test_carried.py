@@ -315,3 +315,24 @@ def test_a_prefetching_loop_rolled_back_is_bitwise_only_with_its_values_carried(
     assert all(torch.equal(want[k], plain_want[k]) for k in want)  # the two loops are the same training
     if v != s:
         assert not all(torch.equal(plain_want[k], plain_got[k]) for k in want if k != "best")
+
+
+_VARS = ("a", "b", "c", "d")
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(_VARS), st.lists(st.sampled_from(_VARS), max_size=3),
+                          st.sampled_from(("=", "+="))), min_size=1, max_size=8))
+def test_straight_line_bodies_match_a_reference_reading(stmts: list[tuple[str, list[str], str]]) -> None:
+    """For a body of assignments the carried names are exactly those read before their first assignment
+    (``x += ...`` reads x first) and assigned somewhere: the reference, executed statement by statement."""
+    lines, assigned, want, stored = [], set(), set(), set()
+    for target, reads, op in stmts:
+        lines.append(f"    {target} {op} {' + '.join(reads) or '0'}")
+        for r in reads + ([target] if op == "+=" else []):
+            if r not in assigned:
+                want.add(r)
+        assigned.add(target)
+        stored.add(target)
+    src = "for step in job.steps(10):\n" + "\n".join(lines) + "\n"
+    assert set(_names(src, 1)) == want & stored
