@@ -20,8 +20,9 @@ an inner loop's body is taken to run at least once (a loop over
 micro-steps does; the alternative names every local such a loop assigns); a nested function's body is not
 entered (when it runs is unknown). Attributes and subscripts
 (``self.best = ...``, ``state["n"] += 1``) are objects, not locals: not seen.
-It is a heuristic that errs towards naming: a local that may differ harmlessly
-(a wall-clock ``t0``) is silenced with ``job.carry(ignore=("t0",))``.
+It is a reading of the source, not a proof: a local that may differ harmlessly
+(a wall-clock ``t0``) is silenced with ``job.carry(ignore=("t0",))``; what it
+misses, the chaos verdict's digests still catch.
 """
 
 from __future__ import annotations
