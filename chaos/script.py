@@ -80,7 +80,7 @@ if _spec is not None and _spec.loader is not None:
 """
 # Library warnings that explain a FAIL (printed as a hint beside it). A pattern's match is the hint:
 # the loop-carried check's names the loop and its unprotected locals (ckptless/loop_check.py).
-HINTS = (r"the loop at \S+ carries unprotected from one iteration to the next: [\w, ]+",
+HINTS = (r"the loop at \S+ carries unprotected from one iteration to the next: \w+(?:, \w+)*",
          re.escape("no protected object holds a data position"), re.escape("nothing protected besides RNG"))
 
 
