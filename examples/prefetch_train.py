@@ -13,7 +13,7 @@ it; a recovery puts them back before the loop gets the resume step.
 Batches are sampled from the global torch RNG (protected automatically), each
 rank seeded with its own rank as nanoGPT does; gradient accumulation over
 ``--grad-accum`` micro-batches happens inside one step (DDP's
-``require_backward_grad_sync``). tests/e2e/test_integrations_e2e.py kills
+``require_backward_grad_sync``). tests/e2e/test_carried_e2e.py kills
 rank 0 twice under ``ckptless-chaos run kill-twice`` (bitwise), and the same
 loop with the values left in plain locals (not bitwise; the start-up check
 names them).
