@@ -78,8 +78,10 @@ if _spec is not None and _spec.loader is not None:
     _sys.modules["_shadowed_sitecustomize"] = _mod
     _spec.loader.exec_module(_mod)
 """
-# Library warnings that explain a FAIL (printed as a hint beside it).
-HINTS = ("no protected object holds a data position", "nothing protected besides RNG")
+# Library warnings that explain a FAIL (printed as a hint beside it). A pattern's match is the hint:
+# the loop-carried check's names the loop and its unprotected locals (ckptless/loop_check.py).
+HINTS = (r"the loop at \S+ carries unprotected from one iteration to the next: \w+(?:, \w+)*",
+         re.escape("no protected object holds a data position"), re.escape("nothing protected besides RNG"))
 
 
 @dataclass(frozen=True)
@@ -271,7 +273,7 @@ def run_job(spec: ClusterSpec, out: Path, name: str, faults: Sequence[Fault] = (
         except CkptlessError as exc:
             run.problems.append(f"cannot read the generation: {exc}")
         text = c.logs_text()
-        run.hints = [h for h in HINTS if h in text]
+        run.hints = [m.group(0) for m in (re.search(h, text) for h in HINTS) if m is not None]
         if run.problems:
             run.tail = c.tail()
     run.digests = read_digests(out / "digest")

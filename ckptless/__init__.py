@@ -17,14 +17,14 @@ from typing import TYPE_CHECKING, Any
 from ckptless import errors
 
 if TYPE_CHECKING:
-    from ckptless.job import Job, RunResult, batches, current, epochs, init
+    from ckptless.job import Job, RunResult, batches, carry, current, epochs, init
 
 __version__ = "0.1.0"
-__all__ = ["errors", "init", "Job", "RunResult", "batches", "current", "epochs", "__version__"]
+__all__ = ["errors", "init", "Job", "RunResult", "batches", "carry", "current", "epochs", "__version__"]
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("init", "Job", "RunResult", "batches", "current", "epochs"):
+    if name in ("init", "Job", "RunResult", "batches", "carry", "current", "epochs"):
         from ckptless import job
 
         return getattr(job, name)

@@ -20,6 +20,7 @@ Version ``v`` is the protected state after ``v`` completed steps.
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from collections.abc import Callable, Generator, Iterable, Iterator
 from contextlib import contextmanager
@@ -27,7 +28,8 @@ from typing import Any
 
 import torch
 
-from ckptless import environment, sample_seeds
+from ckptless import environment, loop_check, sample_seeds
+from ckptless.carried import CARRIED_ENTRY, Carried
 from ckptless.errors import ConfigError, RecoveryError
 from ckptless.mirror.config import MirrorConfig
 from ckptless.state import StateRegistry
@@ -39,7 +41,7 @@ from ckptless.worker.runtime import RunResult, RunSpec
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Job", "RunResult", "batches", "current", "epochs", "init"]
+__all__ = ["Job", "RunResult", "batches", "carry", "current", "epochs", "init"]
 
 _UNSET: Any = object()
 _CURRENT: list[Job] = []  # the job init() returned in this process
@@ -53,6 +55,7 @@ class Job:
         self._rt = self._driver.rt
         self._guard_outcome: Any = _UNSET
         self._loop: Any = None  # the job.train loop (ckptless.loop.LoopRunner), once it runs
+        self._carried: Carried | None = None
 
     # --- what the script may read ----------------------------------------------------------------
     @property
@@ -126,6 +129,28 @@ class Job:
         self._rt.layout_changed()
         self._rt.make_snapshot_writer()
 
+    def carry(self, *, ignore: Iterable[str] = (), **values: Any) -> Carried:
+        """Protect the values the loop carries from one iteration to the next, in one line:
+        ``c = job.carry(X=X, Y=Y, best_val_loss=1e9)``, then ``c.X`` / ``c.best_val_loss = ...`` in the loop.
+
+        The values are in every version's image as they are at the end of the step's body (a batch
+        the body prefetched for the next step, a metric it updated after its optimizer step) and are
+        put back before the loop gets the resume step (:mod:`ckptless.carried`; docs/porting.md,
+        "Loop-carried values"). Tensors stay on their device; values are checked as they are assigned
+        (``ConfigError`` naming the attribute). ``ignore``: locals the loop carries that may differ
+        after a recovery (a wall-clock ``t0``): the start-up check does not name them.
+        """
+        if self._carried is not None:
+            raise ConfigError("carry", sorted(values), "job.carry(...) was already called: declare every "
+                                                       "loop-carried value in that one call")
+        if self._rt.spec is not None or self._loop is not None:
+            raise ConfigError("carry", sorted(values), "call job.carry(...) before the loop starts (job.steps, "
+                                                       "run, train): a replacement restores it there")
+        carried = Carried(values, ignore)
+        self.protect(**{CARRIED_ENTRY: carried})
+        self._carried = carried
+        return carried
+
     # --- the loop ------------------------------------------------------------------------------------
     def steps(self, steps: int, start_step: int = 0) -> Iterator[int]:
         """The loop API: ``for step in job.steps(n):`` with the body inside ``with job.guard():``.
@@ -138,6 +163,8 @@ class Job:
         iterations are not protected, as with ``run``'s closures.
         """
         self._driver.prepare(None, steps, start_step)
+        if self.rank == 0:  # the loop's own frame: the one that called next() on this generator
+            loop_check.warn_unprotected(sys._getframe(1), self._carried)
         it: Generator[int, Event | None, None] = (
             self._driver.drive_steps() if self._rt.recovery else training.plain_steps(self._rt))  # type: ignore[assignment]
         try:
@@ -290,6 +317,11 @@ def current() -> Job:
 def epochs(iterable: Iterable[Any]) -> Iterator[Any]:
     """``current().epochs(iterable)``: the epoch loop inside ``job.train``'s function."""
     return current().epochs(iterable)
+
+
+def carry(*, ignore: Iterable[str] = (), **values: Any) -> Carried:
+    """``current().carry(**values)``: protect the loop-carried values (:meth:`Job.carry`)."""
+    return current().carry(ignore=ignore, **values)
 
 
 def batches(loader: Iterable[Any]) -> Iterator[Any]:

@@ -98,3 +98,24 @@ def test_protect_refuses_a_stateful_loader_with_persistent_workers_naming_it(job
     text = str(err.value)
     assert "'train_loader'" in text and "StatefulDataLoader" in text and "persistent_workers=False" in text, text
     assert "\n" not in text and "train_loader" not in dict(job.registry.items())
+
+
+def test_carry_protects_one_namespace_declared_in_one_call(job: Job) -> None:
+    c = _fresh(job).carry(X=torch.zeros(2), best_val_loss=1e9, ignore=("t0",))
+    assert job.registry["carried"] is c and c.best_val_loss == 1e9 and c.names == {"X", "best_val_loss", "t0"}
+    with pytest.raises(ConfigError, match="already called"):
+        job.carry(n=0)
+
+
+def test_steps_names_the_locals_its_loop_carries_unprotected(job: Job, caplog: pytest.LogCaptureFixture) -> None:
+    import logging
+
+    best, X = 1e9, torch.zeros(1)
+    with caplog.at_level(logging.WARNING, logger="ckptless.loop_check"):
+        for step in _fresh(job).steps(3):
+            with job.guard():
+                if float(X.sum()) < best:
+                    best = float(X.sum())
+                X = torch.full((1,), float(step))
+    named = [r.getMessage() for r in caplog.records if "carries unprotected" in r.getMessage()]
+    assert len(named) == 1 and "from one iteration to the next: X, best" in named[0], named

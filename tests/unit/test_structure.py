@@ -23,7 +23,8 @@ MAX_LINES = 500
 LAYERS: list[tuple[str, ...]] = [
     ("ckptless.errors", "ckptless.environment"),
     ("ckptless.state", "ckptless.mirror", "ckptless.coordinator", "ckptless.snapshot", "ckptless.goodput",
-     "ckptless.recovery", "ckptless.sampler", "ckptless.sample_seeds", "ckptless.data", "ckptless.passes", "ckptless.metrics", "ckptless.chaos_hooks", "ckptless.report", "ckptless.simulate"),
+     "ckptless.recovery", "ckptless.sampler", "ckptless.sample_seeds", "ckptless.data", "ckptless.passes", "ckptless.metrics", "ckptless.chaos_hooks", "ckptless.report", "ckptless.simulate",
+     "ckptless.carried", "ckptless.loop_check"),
     ("ckptless.worker",),
     ("ckptless.job", "ckptless.loop", "ckptless.cli"),
     ("ckptless.integrations",),
