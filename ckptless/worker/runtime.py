@@ -43,6 +43,8 @@ from ckptless.snapshot import SnapshotConfig, SnapshotWriter
 from ckptless.state.capture import Capturer, StateImage
 from ckptless.state.fence import WriteOrder
 from ckptless.state.registry import StateRegistry
+from ckptless.state import window
+from ckptless.state.window import GradientWindow
 from ckptless.worker import deferral, exit_guard, groups, rank_reads, reuse
 from ckptless.worker.context import WorkerContext
 from ckptless.worker.control import WorkerControl
@@ -144,6 +146,9 @@ class WorkerRuntime:
         step_order = environment.current().capture_order == "step"
         self.write_order = WriteOrder(always_at_start=step_order)
         self.write_order.before_optimizer = self._settle_prefix
+        # Whether a version lies inside a gradient-accumulation window (not protected: state/window.py).
+        self.window = GradientWindow()
+        self._snapshot_owed = False  # a due snapshot step fell inside a window: the next clean step takes it
         # Why this process captures whole images from now on, instead of leaving the prefix live.
         self.defer_off: str | None = "CKPTLESS_CAPTURE_ORDER=step" if step_order else None
         self._store: tuple[tuple[str, int], dist.Store] | None = None
@@ -212,6 +217,7 @@ class WorkerRuntime:
         optimizer's step orders itself after the capture's copies (``state/fence.py``)."""
         self._capturer = None
         self.write_order.install(obj for _, obj in self.registry.items())
+        self.window.install(obj for _, obj in self.registry.items())
 
     @property
     def capturer(self) -> Capturer:
@@ -292,8 +298,18 @@ class WorkerRuntime:
         else:
             self.heartbeat.beat(step)
 
-    def maybe_snapshot(self, step: int, generation: int) -> None:
-        """The periodic disk snapshot, when ``step`` is due (the last resort, see ckptless.snapshot)."""
-        if self.snapshots is not None and self.snapshots.maybe_snapshot(step, generation):
-            self.ledger.emit(EventKind.SNAPSHOT_SAVED, step=step, generation=generation,
-                             block_s=self.snapshots.last_block_s)
+    def maybe_snapshot(self, step: int, generation: int, clean: bool = True) -> None:
+        """The periodic disk snapshot, when ``step`` is due (the last resort, see ckptless.snapshot).
+        ``clean``: False inside a gradient-accumulation window, whose due snapshot is then taken at
+        the next clean step instead (``state/window.py``)."""
+        w = self.snapshots
+        if w is None:
+            return
+        due = w.due(step)
+        take, self._snapshot_owed = window.decide(due, clean, self._snapshot_owed, final=False)
+        if take:
+            started = w.snapshot(step, generation)
+        else:
+            started = not due and w.maybe_snapshot(step, generation)  # (not due: it prefaults its buffer)
+        if started:
+            self.ledger.emit(EventKind.SNAPSHOT_SAVED, step=step, generation=generation, block_s=w.last_block_s)

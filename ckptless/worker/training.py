@@ -17,6 +17,7 @@ from ckptless import chaos_hooks
 from ckptless.errors import MirrorError, SilentDataCorruption, StateError, TransportError
 from ckptless.goodput.ledger import EventKind
 from ckptless.mirror.partial import PairSpec
+from ckptless.state import window
 from ckptless.state.capture import StateImage
 from ckptless.worker import exit_file, groups, handoff, reuse
 from ckptless.worker.faults import device_failure, is_fault
@@ -119,6 +120,9 @@ def train_steps(rt: WorkerRuntime, generation: int, from_step: int,
         if failed is not None:
             return failed
     first_after_recovery = until_reprotected
+    rt.window.reset()  # at a version: nothing stepped since (a restore cleared the gradients)
+    owed = False  # a version due to be protected fell inside a gradient-accumulation window
+    last = step  # the newest version protected (the initial one, or the resume version: mirrored at restore)
     c = rt.control
     while step < _total(rt):
         if c is not None:
@@ -134,7 +138,7 @@ def train_steps(rt: WorkerRuntime, generation: int, from_step: int,
         rt.write_order.before_step()  # the step must not overwrite what the last capture still copies
         failed = yield from _one_step(rt, step)
         if isinstance(failed, NoMoreSteps):
-            return _ended_before(rt, step, from_step)
+            return _ended_before(rt, step, last)
         if failed is None and groups.collective_failed(generation, settle_s=0.0):
             # The step returned, but a collective of it failed: with NCCL an aborted all-reduce's
             # future completes anyway (at enqueue), so the step may have applied garbage. Never
@@ -144,13 +148,17 @@ def train_steps(rt: WorkerRuntime, generation: int, from_step: int,
             return failed
         done = step + 1
         rt.step_done(done, generation)
+        clean = rt.window.boundary()  # False: inside an accumulation window, replayed from its start
         mirrored = rt.gen is None or rt.gen.physical is None  # a generation with fewer ranks is not mirrored
-        if mirrored and rt.replicas > 0 and (done % every == 0 or done == _total(rt)):
-            failed = protect(rt, done)
-            if failed is not None:
-                return failed
+        if mirrored and rt.replicas > 0:
+            now, owed = window.decide(done % every == 0, clean, owed, final=done == _total(rt))
+            if now:
+                failed = protect(rt, done)
+                if failed is not None:
+                    return failed
+                last = done
         if mirrored:  # (with fewer ranks, the hosted ranks' parts of a snapshot would never be written)
-            rt.maybe_snapshot(done, generation)
+            rt.maybe_snapshot(done, generation, clean)
         kind = EventKind.FIRST_STEP_AFTER_RECOVERY if first_after_recovery else EventKind.STEP_DONE
         rt.ledger.emit(kind, step=done, generation=generation)
         first_after_recovery = False
@@ -165,14 +173,11 @@ def _total(rt: WorkerRuntime) -> int:
     return rt.spec.steps
 
 
-def _ended_before(rt: WorkerRuntime, step: int, from_step: int) -> Event:
+def _ended_before(rt: WorkerRuntime, step: int, last: int) -> Event:
     """The loop ended before running ``step``: the run's last version is ``step`` (protected unless it
-    already is: a multiple of ``mirror_every``, the initial version, or the resume version)."""
-    every = rt.mirror_config.mirror_every
+    already is: ``last``, the newest version protected, initial and resume versions included)."""
     mirrored = rt.gen is None or rt.gen.physical is None
-    assert rt.spec is not None
-    initial = rt.spec.start_step if from_step < 0 else from_step
-    if mirrored and rt.replicas > 0 and step % every != 0 and step != initial:
+    if mirrored and rt.replicas > 0 and step != last:
         failed = protect(rt, step)
         if failed is not None:
             return failed
@@ -272,7 +277,7 @@ def plain_steps(rt: WorkerRuntime) -> Generator[int, None, None]:
     while s < _total(rt):  # (read every step: job.train learns it when its loop ends)
         yield s
         rt.step_done(s + 1, rt.generation, mirrored=False)
-        rt.maybe_snapshot(s + 1, rt.generation)
+        rt.maybe_snapshot(s + 1, rt.generation, rt.window.boundary())
         rt.ledger.emit(EventKind.STEP_DONE, step=s + 1, generation=rt.generation)
         s += 1
 
