@@ -148,7 +148,9 @@ class WorkerRuntime:
         self.write_order.before_optimizer = self._settle_prefix
         # Whether a version lies inside a gradient-accumulation window (not protected: state/window.py).
         self.window = GradientWindow()
-        self._snapshot_owed = False  # a due snapshot step fell inside a window: the next clean step takes it
+        self.snapshot_owed = False  # a due snapshot step fell inside a window: the next clean step takes it
+        self.mirror_owed = False  # the same for a version due to be mirrored (--mirror-every)
+        self.last_protected: int | None = None  # the newest version captured and mirrored in this training
         # Why this process captures whole images from now on, instead of leaving the prefix live.
         self.defer_off: str | None = "CKPTLESS_CAPTURE_ORDER=step" if step_order else None
         self._store: tuple[tuple[str, int], dist.Store] | None = None
@@ -306,7 +308,7 @@ class WorkerRuntime:
         if w is None:
             return
         due = w.due(step)
-        take, self._snapshot_owed = window.decide(due, clean, self._snapshot_owed, final=False)
+        take, self.snapshot_owed = window.decide(due, clean, self.snapshot_owed, final=False)
         if take:
             started = w.snapshot(step, generation)
         else:

@@ -120,9 +120,9 @@ def train_steps(rt: WorkerRuntime, generation: int, from_step: int,
         if failed is not None:
             return failed
     first_after_recovery = until_reprotected
-    rt.window.reset()  # at a version: nothing stepped since (a restore cleared the gradients)
-    owed = False  # a version due to be protected fell inside a gradient-accumulation window
-    last = step  # the newest version protected (the initial one, or the resume version: mirrored at restore)
+    if from_step < 0 or until_reprotected:  # at the initial or the resume version (mirrored at restore)
+        rt.window.reset()  # nothing stepped since (a restore cleared the gradients)
+        rt.mirror_owed, rt.snapshot_owed, rt.last_protected = False, False, step  # (the same on every rank)
     c = rt.control
     while step < _total(rt):
         if c is not None:
@@ -138,7 +138,7 @@ def train_steps(rt: WorkerRuntime, generation: int, from_step: int,
         rt.write_order.before_step()  # the step must not overwrite what the last capture still copies
         failed = yield from _one_step(rt, step)
         if isinstance(failed, NoMoreSteps):
-            return _ended_before(rt, step, last)
+            return _ended_before(rt, step)
         if failed is None and groups.collective_failed(generation, settle_s=0.0):
             # The step returned, but a collective of it failed: with NCCL an aborted all-reduce's
             # future completes anyway (at enqueue), so the step may have applied garbage. Never
@@ -151,12 +151,12 @@ def train_steps(rt: WorkerRuntime, generation: int, from_step: int,
         clean = rt.window.boundary()  # False: inside an accumulation window, replayed from its start
         mirrored = rt.gen is None or rt.gen.physical is None  # a generation with fewer ranks is not mirrored
         if mirrored and rt.replicas > 0:
-            now, owed = window.decide(done % every == 0, clean, owed, final=done == _total(rt))
+            now, rt.mirror_owed = window.decide(done % every == 0, clean, rt.mirror_owed, final=done == _total(rt))
             if now:
                 failed = protect(rt, done)
                 if failed is not None:
                     return failed
-                last = done
+                rt.last_protected = done
         if mirrored:  # (with fewer ranks, the hosted ranks' parts of a snapshot would never be written)
             rt.maybe_snapshot(done, generation, clean)
         kind = EventKind.FIRST_STEP_AFTER_RECOVERY if first_after_recovery else EventKind.STEP_DONE
@@ -173,11 +173,11 @@ def _total(rt: WorkerRuntime) -> int:
     return rt.spec.steps
 
 
-def _ended_before(rt: WorkerRuntime, step: int, last: int) -> Event:
+def _ended_before(rt: WorkerRuntime, step: int) -> Event:
     """The loop ended before running ``step``: the run's last version is ``step`` (protected unless it
-    already is: ``last``, the newest version protected, initial and resume versions included)."""
+    already is: the newest version protected, initial and resume versions included)."""
     mirrored = rt.gen is None or rt.gen.physical is None
-    if mirrored and rt.replicas > 0 and step != last:
+    if mirrored and rt.replicas > 0 and step != rt.last_protected:
         failed = protect(rt, step)
         if failed is not None:
             return failed
