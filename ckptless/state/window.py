@@ -83,6 +83,7 @@ class GradientWindow:
         self._optimizers: list[torch.optim.Optimizer] = []
         self._stepped: dict[int, bool] = {}
         self.blind: str | None = None  # why a step cannot be seen (every boundary then counts as clean)
+        self.clean = True  # the last boundary's verdict (the state is a window's start)
 
     def install(self, objects: Iterable[Any]) -> None:
         """A step post-hook on every protected optimizer (again after new objects were protected)."""
@@ -114,12 +115,14 @@ class GradientWindow:
             if ok and not clean(self._stepped[id(opt)], _holds_grads(opt)):
                 ok = False
             self._stepped[id(opt)] = False
-        return ok or self.blind is not None
+        self.clean = ok or self.blind is not None
+        return self.clean
 
     def reset(self) -> None:
         """Training (re)starts at a version: nothing stepped since (a restore cleared the gradients)."""
         for k in self._stepped:
             self._stepped[k] = False
+        self.clean = True
 
 
 def _holds_grads(opt: torch.optim.Optimizer) -> bool:

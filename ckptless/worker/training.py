@@ -130,7 +130,8 @@ def train_steps(rt: WorkerRuntime, generation: int, from_step: int,
                 return JobEnded(c.ended.reason)
             if c.incident(generation):
                 return Fault(f"the coordinator declared generation {generation} failed")
-        if rt.gen is not None and rt.gen.physical is not None:  # fewer ranks: grow back here, all together?
+        # Fewer ranks: grow back here, all together? (Only at a window's start: the handover is an image.)
+        if rt.gen is not None and rt.gen.physical is not None and rt.window.clean:
             grown = _grow_back(rt, generation, step)
             if grown is not None:
                 return grown
