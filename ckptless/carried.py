@@ -33,7 +33,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from ckptless.errors import ConfigError, StateError
-from ckptless.state.tree import encode
+from ckptless.state import encode
 
 __all__ = ["CARRIED_ENTRY", "Carried", "check_value"]
 

@@ -90,6 +90,7 @@ def main() -> None:
                               f"lr {scheduler.get_last_lr()[0]:.2e}", flush=True)
 
     job.train(ckptless.integrations.accelerate.loop(accelerator, train), args.epochs)
+    accelerator.end_training()  # (it destroys the process group: job.close() after it still ends cleanly)
     job.close()
 
 

@@ -32,9 +32,11 @@ synchronized generator put back and broadcast as Accelerate does at a pass's sta
 are protected as for any job, and a prepared ``AcceleratedOptimizer``'s step pre-hook is placed on the
 optimizer it wraps (:mod:`ckptless.state.fence`), so the capture overlaps the step.
 
-Not covered: a recovery that resumes *inside* a gradient-accumulation window (the window's first
-micro-batches' gradients are not in the image: issue 38; ``--at`` steps on a window's boundary pass),
-DeepSpeed, FSDP and Megatron through Accelerate, a ``GradScaler`` (``mixed_precision="fp16"``),
+A failure inside a gradient-accumulation window resumes at the window's start and runs its
+micro-batches again (:mod:`ckptless.state.window`: a version taken while the optimizer the
+``AcceleratedOptimizer`` wraps holds gradients it has not stepped on is not protected).
+
+Not covered: DeepSpeed, FSDP and Megatron through Accelerate, a ``GradScaler`` (``mixed_precision="fp16"``),
 ``dispatch_batches=True`` with map-style data is reopened by fetching the trained batches again.
 """
 

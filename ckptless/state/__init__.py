@@ -38,13 +38,15 @@ from ckptless.state.replication import (
 from ckptless.state.restore import ObjectRestore, RestoreReport, object_subtrees, restore, tensor_indices
 from ckptless.state.rng import RNGState, numpy_from_tree, numpy_tree, python_from_tree, python_tree
 from ckptless.state.tree import decode, encode, tensor_paths_of
+from ckptless.state import window
+from ckptless.state.window import GradientWindow, clear_grads
 
 __all__ = [
-    "ALIGN", "AnswersLocally", "Capturer", "CopyFence", "DDPReducerState", "DEFAULT_CHUNK_BYTES", "HIDDEN_PREFIX",
+    "ALIGN", "AnswersLocally", "Capturer", "CopyFence", "DDPReducerState", "DEFAULT_CHUNK_BYTES", "GradientWindow", "HIDDEN_PREFIX",
     "LivePrefix", "Manifest", "ObjectRestore", "Plan", "RNGState", "RNG_NAME", "Region", "ReplicaSet", "RestoreReport",
     "StateImage", "StateRegistry", "Stateful", "TensorEntry", "WriteOrder", "bad_chunks", "bad_held_chunks",
-    "checksum", "chunk_checksums", "crc_of", "decode", "devices", "dtype_from_name", "encode", "first_held_chunk",
+    "checksum", "chunk_checksums", "clear_grads", "crc_of", "decode", "devices", "dtype_from_name", "encode", "first_held_chunk",
     "held_bytes", "held_from", "host_memory", "is_dtensor", "is_hidden", "local_of", "manifest_layout_key",
     "numpy_from_tree", "numpy_tree", "object_subtrees", "of_dtensors", "prefix_chunks", "python_from_tree",
-    "python_tree", "region_of", "restore", "slot", "streams", "tensor_indices", "tensor_paths_of", "write_digest",
+    "python_tree", "region_of", "restore", "slot", "streams", "tensor_indices", "tensor_paths_of", "window", "write_digest",
 ]

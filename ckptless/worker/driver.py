@@ -272,10 +272,12 @@ class WorkerDriver:
             gen.engine = None
         rt.ledger.emit(EventKind.JOB_END, generation=rt.generation)
         rt.ledger.close()
-        if gen is not None and gen.bound:
+        # Nobody tears the groups down under a peer still finishing; unless the script already did, after
+        # training (Accelerate's end_training() destroys the process group): a finished job never fails here.
+        if gen is not None and gen.bound and dist.is_initialized():
             try:
-                dist.barrier()  # nobody tears the groups down under a peer still finishing
-            except (RuntimeError, CkptlessError):
+                dist.barrier()
+            except (RuntimeError, ValueError, CkptlessError):
                 log.info("final barrier failed; leaving anyway", exc_info=True)
         if rt.peer_store is not None:
             rt.peer_store.close(unlink=True)

@@ -31,8 +31,7 @@ from ckptless.mirror.partial import MISSING
 from ckptless.recovery.executor import (RestoreInputs, SnapshotLoadFailed, adopt_copies, apply_decision,
                                         build_report, restore_early)
 from ckptless.recovery.decision import DiskFallback, RecoveryPlan
-from ckptless.state import StateImage, restore
-from ckptless.state import StateRegistry
+from ckptless.state import StateImage, StateRegistry, clear_grads, restore
 from ckptless.worker import groups, hosted, reuse
 from ckptless.worker.generation import Generation
 from ckptless.worker.machine import (
@@ -185,6 +184,10 @@ def _restore_locally(registry: StateRegistry, image: StateImage, verify: bool = 
     reducer's bucket rebuild) computes the same answer on every rank from the same captured facts."""
     with groups.local_only():
         restore(registry, image, verify=verify)
+    # Gradients are not in the image: a survivor's partial sums of an accumulation window it rolled
+    # back from must not be added to the window's replay (state/window.py). (A DDP or FSDP2 model's
+    # restore clears its own already.)
+    clear_grads(obj for _, obj in registry.items())
 
 
 # A rank that has not reported this long after leaving a generation is stuck somewhere it should

@@ -40,9 +40,7 @@ from ckptless.mirror.store import PeerStore, StoredImage
 from ckptless.recovery.transfer import Received
 from ckptless.recovery.wire import Membership
 from ckptless.snapshot import SnapshotConfig, SnapshotWriter
-from ckptless.state import Capturer, StateImage
-from ckptless.state import WriteOrder
-from ckptless.state import StateRegistry
+from ckptless.state import Capturer, GradientWindow, StateImage, StateRegistry, WriteOrder, window
 from ckptless.worker import deferral, exit_guard, groups, rank_reads, reuse
 from ckptless.worker.context import WorkerContext
 from ckptless.worker.control import WorkerControl
@@ -144,6 +142,11 @@ class WorkerRuntime:
         step_order = environment.current().capture_order == "step"
         self.write_order = WriteOrder(always_at_start=step_order)
         self.write_order.before_optimizer = self._settle_prefix
+        # Whether a version lies inside a gradient-accumulation window (not protected: state/window.py).
+        self.window = GradientWindow()
+        self.snapshot_owed = False  # a due snapshot step fell inside a window: the next clean step takes it
+        self.mirror_owed = False  # the same for a version due to be mirrored (--mirror-every)
+        self.last_protected: int | None = None  # the newest version captured and mirrored in this training
         # Why this process captures whole images from now on, instead of leaving the prefix live.
         self.defer_off: str | None = "CKPTLESS_CAPTURE_ORDER=step" if step_order else None
         self._store: tuple[tuple[str, int], dist.Store] | None = None
@@ -212,6 +215,7 @@ class WorkerRuntime:
         optimizer's step orders itself after the capture's copies (``state/fence.py``)."""
         self._capturer = None
         self.write_order.install(obj for _, obj in self.registry.items())
+        self.window.install(obj for _, obj in self.registry.items())
 
     @property
     def capturer(self) -> Capturer:
@@ -292,8 +296,35 @@ class WorkerRuntime:
         else:
             self.heartbeat.beat(step)
 
-    def maybe_snapshot(self, step: int, generation: int) -> None:
-        """The periodic disk snapshot, when ``step`` is due (the last resort, see ckptless.snapshot)."""
-        if self.snapshots is not None and self.snapshots.maybe_snapshot(step, generation):
-            self.ledger.emit(EventKind.SNAPSHOT_SAVED, step=step, generation=generation,
-                             block_s=self.snapshots.last_block_s)
+    # --- gradient-accumulation windows (state/window.py): the protection bookkeeping, owned here -------
+    def start_windows_at(self, step: int) -> None:
+        """Training starts at version ``step`` (the initial one, a restore): nothing owed, ``step``
+        protected, no optimizer stepped since (the same on every rank)."""
+        self.window.reset()
+        self.mirror_owed, self.snapshot_owed, self.last_protected = False, False, step
+
+    def mirror_now(self, due: bool, clean: bool, final: bool) -> bool:
+        """Is the version just closed to be captured and mirrored now? A due one inside a window is
+        owed to the window's end."""
+        now, self.mirror_owed = window.decide(due, clean, self.mirror_owed, final=final)
+        return now
+
+    def protected_at(self, version: int) -> None:
+        """``version`` was captured and mirrored: the newest protected in this training."""
+        self.last_protected = version
+
+    def maybe_snapshot(self, step: int, generation: int, clean: bool = True) -> None:
+        """The periodic disk snapshot, when ``step`` is due (the last resort, see ckptless.snapshot).
+        ``clean``: False inside a gradient-accumulation window, whose due snapshot is then taken at
+        the next clean step instead (``state/window.py``)."""
+        w = self.snapshots
+        if w is None:
+            return
+        due = w.due(step)
+        take, self.snapshot_owed = window.decide(due, clean, self.snapshot_owed, final=False)
+        if take:
+            started = w.snapshot(step, generation)
+        else:
+            started = not due and w.maybe_snapshot(step, generation)  # (not due: it prefaults its buffer)
+        if started:
+            self.ledger.emit(EventKind.SNAPSHOT_SAVED, step=step, generation=generation, block_s=w.last_block_s)

@@ -119,6 +119,8 @@ def train_steps(rt: WorkerRuntime, generation: int, from_step: int,
         if failed is not None:
             return failed
     first_after_recovery = until_reprotected
+    if from_step < 0 or until_reprotected:  # at the initial or the resume version (mirrored at restore)
+        rt.start_windows_at(step)  # nothing stepped since (a restore cleared the gradients)
     c = rt.control
     while step < _total(rt):
         if c is not None:
@@ -126,7 +128,8 @@ def train_steps(rt: WorkerRuntime, generation: int, from_step: int,
                 return JobEnded(c.ended.reason)
             if c.incident(generation):
                 return Fault(f"the coordinator declared generation {generation} failed")
-        if rt.gen is not None and rt.gen.physical is not None:  # fewer ranks: grow back here, all together?
+        # Fewer ranks: grow back here, all together? (Only at a window's start: the handover is an image.)
+        if rt.gen is not None and rt.gen.physical is not None and rt.window.clean:
             grown = _grow_back(rt, generation, step)
             if grown is not None:
                 return grown
@@ -135,7 +138,7 @@ def train_steps(rt: WorkerRuntime, generation: int, from_step: int,
         rt.write_order.before_step()  # the step must not overwrite what the last capture still copies
         failed = yield from _one_step(rt, step)
         if isinstance(failed, NoMoreSteps):
-            return _ended_before(rt, step, from_step)
+            return _ended_before(rt, step)
         if failed is None and groups.collective_failed(generation, settle_s=0.0):
             # The step returned, but a collective of it failed: with NCCL an aborted all-reduce's
             # future completes anyway (at enqueue), so the step may have applied garbage. Never
@@ -145,13 +148,16 @@ def train_steps(rt: WorkerRuntime, generation: int, from_step: int,
             return failed
         done = step + 1
         rt.step_done(done, generation)
+        clean = rt.window.boundary()  # False: inside an accumulation window, replayed from its start
         mirrored = rt.gen is None or rt.gen.physical is None  # a generation with fewer ranks is not mirrored
-        if mirrored and rt.replicas > 0 and (done % every == 0 or done == _total(rt)):
-            failed = protect(rt, done)
-            if failed is not None:
-                return failed
+        if mirrored and rt.replicas > 0:
+            if rt.mirror_now(done % every == 0, clean, final=done == _total(rt)):
+                failed = protect(rt, done)
+                if failed is not None:
+                    return failed
+                rt.protected_at(done)
         if mirrored:  # (with fewer ranks, the hosted ranks' parts of a snapshot would never be written)
-            rt.maybe_snapshot(done, generation)
+            rt.maybe_snapshot(done, generation, clean)
         kind = EventKind.FIRST_STEP_AFTER_RECOVERY if first_after_recovery else EventKind.STEP_DONE
         rt.ledger.emit(kind, step=done, generation=generation)
         first_after_recovery = False
@@ -166,14 +172,11 @@ def _total(rt: WorkerRuntime) -> int:
     return rt.spec.steps
 
 
-def _ended_before(rt: WorkerRuntime, step: int, from_step: int) -> Event:
+def _ended_before(rt: WorkerRuntime, step: int) -> Event:
     """The loop ended before running ``step``: the run's last version is ``step`` (protected unless it
-    already is: a multiple of ``mirror_every``, the initial version, or the resume version)."""
-    every = rt.mirror_config.mirror_every
+    already is: the newest version protected, initial and resume versions included)."""
     mirrored = rt.gen is None or rt.gen.physical is None
-    assert rt.spec is not None
-    initial = rt.spec.start_step if from_step < 0 else from_step
-    if mirrored and rt.replicas > 0 and step % every != 0 and step != initial:
+    if mirrored and rt.replicas > 0 and step != rt.last_protected:
         failed = protect(rt, step)
         if failed is not None:
             return failed
@@ -278,7 +281,7 @@ def plain_steps(rt: WorkerRuntime) -> Generator[int, None, None]:
         chaos_hooks.announce_rank(rt.rank)  # (chaos runs only)
         yield s
         rt.step_done(s + 1, rt.generation, mirrored=False)
-        rt.maybe_snapshot(s + 1, rt.generation)
+        rt.maybe_snapshot(s + 1, rt.generation, rt.window.boundary())
         rt.ledger.emit(EventKind.FIRST_STEP_AFTER_RECOVERY if first else EventKind.STEP_DONE, step=s + 1,
                        generation=rt.generation)
         first = False

@@ -16,12 +16,16 @@ steps, the library's digests as the verdict) on the two integration examples:
   scheduler, loops' progress, the loader's position) and the RNG streams.
 
 * examples/accelerate_train.py: a Hugging Face Accelerate custom loop (``prepare``,
-  ``accumulate`` with gradient accumulation 2, a OneCycle schedule, dropout, a shuffling loader
-  Accelerate shards and synchronizes) through ``ckptless.integrations.accelerate.loop``. Killed once
-  (at epoch 2's first batch) and twice (epochs 1 and 2), against one fault-free run; each kill
-  resumes on an accumulation window's boundary (a resume inside a window is issue 38's open bug). What is compared holds the model, AdamW, the scheduler, the Accelerator's counters, the loop's
-  position and every RNG stream; no rank may log that its steps wait for the capture's copies.
-  The same with two loader workers, killed twice, takes turns in CI (its own fault-free run).
+  ``accumulate`` with gradient accumulation 4, a OneCycle schedule, dropout, a shuffling loader
+  Accelerate shards and synchronizes, ``end_training()`` before ``job.close()``) through
+  ``ckptless.integrations.accelerate.loop``. Killed once (inside a window of epoch 2) and twice
+  (at epoch 2's first batch, then inside a window of epoch 3), against one fault-free run: each
+  recovery inside a window resumes at the window's start and runs it again (issue 38; before,
+  ``model, optimizer differ``). What is compared holds the model, AdamW, the scheduler, the
+  Accelerator's counters, the loop's position and every RNG stream; no rank may log that its steps
+  wait for the capture's copies, and every agent exits 0 (``job.close()`` after ``end_training()``
+  raised as a user error before). The same with two loader workers, killed twice, takes turns in
+  CI (its own fault-free run).
 
 Skipped when the framework is not installed (``pip install 'ckptless[hf]'``,
 ``'ckptless[lightning]'``; ``make test`` installs both).
@@ -30,6 +34,7 @@ Skipped when the framework is not installed (``pip install 'ckptless[hf]'``,
 from __future__ import annotations
 
 import dataclasses
+import re
 from pathlib import Path
 
 import pytest
@@ -63,8 +68,8 @@ def test_lightning_fit_killed_twice_resumes_bitwise(tmp_path: Path, capsys: pyte
     _pass(capsys, "lightning_train.py", "24,35", "--epochs", "2", out=tmp_path)
 
 
-ACCELERATE = ScriptJob(script=REPO / "examples" / "accelerate_train.py", args=("--epochs", "3"), nnodes=1,
-                       nproc_per_node=2)
+ACCELERATE = ScriptJob(script=REPO / "examples" / "accelerate_train.py", args=("--epochs", "3", "--accumulation", "4"),
+                       nnodes=1, nproc_per_node=2)
 NO_OVERLAP = "waits for the capture's copies"
 
 
@@ -89,25 +94,34 @@ def _accelerate(name: str, at: list[int], out: Path, runs: list[JobRun]) -> str:
     return v.line
 
 
-# Where the kills land: 240 samples / 2 ranks / 8 per batch = 15 steps an epoch, windows of 2, and
-# Accelerate steps the optimizer at a loader's last batch (and restarts its count): so versions 14
-# and 15 (30 and 31...) are both window boundaries. A kill held at step s resumes at version s or s-1
-# (whether s's mirrors were committed before the SIGKILL), so a kill at an epoch's first step (15,
-# 30) resumes on a boundary either way; a kill mid-epoch would resume inside a window half the time
-# (issue 38's open bug: model and optimizer differ).
+# Where the kills land: 240 samples / 2 ranks / 8 per batch = 15 steps an epoch, windows of 4, and
+# Accelerate steps the optimizer at a loader's last batch (and restarts its count): the window
+# boundaries are versions 4, 8, 12, 15, 19, 23, 27, 30, 34... A kill held at step s would resume at
+# version s or s-1 (whether s's mirrors were committed before the SIGKILL): at 21 (20, 21) and 33
+# (32, 33) both lie inside a window, so before issue 38's fix each ended `model, optimizer differ`;
+# now they resume at 19 and 30 (or a boundary before) and run the window again.
+WINDOW_STARTS = {0, 4, 8, 12, 15, 19, 23, 27, 30, 34, 38, 42, 45}
+
+
+def _resumed_at_window_starts(out: Path) -> None:
+    logs = "".join(p.read_text(errors="replace") for p in (out / "logs").glob("agent*.log"))
+    resumed = {int(s) for s in re.findall(r"resumed at step (\d+)", logs)}
+    assert resumed and resumed <= WINDOW_STARTS, f"a recovery resumed inside a window: {sorted(resumed)}"
 
 
 @pytest.mark.timeout(300)
-def test_accelerate_loop_killed_at_an_epochs_start_resumes_bitwise(tmp_path: Path,
-                                                                   accelerate_baseline: list[JobRun]) -> None:
-    line = _accelerate("kill-worker", [30], tmp_path, accelerate_baseline)
+def test_accelerate_loop_killed_inside_a_window_resumes_bitwise(tmp_path: Path,
+                                                                accelerate_baseline: list[JobRun]) -> None:
+    line = _accelerate("kill-worker", [21], tmp_path, accelerate_baseline)
     assert "generation 1" in line, line
+    _resumed_at_window_starts(tmp_path / "kill-worker")
 
 
 @pytest.mark.timeout(300)
 def test_accelerate_loop_killed_twice_resumes_bitwise(tmp_path: Path, accelerate_baseline: list[JobRun]) -> None:
-    line = _accelerate("kill-twice", [15, 30], tmp_path, accelerate_baseline)
+    line = _accelerate("kill-twice", [15, 33], tmp_path, accelerate_baseline)
     assert "generation 2" in line, line
+    _resumed_at_window_starts(tmp_path / "kill-twice")
 
 
 @pytest.mark.rotating(2)  # CI budget: tests/harness/rotation.py (its own fault-free run; workers unit-tested daily)
