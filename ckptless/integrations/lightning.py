@@ -59,6 +59,7 @@ from ckptless.worker import groups
 try:
     import lightning.pytorch as pl
     from lightning.fabric.plugins import CheckpointIO
+    from lightning.pytorch.callbacks import ModelCheckpoint
     from lightning.pytorch.loops.loop import _Loop
     from lightning.pytorch.loops.progress import _BaseProgress
     from lightning.pytorch.trainer.connectors.logger_connector.result import _ResultCollection
@@ -335,6 +336,12 @@ class _Run:
         if self._calls:
             self._fresh.restore()  # what a replacement's Trainer holds at its first fit()
         self._calls += 1
+        if self.restored is not None:
+            # The resumed steps save again the files the abandoned ones saved, under the same names, where
+            # Lightning would add "-v1" (a state that differs from the fault-free run's): overwritten instead.
+            for cb in self.trainer.checkpoint_callbacks:
+                if isinstance(cb, ModelCheckpoint):
+                    cb._enable_version_counter = False
         gc.collect()  # the DDP wrapper a failed fit() left: its reducer's hooks go with it
         self._rng = RNGState().state_dict()
         ckpt = MEMORY if self.restored is not None else None

@@ -68,3 +68,19 @@ def test_lightning_at_4_ranks_killed_twice_resumes_bitwise(tmp_path: Path) -> No
     # then again in epoch 2 after its mid-epoch validation (step 13), a replacement killed in turn
     v = _run("kill-twice", 1, [4, 13], tmp_path)
     assert "generation 2" in v.line, v.line
+
+
+@pytest.mark.timeout(300)
+def test_ranks_whose_collectives_diverge_after_every_resume_end_the_job_with_a_named_fault(tmp_path: Path) -> None:
+    """Issue 38: generation after generation ended in the collective timeout and neither agent exited
+    330 s later. Here (collective timeout 8 s) the second timed-out generation in a row at one resume
+    version ends the job, failed, naming ``CollectivesDiverged``; the faulty run ends by itself."""
+    job = ScriptJob(script=REPO / "tests" / "harness" / "scripts" / "diverge_after_resume.py", nnodes=1,
+                    nproc_per_node=2, env={"CKPTLESS_COLLECTIVE_TIMEOUT": "8"})
+    v = run_script("kill-worker", job, tmp_path, rank=1, at=[5], timeout_s=150,
+                   log=lambda line: print(line, flush=True))
+    assert not v.passed and v.faulty is not None
+    logs = "".join(p.read_text(errors="replace") for p in (tmp_path / "kill-worker" / "logs").glob("*.log"))
+    assert "CollectivesDiverged: 2 generations in a row ended by a collective timeout" in logs, v.line
+    assert "gave up after" not in logs
+    print(f"faulty run: {v.faulty.wall_s:.1f} s; {v.line}")
