@@ -223,7 +223,7 @@ class CollectivesDiverged(RecoveryError):
     version: the ranks are not running the same collectives after a resume (a framework's setup that
     depends on what a survivor remembers and a replacement does not, a collective one rank skips).
     Every further generation would wait out the same timeout, so the job ends, naming it, instead of
-    looping (docs/failure-model.md, "Collectives that diverge after a resume")."""
+    looping (docs/failure-model.md, the failure table)."""
 
 
 class UnrecoverableError(RecoveryError):
