@@ -41,6 +41,7 @@ from __future__ import annotations
 import copy
 import enum
 import gc
+import logging
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -68,6 +69,7 @@ except ImportError as exc:  # pragma: no cover - the extra is not installed
 
 __all__ = ["ResumableLoader", "fit"]
 
+log = logging.getLogger(__name__)
 MEMORY = "ckptless://memory"  # the ckpt_path of a resume from the restored state
 
 
@@ -297,6 +299,7 @@ class _Run:
         self._cwd = os.getcwd()
         self._fresh = _Fresh(trainer)
         self._calls = 0
+        self._said = False
 
     def dump(self) -> dict[str, Any] | None:
         """Lightning's checkpoint dictionary now (None before the first fit() made a module its own)."""
@@ -358,10 +361,17 @@ class _Run:
         the order its place in a bucket gives, so a resumed run at more than two ranks summed them in
         another order than the fault-free run for a step (different bits). Replayed locally
         (:mod:`ckptless.state.ddp`), every rank from its own image."""
+        image, self._reducer_image = self._reducer_image, None
         if not isinstance(wrapped, DistributedDataParallel):
             return
-        self._reducer = DDPReducerState(wrapped, "lightning")
-        image, self._reducer_image = self._reducer_image, None
+        try:
+            self._reducer = DDPReducerState(wrapped, "lightning")
+        except ConfigError as exc:  # e.g. find_unused_parameters=True: trains, recovers, not bitwise beyond 2 ranks
+            if not self._said:
+                log.warning("ckptless: a resumed step may sum gradients in another order than the fault-free run "
+                            "(bits differ beyond 2 ranks): %s", exc)
+                self._said = True
+            return
         if image is not None:
             with groups.local_only():
                 self._reducer.load_state_dict(image)
