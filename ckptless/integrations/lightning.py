@@ -230,7 +230,8 @@ class _Fresh:
     survivors and the replacement then sat in different collectives until Gloo's timeout, generation
     after generation. So the plain attributes (numbers, flags, strings, progress counters, empty
     result collections) of the Trainer, its strategy, every loop and every callback are recorded
-    when ``fit`` is first called, and put back (those added since removed) before each later call.
+    just before ``trainer.fit`` is first called, and put back (those added since removed; an object
+    set since in place of a plain value kept) before each later call.
     """
 
     def __init__(self, trainer: pl.Trainer) -> None:
@@ -244,10 +245,12 @@ class _Fresh:
 
     def restore(self) -> None:
         for obj, attrs in self.saved:
-            for k in [k for k, v in vars(obj).items() if k not in attrs and _is_plain(v)]:
+            now = vars(obj)
+            for k in [k for k, v in now.items() if k not in attrs and _is_plain(v)]:
                 delattr(obj, k)
             for k, v in attrs.items():
-                setattr(obj, k, copy.deepcopy(v))
+                if k not in now or _is_plain(now[k]):  # an object set since (a plugin, a loader) stays
+                    setattr(obj, k, copy.deepcopy(v))
 
 
 class _Boundary(pl.Callback):
@@ -297,8 +300,7 @@ class _Run:
         self._reducer: DDPReducerState | None = None  # this fit()'s DDP reducer, tracked
         self._reducer_image: dict[str, Any] | None = None  # the restored layout, for the next fit()'s DDP
         self._cwd = os.getcwd()
-        self._fresh = _Fresh(trainer)
-        self._calls = 0
+        self._fresh: _Fresh | None = None  # recorded at the first call, after fit() set up the Trainer
         self._said = False
 
     def dump(self) -> dict[str, Any] | None:
@@ -336,9 +338,10 @@ class _Run:
         if self._reducer is not None:
             self._reducer.close()
             self._reducer = None
-        if self._calls:
+        if self._fresh is None:
+            self._fresh = _Fresh(self.trainer)
+        else:
             self._fresh.restore()  # what a replacement's Trainer holds at its first fit()
-        self._calls += 1
         if self.restored is not None:
             # The resumed steps save again the files the abandoned ones saved, under the same names, where
             # Lightning would add "-v1" (a state that differs from the fault-free run's): overwritten instead.
