@@ -8,10 +8,9 @@ optimizer steps per rank, under ``ckptless.integrations.lightning.fit``; 2 agent
 Issue 38's report, same shape: rank 3 SIGKILLed at step 9 (an epoch's first batch; the resume
 version is 8 or 9: an epoch's last batch or the next epoch's first), and every later generation
 ended in Gloo's 90 s collective timeout (a replacement and the survivors in different collectives),
-for ever. Held out (the fixed library against this file's kills, the library before it:
-``/tmp`` worktree of 49a2076): the fault-free run failed at its first validation (``sync_dist``: an
-AVG all-reduce of a Long count); without ``sync_dist`` the kill never ended (docs/porting.md,
-"PyTorch Lightning", says what was found and fixed).
+for ever. The library before this change (49a2076) failed this file's fault-free run at its first
+validation (``sync_dist``: an AVG all-reduce of a Long count, seen in one process too); its kill
+without ``sync_dist`` is in the report of the branch that added this file.
 
 What is compared: Lightning's checkpoint dictionary in three parts (``lightning``: loops,
 callbacks, schedulers, the loader's position, the DDP reducer's layout; ``lightning_module``;
