@@ -299,6 +299,7 @@ class _Run:
         self._dump: dict[str, Any] | None = None  # this capture's dictionary (one dump for the three parts)
         self._reducer: DDPReducerState | None = None  # this fit()'s DDP reducer, tracked
         self._reducer_image: dict[str, Any] | None = None  # the restored layout, for the next fit()'s DDP
+        self._stepped: int | None = None  # the resume version's _batches_that_stepped, for this call's first step
         self._cwd = os.getcwd()
         self._fresh: _Fresh | None = None  # recorded at the first call, after fit() set up the Trainer
         self._said = False
@@ -350,6 +351,8 @@ class _Run:
                     cb._enable_version_counter = False
         gc.collect()  # the DDP wrapper a failed fit() left: its reducer's hooks go with it
         self._rng = RNGState().state_dict()
+        self._stepped = None if self.restored is None else \
+            self.restored.get("loops", {}).get("fit_loop", {}).get("epoch_loop.state_dict", {}).get("_batches_that_stepped")
         ckpt = MEMORY if self.restored is not None else None
         self._dump = None
         try:
@@ -385,6 +388,11 @@ class _Run:
         if self._rng is not None:  # this call's first step: the streams as the resume version had them
             RNGState().load_state_dict(self._rng)
             self._rng = None
+        if self._stepped is not None:
+            # Lightning counts one more "batch that stepped" when it restarts from a checkpoint saved after a
+            # batch's end (its logging step); this one was taken before the batch: the count as captured
+            self.trainer.fit_loop.epoch_loop._batches_that_stepped = self._stepped
+            self._stepped = None
         self.job.begin_step()
         self._dump = None
 
