@@ -12,6 +12,7 @@ kills (collectives, the DDP reducer's layout): tests/e2e/test_lightning_e2e.py.
 from __future__ import annotations
 
 import copy
+import os
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,7 @@ pl = pytest.importorskip("lightning.pytorch")
 
 from ckptless.integrations import lightning as cl  # noqa: E402
 from ckptless.loop import Rewind  # noqa: E402
+from ckptless.state.digest import object_digest  # noqa: E402
 from ckptless.state.rng import RNGState  # noqa: E402
 
 from ..harness.repo import REPO  # noqa: E402
@@ -58,15 +60,17 @@ class _Job:
             raise Rewind
 
 
-def _train(tmp: Path, fail_at: int | None, back_to: int = 0) -> tuple[dict[str, torch.Tensor], list[str], int]:
+def _train(tmp: Path, fail_at: int | None, back_to: int = 0) -> tuple[dict[str, torch.Tensor], list[str], int, str]:
+    """Trains in ``tmp`` (the working directory: paths in the state are relative to it)."""
+    tmp.mkdir(parents=True)
+    os.chdir(tmp)
     pl.seed_everything(0)
     torch.manual_seed(0)
     train, val = ex.tokens(72, 0), ex.tokens(16, 1)
     loader = torch.utils.data.DataLoader(train, batch_size=8, shuffle=False)
     val_loader = torch.utils.data.DataLoader(val, batch_size=8)
     trainer = pl.Trainer(accelerator="cpu", devices=1, max_epochs=2, val_check_interval=0.5, logger=False,
-                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                         default_root_dir=str(tmp))
+                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
     model = ex.TinyTransformer(lr=3e-3)
     job = _Job(fail_at, back_to)
     run = cl._Run(job, trainer, model, cl.ResumableLoader(loader))  # type: ignore[arg-type]
@@ -82,17 +86,20 @@ def _train(tmp: Path, fail_at: int | None, back_to: int = 0) -> tuple[dict[str, 
         except Rewind:
             continue
     files = sorted(p.name for p in (tmp / "checkpoints").iterdir())
-    return {k: v.clone() for k, v in model.state_dict().items()}, files, calls
+    rest = object_digest(cl._LightningState(run, "lightning").state_dict())  # loops, callbacks, schedulers
+    return {k: v.clone() for k, v in model.state_dict().items()}, files, calls, rest
 
 
-@pytest.mark.parametrize("fail_at, back_to", [(10, 8), (6, 4)], ids=["to an epoch's last batch",
-                                                                     "to right after a mid-epoch validation"])
+@pytest.mark.parametrize("fail_at, back_to", [(10, 8), (6, 4), (14, 13)],
+                         ids=["to an epoch's last batch", "to right after a mid-epoch validation", "mid-epoch"])
 def test_a_survivors_second_fit_ends_bitwise_where_the_uninterrupted_run_ends(
-        tmp_path: Path, fail_at: int, back_to: int) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fail_at: int, back_to: int) -> None:
     # 9 batches an epoch, validation after batches 4 and 8 (0-based 3 and 7) and at the epoch's end
-    want, want_files, _ = _train(tmp_path / "clean", None)
-    got, files, calls = _train(tmp_path / "rolled", fail_at, back_to)
+    monkeypatch.chdir(tmp_path)
+    want, want_files, _, want_rest = _train(tmp_path / "clean", None)
+    got, files, calls, rest = _train(tmp_path / "rolled", fail_at, back_to)
     assert calls == 2
     assert files == want_files, "a checkpoint file saved again got another name"
+    assert rest == want_rest, "Lightning's loops/callbacks state differs (e.g. _batches_that_stepped)"
     for k in want:
         assert torch.equal(want[k], got[k]), k
