@@ -9,8 +9,12 @@ Issue 38's report, same shape: rank 3 SIGKILLed at step 9 (an epoch's first batc
 version is 8 or 9: an epoch's last batch or the next epoch's first), and every later generation
 ended in Gloo's 90 s collective timeout (a replacement and the survivors in different collectives),
 for ever. The library before this change (49a2076) failed this file's fault-free run at its first
-validation (``sync_dist``: an AVG all-reduce of a Long count, seen in one process too); its kill
-without ``sync_dist`` is in the report of the branch that added this file.
+validation (``sync_dist``: an AVG all-reduce of a Long count, seen in one process too); the same kill
+without ``sync_dist`` ended ``FAIL ... ranks 0-3: lightning differ`` (here, on that branch's first
+run: Lightning's logging count ``_batches_that_stepped`` one higher, everything else bitwise). This
+example did not livelock there; the report's livelock came from state a survivor's Trainer kept (see
+``_Fresh`` in ckptless/integrations/lightning.py), and a divergence any framework still causes ends
+the job in two timeouts (the last test here).
 
 What is compared: Lightning's checkpoint dictionary in three parts (``lightning``: loops,
 callbacks, schedulers, the loader's position, the DDP reducer's layout; ``lightning_module``;
