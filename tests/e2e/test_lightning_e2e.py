@@ -12,9 +12,10 @@ for ever. The library before this change (49a2076) failed this file's fault-free
 validation (``sync_dist``: an AVG all-reduce of a Long count, seen in one process too); the same kill
 without ``sync_dist`` ended ``FAIL ... ranks 0-3: lightning differ`` (here, on that branch's first
 run: Lightning's logging count ``_batches_that_stepped`` one higher, everything else bitwise). This
-example did not livelock there; the report's livelock came from state a survivor's Trainer kept (see
-``_Fresh`` in ckptless/integrations/lightning.py), and a divergence any framework still causes ends
-the job in two timeouts (the last test here).
+example did not reproduce the report's livelock there. What differs between a survivor's next
+``fit()`` and a replacement's first, found by reading Lightning, is put back (``_Fresh`` in
+ckptless/integrations/lightning.py), and a divergence a framework still causes ends the job after
+two timeouts (the last test here).
 
 What is compared: Lightning's checkpoint dictionary in three parts (``lightning``: loops,
 callbacks, schedulers, the loader's position, the DDP reducer's layout; ``lightning_module``;
