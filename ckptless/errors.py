@@ -193,6 +193,13 @@ class CollectiveError(TransportError, RuntimeError):
     Also a ``RuntimeError``: code that caught torch's plain errors keeps working."""
 
 
+class CollectiveTimeout(CollectiveError):
+    """A collective of the training groups waited its whole timeout and failed: a peer never entered
+    it. Told apart from a collective ended by an abort (which fails at once) by the time it waited,
+    at the process-group boundary. A fault, recovered like any other; reported to the leader as a
+    timeout (``ReportRecord.timed_out``), which is what :class:`CollectivesDiverged` counts."""
+
+
 class DeviceTimeout(TransportError):
     """The GPU did not finish a copy or stream before its deadline (a hung device, or a collective
     nobody aborted): a fault, the rank is recovered, never a wait without end."""
@@ -209,6 +216,14 @@ class PlacementError(MirrorError):
 # --- recovery ---------------------------------------------------------------
 class RecoveryError(CkptlessError):
     """A recovery could not be planned or executed."""
+
+
+class CollectivesDiverged(RecoveryError):
+    """Two recoveries in a row ended by a collective timeout, nobody dead, at the same resume
+    version: the ranks are not running the same collectives after a resume (a framework's setup that
+    depends on what a survivor remembers and a replacement does not, a collective one rank skips).
+    Every further generation would wait out the same timeout, so the job ends, naming it, instead of
+    looping (docs/failure-model.md, the failure table)."""
 
 
 class UnrecoverableError(RecoveryError):

@@ -127,6 +127,7 @@ class RecoveryPlan:
     node_local: tuple[LocalRestore, ...] = ()  # R9: these ranks restore from node-local memory
     adoptions: tuple[Adoption, ...] = ()  # R11: copies live workers take from their node's tier first
     stalled: int = 0  # recoveries in a row before this one that resumed no later (leader_machine: the give-up rule)
+    timeouts: int = 0  # of those (this one included), ended by a collective timeout alone (give_up.timeouts)
 
     @property
     def resume_step(self) -> int:
@@ -156,6 +157,7 @@ class DiskFallback:
     lost_ranks_without_replica: tuple[int, ...]
     steps_lost: int
     stalled: int = 0  # as RecoveryPlan.stalled
+    timeouts: int = 0  # as RecoveryPlan.timeouts
 
     @property
     def rank_to_worker(self) -> dict[int, str]:

@@ -81,7 +81,8 @@ class Planning:
     opened_at: float
     reason: str = ""
     wait_deadline: float | None = None  # re-planning while waiting for a replacement: the wait's first deadline
-    prior: tuple[int, int] | None = None  # the recovery in force: (its resume version, its stalled count)
+    prior: tuple[int, int, int] | None = None  # the recovery in force: (resume version, stalled, timeouts)
+    timed_out: bool = False  # the incident is a collective timeout alone (give_up.timed_out)
 
 
 @dataclass(frozen=True)
@@ -360,7 +361,8 @@ def _collect(state: Collecting, view: JobView, now: float, cfg: LeaderConfig) ->
             lost, missing = lost | silent, missing - silent
     if missing:
         return replace(state, lost=frozenset(lost), others_in_at=others_in), tuple(logs)
-    return (Planning(state.generation, frozenset(lost), state.opened_at, state.reason, prior=give_up.prior_of(view)),
+    return (Planning(state.generation, frozenset(lost), state.opened_at, state.reason, prior=give_up.prior_of(view),
+                     timed_out=give_up.timed_out(view)),
             (*logs, RequestPlan(state.generation, frozenset(lost))))
 
 
@@ -387,8 +389,11 @@ def _planned(state: State, event: Planned, cfg: LeaderConfig) -> Step:
         return (WaitingForReplacement(state.generation, state.lost, state.opened_at, deadline, d.reason, event.seen),
                 notes + said)
     if isinstance(d, (RecoveryPlan, DiskFallback)):
-        d = replace(d, stalled=give_up.stalled(state.prior, d.resume_version))
-        if (why := give_up.reason(d.stalled, d.resume_version, cfg.max_recoveries, state.reason)) is not None:
+        d = replace(d, stalled=give_up.stalled(state.prior, d.resume_version),
+                    timeouts=give_up.timeouts(state.prior, d.resume_version, state.timed_out))
+        why = give_up.diverged(d.timeouts, d.resume_version, state.reason) or \
+            give_up.reason(d.stalled, d.resume_version, cfg.max_recoveries, state.reason)
+        if why is not None:
             st, acts = _end("failed", why)
             return st, notes + acts
     return Publishing(state.generation, d, state.opened_at), notes + (Publish(d, state.generation),)

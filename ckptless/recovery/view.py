@@ -224,10 +224,11 @@ class ReportRecord:
     bad_snapshot: int | None = None
     # node-local copies (node, holder, owner, version) this worker failed to adopt (R11): never planned again
     bad_copies: tuple[tuple[str, int, int, int], ...] = ()
+    timed_out: bool = False  # it left after a collective waited out its timeout (no abort ended it)
 
 
 def report_record_to_json(report: WorkerReport, reason: str, bad_snapshot: int | None = None,
-                          bad_copies: tuple[tuple[str, int, int, int], ...] = ()) -> bytes:
+                          bad_copies: tuple[tuple[str, int, int, int], ...] = (), timed_out: bool = False) -> bytes:
     from ckptless.recovery.wire import report_to_json
 
     doc = json.loads(report_to_json(report))
@@ -235,6 +236,8 @@ def report_record_to_json(report: WorkerReport, reason: str, bad_snapshot: int |
     doc["bad_snapshot"] = bad_snapshot
     if bad_copies:
         doc["bad_copies"] = [list(k) for k in bad_copies]
+    if timed_out:
+        doc["timed_out"] = True
     return json.dumps(doc).encode()
 
 
@@ -245,9 +248,10 @@ def report_record_from_json(raw: bytes) -> ReportRecord:
         bad = doc.get("bad_snapshot")
         bad_snapshot = None if bad is None else int(bad)
         copies = tuple((str(n), int(h), int(o), int(v)) for n, h, o, v in doc.get("bad_copies", ()))
+        timed_out = doc.get("timed_out", False) is True
     except (ValueError, AttributeError, TypeError) as exc:
         raise RecoveryError(f"worker report is malformed: {raw[:200]!r}") from exc
-    return ReportRecord(report_from_json(raw), reason, bad_snapshot, copies)
+    return ReportRecord(report_from_json(raw), reason, bad_snapshot, copies, timed_out)
 
 
 @dataclass(frozen=True)

@@ -162,6 +162,7 @@ def decision_to_doc(d: Decision) -> dict[str, Any]:
             **({"adoptions": [[x.worker_id, x.owner, x.holder, x.node_id, x.version, x.n_chunks, x.generation]
                               for x in d.adoptions]} if d.adoptions else {}),
             **({"stalled": d.stalled} if d.stalled else {}),
+            **({"timeouts": d.timeouts} if d.timeouts else {}),
         }
     if isinstance(d, DiskFallback):
         return {
@@ -170,6 +171,7 @@ def decision_to_doc(d: Decision) -> dict[str, Any]:
             "snapshot_step": d.snapshot_step, "reason": d.reason,
             "lost_ranks_without_replica": list(d.lost_ranks_without_replica), "steps_lost": d.steps_lost,
             **({"stalled": d.stalled} if d.stalled else {}),
+            **({"timeouts": d.timeouts} if d.timeouts else {}),
         }
     if isinstance(d, WaitForReplacement):
         return {"type": "wait", "job_id": d.job_id, "generation": d.generation,
@@ -209,7 +211,7 @@ def decision_from_doc(doc: dict[str, Any], assignments_known: tuple[Assignment, 
                                  for r, w, n, v, c, g in doc.get("node_local", ())),
                 adoptions=tuple(Adoption(str(w), int(o), int(h), str(n), int(v), int(c), int(g))
                                 for w, o, h, n, v, c, g in doc.get("adoptions", ())),
-                stalled=int(doc.get("stalled", 0)),
+                stalled=int(doc.get("stalled", 0)), timeouts=int(doc.get("timeouts", 0)),
             )
         if kind == "disk":
             return DiskFallback(
@@ -219,7 +221,7 @@ def decision_from_doc(doc: dict[str, Any], assignments_known: tuple[Assignment, 
                 reason=str(doc["reason"]),
                 lost_ranks_without_replica=tuple(int(r) for r in doc["lost_ranks_without_replica"]),
                 steps_lost=int(doc["steps_lost"]),
-                stalled=int(doc.get("stalled", 0)),
+                stalled=int(doc.get("stalled", 0)), timeouts=int(doc.get("timeouts", 0)),
             )
         if kind == "wait":
             return WaitForReplacement(str(doc["job_id"]), int(doc["generation"]),

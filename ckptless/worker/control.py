@@ -245,8 +245,9 @@ class WorkerControl:
         self.client.put(key, value)
 
     def report(self, generation: int, rank: int, report: WorkerReport, reason: str,
-               bad_snapshot: int | None = None, bad_copies: tuple[tuple[str, int, int, int], ...] = ()) -> None:
-        payload = report_record_to_json(report, reason, bad_snapshot, bad_copies)
+               bad_snapshot: int | None = None, bad_copies: tuple[tuple[str, int, int, int], ...] = (),
+               timed_out: bool = False) -> None:
+        payload = report_record_to_json(report, reason, bad_snapshot, bad_copies, timed_out)
         self._persist(f"report for generation {generation}", lambda: self._put(self.keyspace.facts(generation, rank), payload))
 
     def mark_ported(self) -> None:

@@ -399,6 +399,12 @@ def collective_failed(generation: int, settle_s: float = 0.5) -> bool:
         time.sleep(0.005)
 
 
+def timed_out(generation: int) -> bool:
+    """Did a collective of ``generation`` wait out its timeout (``CollectiveTimeout``)? A worker's report
+    says so: two such generations in a row at one resume version end the job (recovery/give_up.py)."""
+    return any(g.timed_out_generation == generation for g in groups())
+
+
 def mirror_group(store: dist.Store, generation: int, rank: int, world_size: int, timeout_s: float,
                  peers: Sequence[int] = (), deadline: float | None = None) -> dist.ProcessGroup:
     """The generation's mirroring communicator: Gloo, separate, lazily connected, NOT registered with c10d.

@@ -3,15 +3,12 @@
 # stubs name some of them differently and lack the private helpers used here)
 """Process groups that survive a recovery: the object never changes, its communicator does.
 
-Why: user code holds groups (``dist.group.WORLD``, subgroups from
-``dist.new_group``, the group inside a ``DistributedDataParallel`` module or an
-FSDP2 ``DeviceMesh``). After a failure those objects must work again, with the
-same rank numbers, without the user re-wrapping anything. Measured on torch
-2.13: ``ProcessGroup._register_backend`` on a group that already has a Gloo
-backend keeps the old one, and the C++ ``Backend`` cannot be subclassed from
-Python; a Python subclass of ``dist.ProcessGroup`` can, and C++ callers (the
-DDP reducer, FSDP2's collectives, ``DeviceMesh``) reach its overrides through
-the pybind trampoline. So every group of a ckptless job is a
+Why: user code holds groups (``dist.group.WORLD``, ``dist.new_group``'s, a DDP module's, an FSDP2
+``DeviceMesh``'s); after a failure they must work again, same ranks, nothing re-wrapped. Measured on
+torch 2.13: ``ProcessGroup._register_backend`` on a group that already has a Gloo backend keeps the
+old one, and the C++ ``Backend`` cannot be subclassed from Python; a Python subclass of
+``dist.ProcessGroup`` can, and C++ callers (the DDP reducer, FSDP2's collectives, ``DeviceMesh``)
+reach its overrides through the pybind trampoline. So every group of a ckptless job is a
 :class:`RebindableGroup`, made by a registered c10d backend plugin
 (``init_process_group("ckptless")`` and every ``new_group`` after it), and each
 generation *binds* it to a fresh inner ``ProcessGroup`` + Gloo backend built on
@@ -19,30 +16,26 @@ generation *binds* it to a fresh inner ``ProcessGroup`` + Gloo backend built on
 build a generation's communicators with the same code, from keys no earlier
 generation used (torchrun's shared-store breakage cannot happen).
 
-An *unbound* group answers collectives locally ("echo": all_reduce leaves the
-input, all_gather replicates it). A replacement runs the user's setup code
-(``new_group``, the DDP constructor's parameter broadcast, ``fully_shard``) on
-unbound groups: no collective the survivors are not in ever leaves the
-process. Its protected state is then restored from its peers, so what echo
-computed is overwritten.
+An *unbound* group answers collectives locally ("echo": all_reduce leaves the input, all_gather
+replicates it). A replacement runs the user's setup code (``new_group``, the DDP constructor's
+parameter broadcast, ``fully_shard``) on unbound groups: no collective the survivors are not in ever
+leaves the process; its state is then restored from its peers, overwriting what echo computed.
 
-Failures are typed where they arise: a failed ``wait`` raises :class:`ckptless.errors.CollectiveError`,
-and every failure (also those the DDP reducer sees through futures in C++) marks
-the group broken for that generation, which :func:`collective_failed` reports.
+Failures are typed where they arise: a failed ``wait`` raises :class:`ckptless.errors.CollectiveError`
+(:class:`~ckptless.errors.CollectiveTimeout` after waiting out the timeout), and every failure (also
+those the DDP reducer sees through futures in C++) marks the group broken for that generation.
 
-CUDA tensors (:mod:`ckptless.worker.device` decides the backend): with NCCL,
-``build`` also connects a ProcessGroupNCCL bound to the rank's GPU, eagerly
-and checked, inside the abortable formation (:mod:`ckptless.worker.nccl`;
-not run on several GPUs); with ``CKPTLESS_CUDA_BACKEND=gloo`` the same Gloo
-backend takes CUDA tensors. A backend being formed is reachable by
-:func:`ckptless.worker.forming.abort` before it is installed, so an abandoned formation ends
-a connect in progress instead of leaving it to NCCL's timeout.
+CUDA tensors (:mod:`ckptless.worker.device`): with NCCL, ``build`` also connects a ProcessGroupNCCL on
+the rank's GPU, eagerly and checked, inside the abortable formation (:mod:`ckptless.worker.nccl`;
+:func:`ckptless.worker.forming.abort` reaches it before it is installed); with
+``CKPTLESS_CUDA_BACKEND=gloo`` the same Gloo backend takes CUDA tensors.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -53,7 +46,7 @@ import torch._C._distributed_c10d as _c10d
 from torch._C._distributed_c10d import _create_work_from_future
 
 from ckptless import environment
-from ckptless.errors import CollectiveError, ConfigError
+from ckptless.errors import CollectiveError, CollectiveTimeout, ConfigError
 from ckptless.worker import device, forming, gloo_peers, nccl
 
 GLOO = dist.ProcessGroup.BackendType.GLOO
@@ -70,6 +63,7 @@ def on_broken(listener: Callable[[int], None]) -> None:
         _broken_listeners.append(listener)
 
 
+TIMED_OUT = 0.9  # a failure after this share of the group's timeout was a timeout, not an abort
 _LAZY_ENV = "TORCH_GLOO_LAZY_INIT"
 _lazy_lock = threading.Lock()
 
@@ -178,19 +172,19 @@ class _TypedWork(dist.Work):
 
     def __init__(self, group: RebindableGroup, work: dist.Work, gen: int) -> None:
         super().__init__()
-        self._g, self._w, self._gen = group, work, gen
+        self._g, self._w, self._gen, self._t0 = group, work, gen, time.monotonic()
 
     def wait(self, timeout: timedelta | None = None) -> bool:
         try:
             return bool(self._w.wait() if timeout is None else self._w.wait(timeout))
         except Exception as exc:
-            self._g.mark_broken(self._gen)
-            raise CollectiveError(f"collective on group {self._g.group_name!r} (generation {self._gen}) failed: "
-                                  f"{str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__}") from exc
+            kind = CollectiveTimeout if self._g.mark_broken(self._gen, time.monotonic() - self._t0) else CollectiveError
+            raise kind(f"collective on group {self._g.group_name!r} (generation {self._gen}) failed: "
+                       f"{str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__}") from exc
 
     def get_future(self) -> torch.futures.Future[Any]:
         fut = self._w.get_future()
-        g, gen, key = self._g, self._gen, object()
+        g, gen, key, t0 = self._g, self._gen, object(), self._t0
         with g.lock:
             g.pending[key] = fut
 
@@ -198,7 +192,7 @@ class _TypedWork(dist.Work):
             try:
                 f.wait()
             except Exception:
-                g.mark_broken(gen)
+                g.mark_broken(gen, time.monotonic() - t0)
             with g.lock:
                 g.pending.pop(key, None)
 
@@ -226,6 +220,7 @@ class RebindableGroup(dist.ProcessGroup):
         self.pending: dict[object, torch.futures.Future[Any]] = {}
         self.generation: int | None = None
         self.broken_generation: int | None = None
+        self.timed_out_generation: int | None = None  # a collective of it waited out the timeout
         self._name = ""
         self._desc = "undefined"
         self._inner: dist.ProcessGroup | None = None
@@ -262,12 +257,17 @@ class RebindableGroup(dist.ProcessGroup):
     def bound(self) -> bool:
         return self._inner is not None
 
-    def mark_broken(self, generation: int) -> None:
+    def mark_broken(self, generation: int, waited_s: float = 0.0) -> bool:
+        """A collective of ``generation`` failed after ``waited_s``; True if it waited out the timeout
+        (an abort ends one at once): the generation then counts as timed out (``timed_out_generation``)."""
+        if waited_s >= TIMED_OUT * self.timeout.total_seconds():
+            self.timed_out_generation = generation
         newly = self.broken_generation is None or generation > self.broken_generation
         if newly:
             self.broken_generation = generation
             for listener in list(_broken_listeners):
                 listener(generation)
+        return self.timed_out_generation == generation
 
     def abort(self, generation: int) -> int:
         """Abort the backends of ``generation`` that need an explicit abort to end a blocked

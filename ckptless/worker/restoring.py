@@ -236,7 +236,8 @@ def report(rt: WorkerRuntime, a: Report) -> Event:
     if not groups.user_groups() and hosted.why_not_shrinkable(rt.registry, hosted.ddp_modules(rt.registry)) is None:
         rep = replace(rep, can_host=True)  # its state can run a lost rank's micro-batches (--lost-node shrink)
     try:
-        rt.control.report(a.generation, rt.rank, rep, a.reason, rt.notes.bad_snapshot, rt.notes.bad_copies)
+        rt.control.report(a.generation, rt.rank, rep, a.reason, rt.notes.bad_snapshot, rt.notes.bad_copies,
+                          groups.timed_out(a.generation))
     except CoordinatorUnavailable as exc:
         return CoordinatorLost(str(exc))
     faulthandler.cancel_dump_traceback_later()

@@ -34,7 +34,8 @@ from ckptless.recovery.leader_machine import (
     Watching,
     step,
 )
-from ckptless.recovery.view import ExitRecord, JobStatus, ReportRecord
+from ckptless.recovery import give_up
+from ckptless.recovery.view import ExitRecord, JobStatus, ReportRecord, report_record_from_json, report_record_to_json
 from ckptless.recovery.wire import decision_from_doc, decision_to_doc
 
 from ..harness.leader_sim import CFG, Leader, World, fresh_leader
@@ -584,14 +585,16 @@ def test_unrecoverable_loss_names_the_ranks() -> None:
 def test_recovery_limit_counts_recoveries_in_a_row_without_progress() -> None:
     """The recovery in force resumed at v4 and was the 49th in a row at v4 or earlier: a 50th at v4 ends the job."""
     ld = fresh_leader()
-    ld.state = Planning(CFG.max_recoveries, frozenset({1}), 0.0, prior=(4, CFG.max_recoveries - 1))
+    ld.state = Planning(CFG.max_recoveries, frozenset({1}), 0.0, prior=(4, CFG.max_recoveries - 1, 0))
     d = RecoveryPlan("job", CFG.max_recoveries + 1, (), (1,), 4, (), (), True, (), 0)
     ld.feed(Planned(d, (), 0.0))
     assert isinstance(ld.state, Ended) and "gave up after 50 recoveries in a row without progress" in ld.state.reason
 
 
-@pytest.mark.parametrize("prior, resume, stalled", [(None, 4, 0), ((3, 7), 4, 0), ((4, 7), 4, 8), ((9, 0), 4, 1)])
-def test_a_long_job_recovers_past_any_lifetime_count(prior: tuple[int, int] | None, resume: int, stalled: int) -> None:
+@pytest.mark.parametrize("prior, resume, stalled", [(None, 4, 0), ((3, 7, 0), 4, 0), ((4, 7, 0), 4, 8),
+                                                    ((9, 0, 0), 4, 1)])
+def test_a_long_job_recovers_past_any_lifetime_count(prior: tuple[int, int, int] | None, resume: int,
+                                                     stalled: int) -> None:
     """Generation 5000, far past the limit: a job at scale that keeps making progress between failures is
     never given up; the published plan carries its count of recoveries in a row without progress."""
     state, actions = step(Planning(5000, frozenset({1}), 0.0, prior=prior),
@@ -675,10 +678,44 @@ def test_silent_rank_whose_process_died_is_lost_at_the_report_deadline() -> None
 def test_give_up_names_the_last_cause() -> None:
     ld = fresh_leader()
     ld.state = Planning(CFG.max_recoveries, frozenset({1}), 0.0, "rank 1 ended by signal 9",
-                        prior=(4, CFG.max_recoveries))
+                        prior=(4, CFG.max_recoveries, 0))
     d = RecoveryPlan("job", CFG.max_recoveries + 1, (), (1,), 4, (), (), True, (), 0)
     ld.feed(Planned(d, (), 0.0))
     assert isinstance(ld.state, Ended) and "the last: rank 1 ended by signal 9" in ld.state.reason
+
+
+# --- collectives that diverge after a resume (issue 38) ----------------------------------------------
+@pytest.mark.parametrize("prior, resume, timed_out, count", [
+    (None, 4, True, 1), ((4, 0, 0), 4, True, 1), ((4, 1, 1), 4, False, 0), ((3, 0, 1), 4, True, 1),
+    ((4, 1, 1), 4, True, 2), ((5, 1, 1), 4, True, 2)])
+def test_timed_out_incidents_are_counted_in_a_row_at_one_resume_version(
+        prior: tuple[int, int, int] | None, resume: int, timed_out: bool, count: int) -> None:
+    """Only incidents that are a collective timeout alone count, and only while no later version is resumed;
+    the second in a row ends the job naming the fault, the first publishes a plan that carries the count."""
+    state, actions = step(Planning(7, frozenset(), 0.0, "rank 2 (CollectiveTimeout: ...)", prior=prior,
+                                   timed_out=timed_out),
+                          Planned(RecoveryPlan("job", 8, (), (), resume, (), (), False, (), 0), (), 0.0), CFG)
+    if count < 2:
+        assert isinstance(state, Publishing) and isinstance(state.decision, RecoveryPlan)
+        assert state.decision.timeouts == count
+        assert decision_from_doc(decision_to_doc(state.decision)) == state.decision
+    else:
+        assert isinstance(state, Ended) and state.state == "failed"
+        assert state.reason.startswith("CollectivesDiverged:") and "version 4" in state.reason
+        assert "the last: rank 2 (CollectiveTimeout" in state.reason
+
+
+def test_an_incident_is_a_collective_timeout_only_when_a_rank_reports_one_and_none_died() -> None:
+    """Reported by the worker (its group measured a wait of the whole timeout), never read from a message."""
+    ld = fresh_leader()
+    ld.world.report_all_alive()
+    assert not give_up.timed_out(ld.world.view())
+    rec = ld.world.reports[2]
+    ld.world.reports[2] = report_record_from_json(report_record_to_json(rec.report, "CollectiveTimeout: x",
+                                                                        timed_out=True))
+    assert ld.world.reports[2].timed_out and give_up.timed_out(ld.world.view())
+    ld.world.kill(1)  # a rank died too: a timeout may follow from it, this is an ordinary incident
+    assert not give_up.timed_out(ld.world.view())
 
 
 # --- fewer ranks (--lost-node shrink) ------------------------------------------------------------------
