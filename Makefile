@@ -55,7 +55,7 @@ demo: $(STAMP)
 
 # The CI suite: everything except the slow chaos matrix (a bounded, seeded subset of it runs).
 test: $(STAMP) sysdeps
-	$(PY) -m mypy ckptless launcher chaos
+	tools/mypy_tree.sh $(PY)
 	$(PY) -m pytest -q -m "not slow" --durations=15 tests
 
 # A recovery e2e subset again, beside one busy CPU process (CI runs it after `make test`):
