@@ -65,6 +65,7 @@ def test_prefetching_loop_with_carried_values_killed_twice_is_bitwise(tmp_path: 
     assert "carries unprotected" not in logs, "the start-up check named a value the port protects"
 
 
+@pytest.mark.rotating(2)  # CI budget: tests/harness/rotation.py (the negative control; the protected loop runs daily)
 @pytest.mark.timeout(400)
 def test_the_same_loop_with_unprotected_locals_differs_and_is_named(tmp_path: Path) -> None:
     v = run_script("kill-twice", _job(unprotected(tmp_path)), tmp_path, rank=0, at=AT,

@@ -31,6 +31,7 @@ def _lines(path: Path) -> list[dict[str, object]]:
     return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
 
 
+@pytest.mark.rotating(2)  # CI budget: tests/harness/rotation.py (the tool's pieces run daily in tests/unit/test_chaos_goodput.py)
 @pytest.mark.timeout(240)
 def test_goodput_measures_both_systems_with_the_same_kill(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     sched = tmp_path / "schedule.json"
@@ -62,6 +63,7 @@ def test_goodput_measures_both_systems_with_the_same_kill(tmp_path: Path, capsys
     assert "torchrun" in text and "goodput" in text
 
 
+@pytest.mark.rotating(0)  # CI budget: tests/harness/rotation.py (the plain init's DCP resume; unit-tested daily)
 @pytest.mark.timeout(240)
 def test_plain_init_under_torchrun_resumes_from_the_last_dcp_checkpoint(tmp_path: Path) -> None:
     """The ported script, unchanged, under plain torchrun: checkpoints every 50 steps, rank 1 killed

@@ -74,6 +74,7 @@ def test_lightning_at_4_ranks_killed_twice_resumes_bitwise(tmp_path: Path) -> No
     assert "generation 2" in v.line, v.line
 
 
+@pytest.mark.rotating(1)  # CI budget: tests/harness/rotation.py (the leader's rule is unit-tested daily)
 @pytest.mark.timeout(300)
 def test_ranks_whose_collectives_diverge_after_every_resume_end_the_job_with_a_named_fault(tmp_path: Path) -> None:
     """Issue 38: generation after generation ended in the collective timeout and neither agent exited
