@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ast
 from collections import defaultdict
+from collections.abc import Iterator
 from pathlib import Path
 
 from ..harness.repo import REPO
@@ -49,13 +50,20 @@ def _modules() -> dict[str, Path]:
     return out
 
 
-def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
-    """The project modules ``name`` imports (``from pkg import mod`` counts as ``pkg.mod``)."""
+def _import_statements(name: str, path: Path, runtime_only: bool = False) -> Iterator[tuple[str, str | None]]:
+    """Each ``import m`` of module ``name`` (at ``path``) as ``(m, None)`` and each ``from base import a`` as
+    ``(base, a)``, relative bases resolved; ``runtime_only``: imports under ``TYPE_CHECKING`` left out."""
+    tree = ast.parse(path.read_text())
+    typing_only = {id(n) for node in ast.walk(tree)
+                   if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+                   for n in ast.walk(node)} if runtime_only else set()
     is_pkg = path.name == "__init__.py"
-    found: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
         if isinstance(node, ast.Import):
-            found |= {a.name for a in node.names}
+            for a in node.names:
+                yield a.name, None
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
@@ -63,8 +71,15 @@ def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
                 anchor = anchor[: len(anchor) - node.level + 1]
                 base = ".".join([*anchor, base] if base else anchor)
             for alias in node.names:
-                sub = f"{base}.{alias.name}"
-                found.add(sub if sub in modules else base)
+                yield base, alias.name
+
+
+def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    """The project modules ``name`` imports (``from pkg import mod`` counts as ``pkg.mod``)."""
+    found: set[str] = set()
+    for base, alias in _import_statements(name, path):
+        sub = f"{base}.{alias}"
+        found.add(base if alias is None or sub not in modules else sub)
     return {m for m in found if m in modules and m != name}
 
 
@@ -354,27 +369,11 @@ IO_MODULES = {"os", "sys", "time", "socket", "subprocess", "signal", "shutil", "
 
 def _runtime_imports(path: Path, modules: dict[str, Path], name: str) -> set[str]:
     """Every module ``path`` imports when it runs (project or not), imports under TYPE_CHECKING left out."""
-    tree = ast.parse(path.read_text())
-    typing_only = {id(n) for node in ast.walk(tree)
-                   if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
-                   for n in ast.walk(node)}
-    is_pkg = path.name == "__init__.py"
     found: set[str] = set()
-    for node in ast.walk(tree):
-        if id(node) in typing_only:
-            continue
-        if isinstance(node, ast.Import):
-            found |= {a.name for a in node.names}
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                anchor = name.split(".") if is_pkg else name.split(".")[:-1]
-                anchor = anchor[: len(anchor) - node.level + 1]
-                base = ".".join([*anchor, base] if base else anchor)
-            for alias in node.names:
-                sub = f"{base}.{alias.name}"
-                # A name a package re-exports counts as the module that defines it: that is the code used.
-                found.add(sub if sub in modules else _defined_in(base, alias.name, modules))
+    for base, alias in _import_statements(name, path, runtime_only=True):
+        sub = f"{base}.{alias}"
+        # A name a package re-exports counts as the module that defines it: that is the code used.
+        found.add(base if alias is None else sub if sub in modules else _defined_in(base, alias, modules))
     return found
 
 
