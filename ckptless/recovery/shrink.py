@@ -31,7 +31,9 @@ The rules (R10 in docs/recovery.md):
   a dead host's copy of the rank it hosted, or the rank's own image), which a
   process on that node adopts;
 * among those holders, the one hosting fewest ranks so far, then the lowest
-  rank: the extra compute spreads evenly and the choice is deterministic.
+  rank; then a rank moves to another of its holders while that one hosts two
+  fewer: no holder of a rank hosts 2 fewer than the rank's host, so the extra
+  compute spreads evenly, and the choice is deterministic.
 
 Cost: O(lost x holders + node copies) with the facts' indexes; the plan adds
 one assignment per hosted rank (the roster's explicit entries, docs/scale.md).
@@ -87,7 +89,7 @@ def host_lost_ranks(facts: PlanningFacts, assignments: Sequence[Assignment], ver
     load = {a.worker_id: 0 for a in processes}
     slot_of = {a.rank: a for a in processes}
     chooser = nodecopies.Chooser(facts, processes, dict(local))
-    out: list[Assignment] = []
+    hosts: dict[int, Assignment] = {}
     adopted: list[Adoption] = []
     # Ranks held in memory first: their hosts are fixed by who holds them, a copy on a node can go to
     # any process there, so it then goes where the load is least.
@@ -103,6 +105,33 @@ def host_lost_ranks(facts: PlanningFacts, assignments: Sequence[Assignment], ver
                                 "in memory or in its node's memory")
             host = slot_of[picked[1].rank]
             adopted.append(nodecopies.adoption(*picked))
-        out.append(Assignment(rank, host.worker_id, host.node_id, "hosted"))
+        hosts[rank] = host
+    _rebalance(hosts, holders, slot_of, load)
+    out = [Assignment(rank, host.worker_id, host.node_id, "hosted") for rank, host in hosts.items()]
     return sorted(processes + out, key=lambda a: a.rank), adopted, ""
 
+
+def _rebalance(hosts: dict[int, Assignment], holders: Mapping[int, list[int]],
+               slot_of: Mapping[int, Assignment], load: dict[str, int]) -> None:
+    """Move a rank held in memory to another of its holders while that one hosts 2 fewer ranks.
+
+    Why: the greedy pass above picks the least-loaded holder rank by rank, so an early choice can
+    leave a later rank's only holders loaded while a holder of the early rank stays idle (hypothesis
+    found a W=13 world where one survivor hosted 2 ranks and another holder of one of them none);
+    that survivor then runs three micro-batches a step and sets the pace of the whole job. Each move
+    lowers the sum of squared loads, so this ends, and the scan order keeps it deterministic.
+    Cost: O(moves x lost x holders), moves bounded by the sum of squared loads (O(lost^2)).
+    """
+    moved = True
+    while moved:
+        moved = False
+        for rank in sorted(hosts):
+            host = hosts[rank]
+            for h in sorted(holders.get(rank, ()), key=lambda h: (load[slot_of[h].worker_id], h)):
+                other = slot_of[h]
+                if load[other.worker_id] + 2 <= load[host.worker_id]:
+                    load[host.worker_id] -= 1
+                    load[other.worker_id] += 1
+                    hosts[rank] = other
+                    moved = True
+                    break

@@ -190,3 +190,24 @@ def test_goes_on_at_the_newest_version_every_survivor_holds_itself() -> None:
     assert isinstance(d, RecoveryPlan), d  # was: waiting, "survivors [1] do not hold version 6"
     assert d.resume_version == 5 and d.hosted == {2: "a/w0"} and d.transfers == ()
     assert [(b.rank, b.from_version, b.to_version) for b in d.rollbacks] == [(0, 6, 5)]
+
+
+def test_a_rank_held_by_two_survivors_goes_to_the_one_the_other_lost_rank_leaves_idle() -> None:
+    """Hypothesis's W=13 counterexample, made small: ranks 0 and 3 lost with their nodes; rank 0's image
+    is held by ranks 1 and 2, rank 3's by rank 1 only. Rank by rank, the least-loaded holder of rank 0
+    was rank 1 (a tie, lower rank), and then rank 3 could only go to rank 1 too: one survivor hosting
+    two ranks (three micro-batches a step, the pace of the job) while rank 2 hosted none."""
+    from ckptless.recovery import PlanningFacts, RankSlot, ReplicaFact, Worker, WorkerReport
+
+    holders = {0: (1, 2), 1: (2,), 2: (1,), 3: (1,)}
+    members = tuple(RankSlot(r, Worker(f"{n}/w{r}", n), r in (1, 2)) for r, n in enumerate("abcd"))
+
+    def rep(r: int) -> WorkerReport:
+        held = tuple(ReplicaFact(o, 5, 4) for o in sorted(holders) if r in holders[o])
+        return WorkerReport(f"{'abcd'[r]}/w{r}", 5, 5, frozenset({5}), held, can_host=True)
+
+    f = PlanningFacts("j", 3, 4, members, (rep(1), rep(2)), (), holders, None, frozenset({"a", "d"}),
+                      PlanPolicy(lost_node="shrink"))
+    d = plan_recovery(f)
+    assert isinstance(d, RecoveryPlan), d
+    assert d.hosted == {0: "c/w2", 3: "b/w1"}  # was: {0: "b/w1", 3: "b/w1"}
