@@ -31,7 +31,6 @@ skips whole epochs). Without ``job.epochs`` a function may make one pass.
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 import weakref
 from collections.abc import Callable, Generator, Iterable, Iterator
@@ -177,7 +176,7 @@ class LoopRunner:
         rt = self.rt
         assert rt.spec is not None and self._it is not None
         end = self._current + 1 if self._in_step else self._current
-        rt.spec = dataclasses.replace(rt.spec, steps=end)
+        self.driver.end_at(end)
         if not self._in_step:
             if not rt.recovery:
                 self._it.close()

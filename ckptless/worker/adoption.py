@@ -96,10 +96,7 @@ def take_rank(rt: WorkerRuntime, rank: int, world_size: int) -> None:
     for name, obj in rt.registry.items():
         if set_world(obj, rank, world_size):
             log.info("protected %s now reads the data of rank %d", name, rank)
-    if rt.snapshots is not None:
-        rt.snapshots.close()
-        rt.snapshots = None
-        rt.make_snapshot_writer()
+    rt.renew_snapshot_writer()
 
 
 def reexec(rt: WorkerRuntime, rank: int | None) -> None:
