@@ -40,7 +40,7 @@ from ckptless.chaos.goodput_plan import RunFigures, TimedFault, figures, save_se
 from ckptless.chaos.proctable import alive
 from ckptless.errors import CkptlessError, ConfigError
 from ckptless.goodput.ledger import Event, EventKind
-from ckptless.report.loader import load_run
+from ckptless.report import load_run
 
 CALIBRATION_S = 45.0  # the fault-free torchrun run that measures the save time (when --ckpt-every is not given)
 POLL_S = 0.02
