@@ -24,7 +24,7 @@ from typing import Any
 
 from ckptless.errors import CkptlessError
 from ckptless.goodput import Category, Event, GoodputReport, Ledger, account, default_inputs, render_report
-from ckptless.goodput.merge import analyze
+from ckptless.goodput import analyze
 from ckptless.report import ReportInputError, load_run
 
 EXIT_USAGE = 2

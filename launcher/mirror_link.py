@@ -26,7 +26,7 @@ from ckptless import environment
 from ckptless.coordinator.client import EtcdClient
 from ckptless.coordinator.keyspace import Keyspace
 from ckptless.coordinator.rendezvous import RendezvousResult
-from ckptless.goodput.ledger import EventKind
+from ckptless.goodput import EventKind
 from ckptless.metrics import MetricsExporter
 from ckptless.mirror.link import MirrorLink, ProbeServer, collectives_interface, interfaces, judge, probe, resolve
 from ckptless.worker.ledger import WorkerLedger

@@ -26,7 +26,7 @@ from ckptless.goodput import (
     analyze,
     estimate,
 )
-from ckptless.goodput.ledger import EventKind
+from ckptless.goodput import EventKind
 from ckptless.mirror.link import MirrorLink
 from ckptless.report.loader import LoadedRun
 

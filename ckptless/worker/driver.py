@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from ckptless import environment
 from ckptless.errors import CkptlessError, ConfigError, MirrorError, RecoveryError
-from ckptless.goodput.ledger import EventKind
+from ckptless.goodput import EventKind
 from ckptless.mirror.config import MirrorConfig
 from ckptless.recovery.decision import Assignment
 from ckptless.recovery.wire import Membership

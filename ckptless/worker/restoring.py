@@ -26,7 +26,7 @@ from ckptless.errors import (
     TransportError,
     UnrecoverableError,
 )
-from ckptless.goodput.ledger import EventKind
+from ckptless.goodput import EventKind
 from ckptless.mirror.partial import MISSING
 from ckptless.recovery.executor import (RestoreInputs, SnapshotLoadFailed, adopt_copies, apply_decision,
                                         build_report, restore_early)

@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from ckptless import chaos_hooks, environment
 from ckptless.errors import NodeCopyError, TransportError
-from ckptless.goodput.ledger import EventKind
+from ckptless.goodput import EventKind
 from ckptless.mirror.config import MirrorConfig
 from ckptless.mirror.mirror import MirrorEngine
 from ckptless.mirror.partial import PairSpec

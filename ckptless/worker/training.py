@@ -15,7 +15,7 @@ from typing import Any
 
 from ckptless import chaos_hooks
 from ckptless.errors import MirrorError, SilentDataCorruption, StateError, TransportError
-from ckptless.goodput.ledger import EventKind
+from ckptless.goodput import EventKind
 from ckptless.mirror.partial import PairSpec
 from ckptless.state import StateImage
 from ckptless.worker import exit_file, groups, handoff, reuse
