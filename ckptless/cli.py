@@ -108,7 +108,7 @@ def _parser() -> argparse.ArgumentParser:
     st.add_argument("--rdzv-id", required=True, help="the job id (ckptless-run --rdzv-id)")
     st.add_argument("--json", action="store_true", help="print the status as JSON")
     st.add_argument("--timeout", type=_seconds, default=5.0, help="seconds to reach etcd (default 5)")
-    from ckptless.simulate.cli import add_arguments
+    from ckptless.simulate import add_arguments
     add_arguments(sub.add_parser(
         "simulate", help="model a job's goodput under failures: ckptless vs restart-from-disk vs TorchFT-style",
         description="A seeded discrete-event model (docs/goodput.md): goodput, badput by category, lost work, the "
@@ -118,8 +118,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _simulate(args: argparse.Namespace) -> int:
-    from ckptless.simulate.cli import params_from
-    from ckptless.simulate.report import build, render, to_json
+    from ckptless.simulate import params_from
+    from ckptless.simulate import build, render, to_json
 
     params, seed, seeds = params_from(args)
     rep = build(params, preset=args.preset, seed=seed, seeds=seeds, search=not args.no_recommend)
