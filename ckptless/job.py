@@ -31,7 +31,7 @@ import torch
 from ckptless import environment, loop_check, sample_seeds
 from ckptless.carried import CARRIED_ENTRY, Carried
 from ckptless.errors import ConfigError, RecoveryError
-from ckptless.mirror.config import MirrorConfig
+from ckptless.mirror import MirrorConfig
 from ckptless.state import StateRegistry
 from ckptless.worker import device, exit_file, exit_guard, rank_reads, setup_seed, training
 from ckptless.worker.context import WorkerContext

@@ -356,7 +356,7 @@ class NodeAgent:
         d = self.cfg.shm_dir
         if not d:
             return
-        from ckptless.mirror.shm import cleanup_stale, finish_job, register_owner
+        from ckptless.mirror import cleanup_stale, finish_job, register_owner
 
         os.makedirs(d, exist_ok=True)
         cleanup_stale(d)

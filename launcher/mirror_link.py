@@ -28,7 +28,7 @@ from ckptless.coordinator.keyspace import Keyspace
 from ckptless.coordinator.rendezvous import RendezvousResult
 from ckptless.goodput import EventKind
 from ckptless.metrics import MetricsExporter
-from ckptless.mirror.link import MirrorLink, ProbeServer, collectives_interface, interfaces, judge, probe, resolve
+from ckptless.mirror import MirrorLink, ProbeServer, collectives_interface, interfaces, judge, probe, resolve
 from ckptless.worker.ledger import WorkerLedger
 
 log = logging.getLogger(__name__)

@@ -142,7 +142,7 @@ class NodeDriver:
                 st.metrics.set_replacement_waiting(a.waiting_since)
         elif isinstance(a, RemoveDeadShm):
             if st.cfg.shm_dir:
-                from ckptless.mirror.shm import remove_dead_groups
+                from ckptless.mirror import remove_dead_groups
 
                 remove_dead_groups(st.cfg.shm_dir, st.cfg.run_id)
         elif isinstance(a, SendStatus):

@@ -27,7 +27,7 @@ from ckptless.goodput import (
     estimate,
 )
 from ckptless.goodput import EventKind
-from ckptless.mirror.link import MirrorLink
+from ckptless.mirror import MirrorLink
 from ckptless.report.loader import LoadedRun
 
 LABELS = {

@@ -28,7 +28,7 @@ from ckptless.coordinator.client import EtcdClient
 from ckptless.coordinator.config import EtcdConfig
 from ckptless.coordinator.keyspace import Keyspace
 from ckptless.errors import CkptlessError, CoordinatorError
-from ckptless.mirror.link import MirrorLink
+from ckptless.mirror import MirrorLink
 from ckptless.recovery.wire import membership_from_json, report_from_json, spare_from_json
 
 @dataclass(frozen=True)

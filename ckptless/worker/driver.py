@@ -28,7 +28,7 @@ import torch.distributed as dist
 from ckptless import environment
 from ckptless.errors import CkptlessError, ConfigError, MirrorError, RecoveryError
 from ckptless.goodput import EventKind
-from ckptless.mirror.config import MirrorConfig
+from ckptless.mirror import MirrorConfig
 from ckptless.recovery.decision import Assignment
 from ckptless.recovery.wire import Membership
 from ckptless.state import host_memory

@@ -19,8 +19,8 @@ import torch
 import torch.distributed as dist
 
 from ckptless.errors import RecoveryError
-from ckptless.mirror.mirror import MirrorEngine
-from ckptless.mirror.store import StoredImage
+from ckptless.mirror import MirrorEngine
+from ckptless.mirror import StoredImage
 from ckptless.recovery.decision import Decision
 from ckptless.recovery.transfer import Received
 from ckptless.recovery.wire import Membership

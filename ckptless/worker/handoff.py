@@ -33,8 +33,8 @@ import logging
 import torch
 import torch.distributed as dist
 
-from ckptless.mirror.ownimage import OwnImageFiles
-from ckptless.mirror.store import StoredImage
+from ckptless.mirror import OwnImageFiles
+from ckptless.mirror import StoredImage
 from ckptless.state import Capturer
 from ckptless.state import Manifest
 from ckptless.worker.runtime import WorkerRuntime

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from ckptless.errors import ConfigError, PlacementError
 from ckptless.mirror import tree
-from ckptless.mirror.placement import compute_placement
+from ckptless.mirror import compute_placement
 from ckptless.recovery.decision import RecoveryPlan
 from ckptless.recovery.wire import Membership
 

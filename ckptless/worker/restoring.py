@@ -27,7 +27,7 @@ from ckptless.errors import (
     UnrecoverableError,
 )
 from ckptless.goodput import EventKind
-from ckptless.mirror.partial import MISSING
+from ckptless.mirror import MISSING
 from ckptless.recovery.executor import (RestoreInputs, SnapshotLoadFailed, adopt_copies, apply_decision,
                                         build_report, restore_early)
 from ckptless.recovery.decision import DiskFallback, RecoveryPlan

@@ -32,12 +32,12 @@ import torch.distributed as dist
 from ckptless import chaos_hooks, environment
 from ckptless.errors import NodeCopyError, TransportError
 from ckptless.goodput import EventKind
-from ckptless.mirror.config import MirrorConfig
-from ckptless.mirror.mirror import MirrorEngine
-from ckptless.mirror.partial import PairSpec
-from ckptless.mirror.reattach import attach
-from ckptless.mirror.replica_check import StrikeBook
-from ckptless.mirror.store import PeerStore, StoredImage
+from ckptless.mirror import MirrorConfig
+from ckptless.mirror import MirrorEngine
+from ckptless.mirror import PairSpec
+from ckptless.mirror import attach
+from ckptless.mirror import StrikeBook
+from ckptless.mirror import PeerStore, StoredImage
 from ckptless.recovery.transfer import Received
 from ckptless.recovery.wire import Membership
 from ckptless.snapshot import SnapshotConfig, SnapshotWriter

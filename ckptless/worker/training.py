@@ -16,7 +16,7 @@ from typing import Any
 from ckptless import chaos_hooks
 from ckptless.errors import MirrorError, SilentDataCorruption, StateError, TransportError
 from ckptless.goodput import EventKind
-from ckptless.mirror.partial import PairSpec
+from ckptless.mirror import PairSpec
 from ckptless.state import StateImage
 from ckptless.worker import exit_file, groups, handoff, reuse
 from ckptless.worker.faults import device_failure, is_fault
