@@ -47,13 +47,13 @@ from contextlib import ExitStack
 from types import FrameType
 
 from ckptless import environment
-from ckptless.coordinator.client import EtcdClient, WatchEvent
-from ckptless.coordinator.relay_server import RelayServer
-from ckptless.coordinator.relay_writer import RelayWriter
-from ckptless.coordinator.config import EtcdConfig
-from ckptless.coordinator.embedded import EmbeddedEtcd
-from ckptless.coordinator.rendezvous import NodeInfo, Rendezvous, RendezvousResult
-from ckptless.coordinator.session import Session
+from ckptless.coordinator import EtcdClient, WatchEvent
+from ckptless.coordinator import RelayServer
+from ckptless.coordinator import RelayWriter
+from ckptless.coordinator import EtcdConfig
+from ckptless.coordinator import EmbeddedEtcd
+from ckptless.coordinator import NodeInfo, Rendezvous, RendezvousResult
+from ckptless.coordinator import Session
 from ckptless.errors import ConfigError, CoordinatorError
 from ckptless.launcher.mirror_link import LinkCheck
 from ckptless.launcher import admission, completion, devices, follower, refill

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 
-from ckptless.coordinator.client import WatchEvent
+from ckptless.coordinator import WatchEvent
 from ckptless.errors import CkptlessError
 from ckptless.launcher.node_machine import IncidentSeen, MembershipSeen, StatusSeen
 from ckptless.launcher.node_state import NodeState

@@ -15,11 +15,11 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
-from ckptless.coordinator.client import EtcdClient
-from ckptless.coordinator.keyspace import Keyspace
+from ckptless.coordinator import EtcdClient
+from ckptless.coordinator import Keyspace
 from ckptless import environment
-from ckptless.coordinator.rendezvous import NodeInfo, Rendezvous, RendezvousResult, RoundState
-from ckptless.coordinator.session import Session
+from ckptless.coordinator import NodeInfo, Rendezvous, RendezvousResult, RoundState
+from ckptless.coordinator import Session
 from ckptless.errors import ConfigError, RendezvousError, RendezvousLate, RendezvousTimeout
 from ckptless.launcher.admission import Relaunch, admit, job_config
 from ckptless.launcher.args import LaunchConfig

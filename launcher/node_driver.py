@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ckptless.coordinator.client import Compare, Put
+from ckptless.coordinator import Compare, Put
 from ckptless.errors import CkptlessError, CoordinatorError
 from ckptless.launcher import refill, respawn
 from ckptless.launcher.node_machine import (
