@@ -40,7 +40,7 @@ from ckptless.coordinator import EtcdConfig
 from ckptless.coordinator import EmbeddedEtcd
 from ckptless.coordinator import Keyspace
 from ckptless.errors import CkptlessError, ConfigError, CoordinatorError
-from ckptless.recovery.wire import membership_from_json
+from ckptless.recovery import membership_from_json
 
 REPO = Path(__file__).resolve().parent.parent
 DEMO_SCRIPT = REPO / "examples" / "train_demo.py"

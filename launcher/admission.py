@@ -38,7 +38,7 @@ from ckptless.coordinator import RoundState, config_disagreement
 from ckptless.environment import DEFAULT_SEED, ProcessEnv
 from ckptless.errors import JobAlreadyEnded, OtherRunSettings
 from ckptless.launcher.args import LaunchConfig
-from ckptless.recovery.view import JobStatus
+from ckptless.recovery import JobStatus
 
 
 @dataclass(frozen=True)

@@ -73,8 +73,8 @@ from ckptless.launcher.watchdog import end_stuck_teardowns, watch_hangs
 from ckptless.launcher.worker_env import WorkerLayout, build_command, ckptless_env_from_config, worker_env
 from ckptless.launcher.workers import WorkerGroup
 from ckptless.metrics import MetricsExporter
-from ckptless.recovery.leader import RecoveryLeader
-from ckptless.recovery.leader_machine import LeaderConfig
+from ckptless.recovery import RecoveryLeader
+from ckptless.recovery import LeaderConfig
 from ckptless.worker import spare_site
 from ckptless.worker.heartbeat import read_progress
 from ckptless.worker.ledger import leader_sink

@@ -27,8 +27,8 @@ from ckptless import environment
 from ckptless.launcher.node_machine import ExitRecorded, ReexecAsked
 from ckptless.launcher.node_state import NodeState
 from ckptless.launcher.worker_process import WorkerExit
-from ckptless.recovery.facts import NodeLocalCopy, NodeLocalImage
-from ckptless.recovery.view import ErrorSummary, ExitRecord
+from ckptless.recovery import NodeLocalCopy, NodeLocalImage
+from ckptless.recovery import ErrorSummary, ExitRecord
 from ckptless.worker import exit_file
 
 log = logging.getLogger("ckptless.agent")

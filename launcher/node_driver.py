@@ -31,7 +31,7 @@ from ckptless.launcher.node_machine import (
     wants_progress)
 from ckptless.launcher.node_state import NodeState
 from ckptless.launcher.slots import Slot
-from ckptless.recovery.view import ExitRecord, JobStatus
+from ckptless.recovery import ExitRecord, JobStatus
 from ckptless.worker.heartbeat import read_progress
 
 log = logging.getLogger("ckptless.agent")

@@ -10,7 +10,7 @@ from collections.abc import Mapping, Sequence
 
 from ckptless.launcher.slots import Slot
 from ckptless.metrics import MetricsExporter
-from ckptless.recovery.wire import Membership
+from ckptless.recovery import Membership
 from ckptless.worker.heartbeat import read_progress
 
 

@@ -29,7 +29,7 @@ from ckptless.coordinator import EtcdConfig
 from ckptless.coordinator import Keyspace
 from ckptless.errors import CkptlessError, CoordinatorError
 from ckptless.mirror import MirrorLink
-from ckptless.recovery.wire import membership_from_json, report_from_json, spare_from_json
+from ckptless.recovery import membership_from_json, report_from_json, spare_from_json
 
 @dataclass(frozen=True)
 class Member:

@@ -23,7 +23,7 @@ from dataclasses import replace
 from ckptless.environment import export
 from ckptless.errors import CoordinatorUnavailable, IntegrityError, RecoveryError, TransportError
 from ckptless.goodput import EventKind
-from ckptless.recovery.wire import Membership
+from ckptless.recovery import Membership
 from ckptless.worker import adoption, ahead, groups, restoring, training
 from ckptless.worker.control import JobEndedError
 from ckptless.worker.generation import Generation

@@ -37,8 +37,8 @@ import os
 import sys
 
 from ckptless.data import set_world
-from ckptless.recovery.decision import RecoveryPlan
-from ckptless.recovery.wire import Membership
+from ckptless.recovery import RecoveryPlan
+from ckptless.recovery import Membership
 from ckptless.state import HIDDEN_PREFIX
 from ckptless.state import StateRegistry
 from ckptless.worker import exit_file, groups, rank_reads

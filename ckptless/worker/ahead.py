@@ -15,10 +15,10 @@ import time
 
 from ckptless import chaos_hooks
 from ckptless.errors import TransportError
-from ckptless.recovery.decision import RecoveryPlan
-from ckptless.recovery.executor import adopt_copies
-from ckptless.recovery.transfer import Received, execute_transfers
-from ckptless.recovery.wire import Membership
+from ckptless.recovery import RecoveryPlan
+from ckptless.recovery import adopt_copies
+from ckptless.recovery import Received, execute_transfers
+from ckptless.recovery import Membership
 from ckptless.worker import exit_guard, groups
 from ckptless.worker.generation import Generation
 from ckptless.worker.mirror_peers import mirror_peers

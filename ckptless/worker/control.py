@@ -46,9 +46,9 @@ from ckptless.coordinator import Keyspace
 from ckptless.coordinator import RelaySubscription, RelayWriteTimeout
 from ckptless.coordinator import RelayClosed
 from ckptless.errors import CkptlessError, CoordinatorError, CoordinatorUnavailable, RecoveryError
-from ckptless.recovery.facts import WorkerReport
-from ckptless.recovery.view import JobStatus, report_record_to_json
-from ckptless.recovery.wire import Membership, membership_from_json
+from ckptless.recovery import WorkerReport
+from ckptless.recovery import JobStatus, report_record_to_json
+from ckptless.recovery import Membership, membership_from_json
 from ckptless.worker import abort
 
 T = TypeVar("T")

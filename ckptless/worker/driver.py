@@ -29,8 +29,8 @@ from ckptless import environment
 from ckptless.errors import CkptlessError, ConfigError, MirrorError, RecoveryError
 from ckptless.goodput import EventKind
 from ckptless.mirror import MirrorConfig
-from ckptless.recovery.decision import Assignment
-from ckptless.recovery.wire import Membership
+from ckptless.recovery import Assignment
+from ckptless.recovery import Membership
 from ckptless.state import host_memory
 from ckptless.state import write_digest
 from ckptless.worker import (abort, actions, ahead, deferral, exit_file, exit_guard, groups, hosted, nccl_env,

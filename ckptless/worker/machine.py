@@ -27,7 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal, Union
 
-from ckptless.recovery.view import ErrorSummary
+from ckptless.recovery import ErrorSummary
 
 FailKind = Literal["user_error", "job_ended", "fenced", "internal", "device"]
 

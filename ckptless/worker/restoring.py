@@ -28,9 +28,9 @@ from ckptless.errors import (
 )
 from ckptless.goodput import EventKind
 from ckptless.mirror import MISSING
-from ckptless.recovery.executor import (RestoreInputs, SnapshotLoadFailed, adopt_copies, apply_decision,
+from ckptless.recovery import (RestoreInputs, SnapshotLoadFailed, adopt_copies, apply_decision,
                                         build_report, restore_early)
-from ckptless.recovery.decision import DiskFallback, RecoveryPlan
+from ckptless.recovery import DiskFallback, RecoveryPlan
 from ckptless.state import StateImage, StateRegistry, clear_grads, restore
 from ckptless.worker import groups, hosted, reuse
 from ckptless.worker.generation import Generation

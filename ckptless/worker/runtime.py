@@ -38,8 +38,8 @@ from ckptless.mirror import PairSpec
 from ckptless.mirror import attach
 from ckptless.mirror import StrikeBook
 from ckptless.mirror import PeerStore, StoredImage
-from ckptless.recovery.transfer import Received
-from ckptless.recovery.wire import Membership
+from ckptless.recovery import Received
+from ckptless.recovery import Membership
 from ckptless.snapshot import SnapshotConfig, SnapshotWriter
 from ckptless.state import Capturer, GradientWindow, StateImage, StateRegistry, WriteOrder, window
 from ckptless.worker import deferral, exit_guard, groups, rank_reads, reuse

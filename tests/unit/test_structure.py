@@ -289,7 +289,6 @@ def test_module_state_in_worker_is_justified() -> None:
 #: ``package`` -> why it may not have one (one line each; none today: the packages' dependencies form no cycle,
 #: and ckptless/lazy.py's facades import nothing until a name is used, so no import grows).
 FACADE_EXEMPT: dict[str, str] = {
-    "ckptless.recovery": "pending: its outside imports move to its __init__ in the next commits (issue 40)",
     "ckptless.worker": "pending: its outside imports move to its __init__ in the next commits (issue 40)",
 }
 
