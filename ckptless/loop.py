@@ -41,8 +41,8 @@ from ckptless.passes import AFTER_EPOCHS, LoopPosition, adapted, is_stateful, op
 from ckptless.sample_seeds import refuse_unreproducible, seeds_per_pass
 from ckptless.state import RNGState
 from ckptless.worker import exit_file, exit_guard, training
-from ckptless.worker.driver import WorkerDriver
-from ckptless.worker.machine import Event, UserError
+from ckptless.worker import WorkerDriver
+from ckptless.worker import Event, UserError
 
 __all__ = ["LOOP_ENTRY", "LoopRunner", "Rewind"]
 

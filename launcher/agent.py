@@ -76,8 +76,8 @@ from ckptless.metrics import MetricsExporter
 from ckptless.recovery import RecoveryLeader
 from ckptless.recovery import LeaderConfig
 from ckptless.worker import spare_site
-from ckptless.worker.heartbeat import read_progress
-from ckptless.worker.ledger import leader_sink
+from ckptless.worker import read_progress
+from ckptless.worker import leader_sink
 
 log = logging.getLogger("ckptless.agent")
 

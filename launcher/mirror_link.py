@@ -29,7 +29,7 @@ from ckptless.coordinator import RendezvousResult
 from ckptless.goodput import EventKind
 from ckptless.metrics import MetricsExporter
 from ckptless.mirror import MirrorLink, ProbeServer, collectives_interface, interfaces, judge, probe, resolve
-from ckptless.worker.ledger import WorkerLedger
+from ckptless.worker import WorkerLedger
 
 log = logging.getLogger(__name__)
 

@@ -32,7 +32,7 @@ from ckptless.launcher.node_machine import (
 from ckptless.launcher.node_state import NodeState
 from ckptless.launcher.slots import Slot
 from ckptless.recovery import ExitRecord, JobStatus
-from ckptless.worker.heartbeat import read_progress
+from ckptless.worker import read_progress
 
 log = logging.getLogger("ckptless.agent")
 

@@ -288,9 +288,7 @@ def test_module_state_in_worker_is_justified() -> None:
 #: a module inside it (issue 40: 18 of state/'s 21 modules were imported directly, so its surface was every file).
 #: ``package`` -> why it may not have one (one line each; none today: the packages' dependencies form no cycle,
 #: and ckptless/lazy.py's facades import nothing until a name is used, so no import grows).
-FACADE_EXEMPT: dict[str, str] = {
-    "ckptless.worker": "pending: its outside imports move to its __init__ in the next commits (issue 40)",
-}
+FACADE_EXEMPT: dict[str, str] = {}
 
 
 def _facades() -> list[str]:
