@@ -35,12 +35,12 @@ from pathlib import Path
 from ckptless import environment
 from ckptless.chaos.netns import NS_IF, NetTopology, NodeNet
 from ckptless.chaos.proctable import alive, parent_pid, proc_state
-from ckptless.coordinator.client import EtcdClient
-from ckptless.coordinator.config import EtcdConfig
-from ckptless.coordinator.embedded import EmbeddedEtcd
-from ckptless.coordinator.keyspace import Keyspace
+from ckptless.coordinator import EtcdClient
+from ckptless.coordinator import EtcdConfig
+from ckptless.coordinator import EmbeddedEtcd
+from ckptless.coordinator import Keyspace
 from ckptless.errors import CkptlessError, ConfigError, CoordinatorError
-from ckptless.recovery.wire import membership_from_json
+from ckptless.recovery import membership_from_json
 
 REPO = Path(__file__).resolve().parent.parent
 DEMO_SCRIPT = REPO / "examples" / "train_demo.py"

@@ -34,8 +34,8 @@ from ckptless.chaos.netns import NetTopology, Partition
 from ckptless.chaos.proctable import descendants
 from ckptless.chaos.schedule import Fault, FaultKind
 from ckptless.errors import ConfigError
-from ckptless.goodput.ledger import Event, EventKind
-from ckptless.recovery.wire import membership_from_json
+from ckptless.goodput import Event, EventKind
+from ckptless.recovery import membership_from_json
 
 PAUSE_TIMEOUT_S = 180.0  # from job start to the scheduled step, on a loaded 2-core machine
 HOLD_BEFORE_END = 10  # a partition holds every rank this many steps before the end, until it heals

@@ -39,8 +39,8 @@ from ckptless.chaos.cluster import REPO, RUN_MARK, ClusterSpec, LocalCluster, ch
 from ckptless.chaos.goodput_plan import RunFigures, TimedFault, figures, save_seconds, young_daly_steps
 from ckptless.chaos.proctable import alive
 from ckptless.errors import CkptlessError, ConfigError
-from ckptless.goodput.ledger import Event, EventKind
-from ckptless.report.loader import load_run
+from ckptless.goodput import Event, EventKind
+from ckptless.report import load_run
 
 CALIBRATION_S = 45.0  # the fault-free torchrun run that measures the save time (when --ckpt-every is not given)
 POLL_S = 0.02

@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from ckptless.errors import ConfigError
-from ckptless.goodput.ledger import Event, EventKind
-from ckptless.goodput.merge import BADPUT_CATEGORIES, analyze
+from ckptless.goodput import Event, EventKind
+from ckptless.goodput import BADPUT_CATEGORIES, analyze
 
 KINDS = ("kill_worker",)
 

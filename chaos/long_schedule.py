@@ -22,7 +22,7 @@ from ckptless.chaos.schedule import (
     Expect, Fault, FaultKind, Schedule, ScheduleConfig, check_in_recovery, independent, int_at_least,
 )
 from ckptless.errors import ConfigError
-from ckptless.mirror.placement import compute_placement
+from ckptless.mirror import compute_placement
 
 SPARE_NODE = "spare"  # the one spare-only node of a long run
 

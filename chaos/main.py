@@ -64,8 +64,8 @@ def _run_all(scenarios: list[Scenario], out: Path) -> list[Verdict]:
 
 def _demo(args: argparse.Namespace) -> int:
     from ckptless.cli import main as ckptless_cli
-    from ckptless.report.loader import load_run
-    from ckptless.report.model import build_report
+    from ckptless.report import load_run
+    from ckptless.report import build_report
 
     out = _out_dir(args.out, "demo")
     job = demo_job(args.steps)

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from ckptless.errors import ConfigError
-from ckptless.mirror.placement import compute_placement
+from ckptless.mirror import compute_placement
 
 
 class FaultKind(str, Enum):

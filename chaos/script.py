@@ -317,8 +317,8 @@ def _ranges(ranks: list[int]) -> str:
 
 def _incidents(goodput_dir: Path) -> tuple[float | None, list[dict[str, Any]]]:
     """(goodput, per-incident figures) of a run, from the same model ``ckptless report`` uses."""
-    from ckptless.report.loader import load_run
-    from ckptless.report.model import build_report
+    from ckptless.report import load_run
+    from ckptless.report import build_report
 
     if not goodput_dir.is_dir() or not any(goodput_dir.glob("rank*.jsonl")):
         return None, []

@@ -24,8 +24,8 @@ from typing import Any
 
 from ckptless.errors import CkptlessError
 from ckptless.goodput import Category, Event, GoodputReport, Ledger, account, default_inputs, render_report
-from ckptless.goodput.merge import analyze
-from ckptless.report.loader import ReportInputError, load_run
+from ckptless.goodput import analyze
+from ckptless.report import ReportInputError, load_run
 
 EXIT_USAGE = 2
 _ReportError = ReportInputError  # the name older callers catch
@@ -108,7 +108,7 @@ def _parser() -> argparse.ArgumentParser:
     st.add_argument("--rdzv-id", required=True, help="the job id (ckptless-run --rdzv-id)")
     st.add_argument("--json", action="store_true", help="print the status as JSON")
     st.add_argument("--timeout", type=_seconds, default=5.0, help="seconds to reach etcd (default 5)")
-    from ckptless.simulate.cli import add_arguments
+    from ckptless.simulate import add_arguments
     add_arguments(sub.add_parser(
         "simulate", help="model a job's goodput under failures: ckptless vs restart-from-disk vs TorchFT-style",
         description="A seeded discrete-event model (docs/goodput.md): goodput, badput by category, lost work, the "
@@ -118,8 +118,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _simulate(args: argparse.Namespace) -> int:
-    from ckptless.simulate.cli import params_from
-    from ckptless.simulate.report import build, render, to_json
+    from ckptless.simulate import params_from
+    from ckptless.simulate import build, render, to_json
 
     params, seed, seeds = params_from(args)
     rep = build(params, preset=args.preset, seed=seed, seeds=seeds, search=not args.no_recommend)
@@ -140,8 +140,8 @@ def _report(args: argparse.Namespace) -> int:
         out = json.dumps(report_to_json(rep), indent=2, sort_keys=True) + "\n" if args.json else render_report(rep)
         sys.stdout.write(out)
         return 0
-    from ckptless.report.model import build_report
-    from ckptless.report.model import report_to_json as full_json
+    from ckptless.report import build_report
+    from ckptless.report import report_to_json as full_json
 
     run = load_run(args.path)
     baseline = load_run(args.baseline) if args.baseline is not None else None
@@ -156,7 +156,7 @@ def _report(args: argparse.Namespace) -> int:
                 inputs = replace(inputs, source="command line and " + inputs.source)
     report = build_report(run, baseline, inputs)
     if args.html is not None:
-        from ckptless.report.html import write_html
+        from ckptless.report import write_html
         try:
             write_html(report, args.html)
         except OSError as exc:
@@ -164,7 +164,7 @@ def _report(args: argparse.Namespace) -> int:
     if args.json:
         sys.stdout.write(json.dumps(full_json(report), indent=2, sort_keys=True) + "\n")
     else:
-        from ckptless.report.terminal import render
+        from ckptless.report import render
         render(report, sys.stdout)
         if args.html is not None:
             print(f"wrote {args.html}")
@@ -172,7 +172,7 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
-    from ckptless.report.status import read_status, render_status, status_to_json
+    from ckptless.report import read_status, render_status, status_to_json
 
     st = read_status(args.rdzv_endpoint, args.rdzv_id, timeout_s=args.timeout)
     if args.json:

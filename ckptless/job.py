@@ -31,13 +31,13 @@ import torch
 from ckptless import environment, loop_check, sample_seeds
 from ckptless.carried import CARRIED_ENTRY, Carried
 from ckptless.errors import ConfigError, RecoveryError
-from ckptless.mirror.config import MirrorConfig
+from ckptless.mirror import MirrorConfig
 from ckptless.state import StateRegistry
 from ckptless.worker import device, exit_file, exit_guard, rank_reads, setup_seed, training
-from ckptless.worker.context import WorkerContext
-from ckptless.worker.driver import WorkerDriver
-from ckptless.worker.machine import Event, State, UserError, is_terminal
-from ckptless.worker.runtime import RunResult, RunSpec
+from ckptless.worker import WorkerContext
+from ckptless.worker import WorkerDriver
+from ckptless.worker import Event, State, UserError, is_terminal
+from ckptless.worker import RunResult, RunSpec
 
 log = logging.getLogger(__name__)
 

@@ -31,7 +31,6 @@ skips whole epochs). Without ``job.epochs`` a function may make one pass.
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 import weakref
 from collections.abc import Callable, Generator, Iterable, Iterator
@@ -42,8 +41,8 @@ from ckptless.passes import AFTER_EPOCHS, LoopPosition, adapted, is_stateful, op
 from ckptless.sample_seeds import refuse_unreproducible, seeds_per_pass
 from ckptless.state import RNGState
 from ckptless.worker import exit_file, exit_guard, training
-from ckptless.worker.driver import WorkerDriver
-from ckptless.worker.machine import Event, UserError
+from ckptless.worker import WorkerDriver
+from ckptless.worker import Event, UserError
 
 __all__ = ["LOOP_ENTRY", "LoopRunner", "Rewind"]
 
@@ -177,7 +176,7 @@ class LoopRunner:
         rt = self.rt
         assert rt.spec is not None and self._it is not None
         end = self._current + 1 if self._in_step else self._current
-        rt.spec = dataclasses.replace(rt.spec, steps=end)
+        self.driver.end_at(end)
         if not self._in_step:
             if not rt.recovery:
                 self._it.close()

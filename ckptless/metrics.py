@@ -32,7 +32,7 @@ from typing import Any, TypeVar
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest, start_http_server
 
 from ckptless.errors import ConfigError
-from ckptless.goodput.merge import PHASES, IncidentView
+from ckptless.goodput import PHASES, IncidentView
 
 # Phases reported by ``last_recovery_seconds``: the merged incident phases, the
 # leader's decision (incident opened -> plan published, set by the agent), the

@@ -32,13 +32,13 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from ckptless.coordinator.client import EtcdClient
-from ckptless.coordinator.keyspace import Keyspace
-from ckptless.coordinator.rendezvous import RoundState, config_disagreement
+from ckptless.coordinator import EtcdClient
+from ckptless.coordinator import Keyspace
+from ckptless.coordinator import RoundState, config_disagreement
 from ckptless.environment import DEFAULT_SEED, ProcessEnv
 from ckptless.errors import JobAlreadyEnded, OtherRunSettings
 from ckptless.launcher.args import LaunchConfig
-from ckptless.recovery.view import JobStatus
+from ckptless.recovery import JobStatus
 
 
 @dataclass(frozen=True)

@@ -47,13 +47,13 @@ from contextlib import ExitStack
 from types import FrameType
 
 from ckptless import environment
-from ckptless.coordinator.client import EtcdClient, WatchEvent
-from ckptless.coordinator.relay_server import RelayServer
-from ckptless.coordinator.relay_writer import RelayWriter
-from ckptless.coordinator.config import EtcdConfig
-from ckptless.coordinator.embedded import EmbeddedEtcd
-from ckptless.coordinator.rendezvous import NodeInfo, Rendezvous, RendezvousResult
-from ckptless.coordinator.session import Session
+from ckptless.coordinator import EtcdClient, WatchEvent
+from ckptless.coordinator import RelayServer
+from ckptless.coordinator import RelayWriter
+from ckptless.coordinator import EtcdConfig
+from ckptless.coordinator import EmbeddedEtcd
+from ckptless.coordinator import NodeInfo, Rendezvous, RendezvousResult
+from ckptless.coordinator import Session
 from ckptless.errors import ConfigError, CoordinatorError
 from ckptless.launcher.mirror_link import LinkCheck
 from ckptless.launcher import admission, completion, devices, follower, refill
@@ -73,11 +73,11 @@ from ckptless.launcher.watchdog import end_stuck_teardowns, watch_hangs
 from ckptless.launcher.worker_env import WorkerLayout, build_command, ckptless_env_from_config, worker_env
 from ckptless.launcher.workers import WorkerGroup
 from ckptless.metrics import MetricsExporter
-from ckptless.recovery.leader import RecoveryLeader
-from ckptless.recovery.leader_machine import LeaderConfig
+from ckptless.recovery import RecoveryLeader
+from ckptless.recovery import LeaderConfig
 from ckptless.worker import spare_site
-from ckptless.worker.heartbeat import read_progress
-from ckptless.worker.ledger import leader_sink
+from ckptless.worker import read_progress
+from ckptless.worker import leader_sink
 
 log = logging.getLogger("ckptless.agent")
 
@@ -356,7 +356,7 @@ class NodeAgent:
         d = self.cfg.shm_dir
         if not d:
             return
-        from ckptless.mirror.shm import cleanup_stale, finish_job, register_owner
+        from ckptless.mirror import cleanup_stale, finish_job, register_owner
 
         os.makedirs(d, exist_ok=True)
         cleanup_stale(d)

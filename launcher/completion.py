@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from ckptless.launcher.node_machine import node_part
 from ckptless.launcher.node_state import NodeState
 from ckptless.launcher.summary import render_failure
-from ckptless.recovery.view import ExitRecord, JobStatus
+from ckptless.recovery import ExitRecord, JobStatus
 
 __all__ = ["AgentOutcome", "node_part", "print_failure", "read_status"]
 

@@ -27,8 +27,8 @@ from ckptless import environment
 from ckptless.launcher.node_machine import ExitRecorded, ReexecAsked
 from ckptless.launcher.node_state import NodeState
 from ckptless.launcher.worker_process import WorkerExit
-from ckptless.recovery.facts import NodeLocalCopy, NodeLocalImage
-from ckptless.recovery.view import ErrorSummary, ExitRecord
+from ckptless.recovery import NodeLocalCopy, NodeLocalImage
+from ckptless.recovery import ErrorSummary, ExitRecord
 from ckptless.worker import exit_file
 
 log = logging.getLogger("ckptless.agent")
@@ -63,7 +63,7 @@ def record_exit(st: NodeState, ex: WorkerExit) -> None:
         rank = slot.rank
 
         def with_local_image() -> bytes:
-            from ckptless.mirror.ownimage import newest_verified
+            from ckptless.mirror import newest_verified
 
             try:
                 m = newest_verified(shm, st.cfg.run_id, st.node_id, rank)
@@ -93,7 +93,7 @@ def _local_replicas(shm: str, st: NodeState, rank: int) -> tuple[NodeLocalCopy, 
     """The replicas the dead worker of ``rank`` held in this node's shm dir, every chunk checked now
     (~25 ms per 256 MiB, like its own image): a live worker on this node can adopt them (R11), so a
     lost host's copies of the ranks it hosted, or of its mirrored peers, are not lost with it."""
-    from ckptless.mirror.reattach import verified_copies
+    from ckptless.mirror import verified_copies
     from ckptless.state import manifest_layout_key
     from ckptless.state import first_held_chunk, region_of
 

@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import json
 
-from ckptless.coordinator.client import WatchEvent
+from ckptless.coordinator import WatchEvent
 from ckptless.errors import CkptlessError
 from ckptless.launcher.node_machine import IncidentSeen, MembershipSeen, StatusSeen
 from ckptless.launcher.node_state import NodeState
-from ckptless.recovery.view import JobStatus
-from ckptless.recovery.wire import membership_from_json
+from ckptless.recovery import JobStatus
+from ckptless.recovery import membership_from_json
 
 
 def on_events(st: NodeState, events: list[WatchEvent]) -> None:

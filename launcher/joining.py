@@ -15,16 +15,16 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
-from ckptless.coordinator.client import EtcdClient
-from ckptless.coordinator.keyspace import Keyspace
+from ckptless.coordinator import EtcdClient
+from ckptless.coordinator import Keyspace
 from ckptless import environment
-from ckptless.coordinator.rendezvous import NodeInfo, Rendezvous, RendezvousResult, RoundState
-from ckptless.coordinator.session import Session
+from ckptless.coordinator import NodeInfo, Rendezvous, RendezvousResult, RoundState
+from ckptless.coordinator import Session
 from ckptless.errors import ConfigError, RendezvousError, RendezvousLate, RendezvousTimeout
 from ckptless.launcher.admission import Relaunch, admit, job_config
 from ckptless.launcher.args import LaunchConfig
-from ckptless.recovery.decision import Assignment, DiskFallback
-from ckptless.recovery.wire import Membership, membership_from_json
+from ckptless.recovery import Assignment, DiskFallback
+from ckptless.recovery import Membership, membership_from_json
 
 if TYPE_CHECKING:  # importing ckptless.snapshot imports torch: deferred to the restart itself
     from ckptless.snapshot import WorldMismatch
@@ -68,7 +68,7 @@ def join(client: EtcdClient, keyspace: Keyspace, session: Session, me: NodeInfo,
     resume = resume_from_disk(cfg, result.world_size, ranks, result.node_rank)  # every node: may refuse
     initial = Membership(0, result.world_size, result.master.host, result.master.store_port, ranks, resume)
     if recovery and result.world_size > 1:
-        from ckptless.recovery.leader import write_initial_membership  # imports torch: only where needed
+        from ckptless.recovery import write_initial_membership  # imports torch: only where needed
 
         initial = write_initial_membership(
             client, keyspace, initial, result.round, writer=result.node_rank == 0,

@@ -23,13 +23,13 @@ import threading
 from typing import Any
 
 from ckptless import environment
-from ckptless.coordinator.client import EtcdClient
-from ckptless.coordinator.keyspace import Keyspace
-from ckptless.coordinator.rendezvous import RendezvousResult
-from ckptless.goodput.ledger import EventKind
+from ckptless.coordinator import EtcdClient
+from ckptless.coordinator import Keyspace
+from ckptless.coordinator import RendezvousResult
+from ckptless.goodput import EventKind
 from ckptless.metrics import MetricsExporter
-from ckptless.mirror.link import MirrorLink, ProbeServer, collectives_interface, interfaces, judge, probe, resolve
-from ckptless.worker.ledger import WorkerLedger
+from ckptless.mirror import MirrorLink, ProbeServer, collectives_interface, interfaces, judge, probe, resolve
+from ckptless.worker import WorkerLedger
 
 log = logging.getLogger(__name__)
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, Union
 
-from ckptless.recovery.decision import Assignment
-from ckptless.recovery.view import JobStatus
+from ckptless.recovery import Assignment
+from ckptless.recovery import JobStatus
 
 
 @dataclass(frozen=True)

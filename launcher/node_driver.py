@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ckptless.coordinator.client import Compare, Put
+from ckptless.coordinator import Compare, Put
 from ckptless.errors import CkptlessError, CoordinatorError
 from ckptless.launcher import refill, respawn
 from ckptless.launcher.node_machine import (
@@ -31,8 +31,8 @@ from ckptless.launcher.node_machine import (
     wants_progress)
 from ckptless.launcher.node_state import NodeState
 from ckptless.launcher.slots import Slot
-from ckptless.recovery.view import ExitRecord, JobStatus
-from ckptless.worker.heartbeat import read_progress
+from ckptless.recovery import ExitRecord, JobStatus
+from ckptless.worker import read_progress
 
 log = logging.getLogger("ckptless.agent")
 
@@ -142,7 +142,7 @@ class NodeDriver:
                 st.metrics.set_replacement_waiting(a.waiting_since)
         elif isinstance(a, RemoveDeadShm):
             if st.cfg.shm_dir:
-                from ckptless.mirror.shm import remove_dead_groups
+                from ckptless.mirror import remove_dead_groups
 
                 remove_dead_groups(st.cfg.shm_dir, st.cfg.run_id)
         elif isinstance(a, SendStatus):

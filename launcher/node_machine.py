@@ -38,9 +38,9 @@ from ckptless.launcher.node_actions import (  # re-exported: the machine's outpu
 from ckptless.launcher.node_rules import (
     Heartbeat, all_ranks_finished, frozen, node_part, recovery_over, spares_missing, startup_grace_s)
 from ckptless.launcher.slots import Slot, slot_for_rank
-from ckptless.recovery.decision import Assignment
-from ckptless.recovery.view import ExitRecord, JobStatus
-from ckptless.recovery.wire import Membership
+from ckptless.recovery import Assignment
+from ckptless.recovery import ExitRecord, JobStatus
+from ckptless.recovery import Membership
 
 __all__ = ["Heartbeat", "all_ranks_finished", "node_part", "recovery_over", "spares_missing",  # launcher/node_rules.py
            "startup_grace_s",

@@ -10,8 +10,8 @@ from collections.abc import Mapping, Sequence
 
 from ckptless.launcher.slots import Slot
 from ckptless.metrics import MetricsExporter
-from ckptless.recovery.wire import Membership
-from ckptless.worker.heartbeat import read_progress
+from ckptless.recovery import Membership
+from ckptless.worker import read_progress
 
 
 def update_node_metrics(mx: MetricsExporter, slots: Sequence[Slot], membership: Membership | None,

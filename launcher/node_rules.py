@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from ckptless.launcher.slots import Slot
-from ckptless.recovery.view import ExitRecord
-from ckptless.recovery.wire import Membership
+from ckptless.recovery import ExitRecord
+from ckptless.recovery import Membership
 
 Part = Literal["spare_only", "running", "finished", "spares", "moved"]
 

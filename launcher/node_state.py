@@ -23,10 +23,10 @@ import threading
 from collections.abc import Callable, Mapping
 
 from ckptless import environment
-from ckptless.coordinator.client import EtcdClient
-from ckptless.coordinator.keyspace import Keyspace
-from ckptless.coordinator.relay_server import RelayServer
-from ckptless.coordinator.session import Session
+from ckptless.coordinator import EtcdClient
+from ckptless.coordinator import Keyspace
+from ckptless.coordinator import RelayServer
+from ckptless.coordinator import Session
 from ckptless.launcher.args import LaunchConfig
 from ckptless.launcher.devices import device_env, spare_device_env
 from ckptless.launcher.node_machine import Event

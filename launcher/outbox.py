@@ -13,7 +13,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from ckptless.coordinator.client import EtcdClient
+from ckptless.coordinator import EtcdClient
 from ckptless.errors import CoordinatorError
 
 log = logging.getLogger("ckptless.agent")

@@ -21,8 +21,8 @@ import time
 from ckptless.errors import CkptlessError
 from ckptless.launcher.node_state import NodeState
 from ckptless.launcher.workers import WorkerGroup
-from ckptless.recovery.decision import Assignment
-from ckptless.recovery.view import ErrorSummary, ExitRecord
+from ckptless.recovery import Assignment
+from ckptless.recovery import ErrorSummary, ExitRecord
 from ckptless.worker import exit_file
 
 log = logging.getLogger("ckptless.agent")

@@ -14,11 +14,11 @@ import logging
 import threading
 from collections.abc import Callable, Iterable
 
-from ckptless.coordinator.client import EtcdClient
-from ckptless.coordinator.keyspace import Keyspace
+from ckptless.coordinator import EtcdClient
+from ckptless.coordinator import Keyspace
 from ckptless.errors import CoordinatorError
-from ckptless.recovery.facts import Worker
-from ckptless.recovery.wire import spare_from_json, spare_to_json
+from ckptless.recovery import Worker
+from ckptless.recovery import spare_from_json, spare_to_json
 
 log = logging.getLogger("ckptless.agent")
 

@@ -12,7 +12,7 @@ import signal
 import textwrap
 from collections.abc import Sequence
 
-from ckptless.recovery.view import ExitRecord, JobStatus
+from ckptless.recovery import ExitRecord, JobStatus
 
 RULE = "=" * 60
 THIN = "-" * 60

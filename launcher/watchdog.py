@@ -28,7 +28,7 @@ from ckptless.launcher.node_machine import Heartbeat, HeartbeatsRead, TeardownsS
 from ckptless.launcher.slots import SlotTable
 from ckptless.launcher.workers import WorkerGroup
 from ckptless.worker import exit_file
-from ckptless.worker.heartbeat import read_progress
+from ckptless.worker import read_progress
 
 __all__ = ["end_stuck_teardowns", "starting", "startup_grace_s", "stuck_in_teardown", "watch_hangs"]
 

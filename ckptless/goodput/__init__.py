@@ -18,11 +18,13 @@ from ckptless.goodput.accounting import (
 )
 from ckptless.goodput.compare import BaselineComparison, Estimate, EstimateInputs, default_inputs, estimate
 from ckptless.goodput.ledger import AttrValue, Event, EventKind, Ledger, LedgerFormatError
-from ckptless.goodput.merge import CATEGORIES, GOOGLE, PHASES, Fault, IncidentView, JobAnalysis, RankTrack, analyze
+from ckptless.goodput.merge import (
+    CATEGORIES, GOOGLE, PHASES, Fault, IncidentView, JobAnalysis, RankTrack, analyze, BADPUT_CATEGORIES)
 
 __all__ = [
     "BADPUT", "Category", "GoodputReport", "Incident", "StepTime", "account", "render_report",
     "BaselineComparison", "Estimate", "EstimateInputs", "default_inputs", "estimate",
     "AttrValue", "Event", "EventKind", "Ledger", "LedgerFormatError",
     "CATEGORIES", "GOOGLE", "PHASES", "Fault", "IncidentView", "JobAnalysis", "RankTrack", "analyze",
+    "BADPUT_CATEGORIES",
 ]

@@ -22,7 +22,7 @@ from ckptless import chaos_hooks
 from ckptless.errors import (IntegrityError, ManifestError, NodeCopyError, RecoveryError, SnapshotError,
                              UnrecoverableError)
 from ckptless.mirror import ownimage
-from ckptless.mirror.store import PeerStore, StoredImage
+from ckptless.mirror import PeerStore, StoredImage
 from ckptless.recovery.facts import ReplicaFact, WorkerReport
 from ckptless.state import manifest_layout_key
 from ckptless.recovery.decision import Decision, DiskFallback, LocalRestore, RecoveryPlan
@@ -282,7 +282,7 @@ def adopt_copies(plan: RecoveryPlan, worker_id: str, store: PeerStore | None, sh
     survivor may take one there and look again when it starts hosting. Raises ``IntegrityError`` (the
     restore fails and is re-planned) when a copy is gone, differs from the plan, or no longer checks.
     """
-    from ckptless.mirror.reattach import open_copy
+    from ckptless.mirror import open_copy
     from ckptless.state import held_from
 
     sent = {t.owner for t in plan.transfers}

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import replace
 
-from ckptless.mirror.placement import compute_placement
+from ckptless.mirror import compute_placement
 from ckptless.recovery.facts import (
     MAX_VERSIONS_PER_OWNER,
     NodeLocalCopy,

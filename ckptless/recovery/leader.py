@@ -31,10 +31,10 @@ import uuid
 from collections.abc import Callable
 
 from ckptless import chaos_hooks
-from ckptless.coordinator.client import Compare, Delete, EtcdClient, Put, WatchEvent
-from ckptless.coordinator.election import Election
-from ckptless.coordinator.keyspace import Keyspace
-from ckptless.coordinator.session import Session
+from ckptless.coordinator import Compare, Delete, EtcdClient, Put, WatchEvent
+from ckptless.coordinator import Election
+from ckptless.coordinator import Keyspace
+from ckptless.coordinator import Session
 from ckptless.errors import CkptlessError, CoordinatorError, CoordinatorUnavailable, NotLeader
 from ckptless.recovery.facts import PlanPolicy
 from ckptless.recovery.gather import plan_from_view

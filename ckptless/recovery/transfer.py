@@ -24,9 +24,9 @@ import torch
 import torch.distributed as dist
 
 from ckptless.errors import IntegrityError, RecoveryError
-from ckptless.mirror.agreement import tree_allreduce
-from ckptless.mirror.store import PeerStore, StoredImage
-from ckptless.mirror.transport import Deadline, wait_all, wait_one
+from ckptless.mirror import tree_allreduce
+from ckptless.mirror import PeerStore, StoredImage
+from ckptless.mirror import Deadline, wait_all, wait_one
 from ckptless.recovery.decision import RecoveryPlan, Stripe, Transfer
 from ckptless.recovery.wire import Membership
 from ckptless.state import host_memory

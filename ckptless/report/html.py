@@ -12,7 +12,7 @@ from html import escape
 from pathlib import Path
 
 from ckptless.goodput import CATEGORIES, GOOGLE, PHASES
-from ckptless.goodput.merge import BADPUT_CATEGORIES
+from ckptless.goodput import BADPUT_CATEGORIES
 from ckptless.report import svg
 from ckptless.report.model import LABELS, MEANING, Report
 

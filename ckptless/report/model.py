@@ -26,8 +26,8 @@ from ckptless.goodput import (
     analyze,
     estimate,
 )
-from ckptless.goodput.ledger import EventKind
-from ckptless.mirror.link import MirrorLink
+from ckptless.goodput import EventKind
+from ckptless.mirror import MirrorLink
 from ckptless.report.loader import LoadedRun
 
 LABELS = {

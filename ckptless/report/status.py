@@ -24,12 +24,12 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from ckptless.coordinator.client import EtcdClient
-from ckptless.coordinator.config import EtcdConfig
-from ckptless.coordinator.keyspace import Keyspace
+from ckptless.coordinator import EtcdClient
+from ckptless.coordinator import EtcdConfig
+from ckptless.coordinator import Keyspace
 from ckptless.errors import CkptlessError, CoordinatorError
-from ckptless.mirror.link import MirrorLink
-from ckptless.recovery.wire import membership_from_json, report_from_json, spare_from_json
+from ckptless.mirror import MirrorLink
+from ckptless.recovery import membership_from_json, report_from_json, spare_from_json
 
 @dataclass(frozen=True)
 class Member:

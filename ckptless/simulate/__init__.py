@@ -12,7 +12,24 @@ One module per concept: :mod:`~ckptless.simulate.params` (the job, validated),
 :mod:`~ckptless.simulate.report` (text and JSON). docs/goodput.md explains the model.
 """
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ckptless import lazy
 from ckptless.simulate.model import Result, SystemResult, expected, simulate
 from ckptless.simulate.params import Params
 
-__all__ = ["Params", "Result", "SystemResult", "expected", "simulate"]
+__all__ = ["Params", "Result", "SystemResult", "expected", "simulate",
+           "add_arguments", "params_from", "build", "render", "to_json"]
+
+
+# Imported on first use (ckptless/lazy.py): an importer of one module pays for no other.
+if TYPE_CHECKING:
+    from ckptless.simulate.cli import add_arguments, params_from
+    from ckptless.simulate.report import build, render, to_json
+
+__getattr__ = lazy.exports(__name__, {
+    "cli": "add_arguments params_from",
+    "report": "build render to_json",
+})

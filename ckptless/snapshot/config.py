@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from ckptless.coordinator.keyspace import validate_job_id
+from ckptless.coordinator import validate_job_id
 from ckptless.errors import ConfigError
 
 OnBusy = Literal["skip", "wait"]

@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 
 from ckptless.environment import export
 from ckptless.errors import CoordinatorUnavailable, IntegrityError, RecoveryError, TransportError
-from ckptless.goodput.ledger import EventKind
-from ckptless.recovery.wire import Membership
+from ckptless.goodput import EventKind
+from ckptless.recovery import Membership
 from ckptless.worker import adoption, ahead, groups, restoring, training
 from ckptless.worker.control import JobEndedError
 from ckptless.worker.generation import Generation
@@ -46,35 +47,36 @@ from ckptless.worker.machine import (
     Train,
     WaitFinalCommit,
 )
-from ckptless.worker.runtime import WorkerRuntime
+from ckptless.worker.runtime import KEEP, Changed, Keep, ReportNotes, WorkerRuntime
 
 log = logging.getLogger(__name__)
 
 
-def execute(rt: WorkerRuntime, action: Action) -> Event | None:
+def execute(rt: WorkerRuntime, action: Action) -> Changed:
+    """Carry ``action`` out: the event it ends with and what it changed (the driver applies it)."""
     if isinstance(action, AwaitMembership):
-        return _await(rt, action)
+        return Changed.of(_await(rt, action))
     if isinstance(action, FormGroups):
         return _form(rt, action)
     if isinstance(action, RestoreState):
         return restoring.restore_state(rt, action)
     if isinstance(action, MarkReady):
-        return _mark_ready(rt, action)
+        return Changed(_mark_ready(rt, action))
     if isinstance(action, Train):
-        return training.train(rt, action.generation, action.from_step, action.until_reprotected)
+        return Changed.of(training.train(rt, action.generation, action.from_step, action.until_reprotected))
     if isinstance(action, WaitFinalCommit):
-        return training.final_commit(rt)
+        return Changed(training.final_commit(rt))
     if isinstance(action, LeaveGroups):
         return restoring.leave(rt, action)
     if isinstance(action, Report):
-        return restoring.report(rt, action)
+        return Changed(restoring.report(rt, action))
     if isinstance(action, Exit):
-        return None  # the machine is terminal; the driver leaves the way the state says
+        return Changed(None)  # the machine is terminal; the driver leaves the way the state says
     raise TypeError(f"unknown action {action!r}")
 
 
 # --- membership -----------------------------------------------------------------------------------
-def _await(rt: WorkerRuntime, a: AwaitMembership) -> Event:
+def _await(rt: WorkerRuntime, a: AwaitMembership) -> Event | Changed:
     assert rt.control is not None
     try:
         m = rt.control.wait_membership(a.after, a.deadline)
@@ -86,13 +88,14 @@ def _await(rt: WorkerRuntime, a: AwaitMembership) -> Event:
     if m is None:
         return TimedOut(now)
     includes = m.rank_of(rt.worker_id) is not None
-    if includes:
-        adopt(rt, m)
-    return MembershipSeen(m.generation, includes, m.decision is not None, now)
+    seen = MembershipSeen(m.generation, includes, m.decision is not None, now)
+    return Changed(seen, adopt=m) if includes else seen  # the driver adopts it (admit, rt.seen, adopted)
 
 
-def adopt(rt: WorkerRuntime, m: Membership) -> None:
-    """A membership that includes us: take its rank (a spare learns it now) and make the default group."""
+def admit(rt: WorkerRuntime, m: Membership) -> bool:
+    """Before the driver adopts a membership that includes us: a spare whose setup cannot serve the rank it is
+    assigned re-executes as that rank (the process ends here). True: a pre-built spare takes another rank as
+    built (:func:`adopted` re-makes what its setup made for its standby rank)."""
     first = rt.seen is None
     assigned = m.rank_of(rt.worker_id)
     other_rank = rt.prebuilt and first and assigned != rt.ctx.standby_rank
@@ -106,7 +109,12 @@ def adopt(rt: WorkerRuntime, m: Membership) -> None:
         if why is not None:
             log.warning("spare %s cannot take rank %s in this process: %s", rt.worker_id, assigned, why)
             adoption.reexec(rt, assigned)
-    rt.seen = m
+    return other_rank
+
+
+def adopted(rt: WorkerRuntime, m: Membership, first: bool, other_rank: bool) -> None:
+    """The driver adopted ``m`` (``rt.seen``): take its rank (a spare learns it now) and make the default group."""
+    assigned = m.rank_of(rt.worker_id)
     if other_rank:
         assert assigned is not None
         log.warning("spare %s built as rank %s takes rank %d as built (same layout): no re-exec, no setup",
@@ -129,7 +137,7 @@ def adopt(rt: WorkerRuntime, m: Membership) -> None:
                     m.generation, exc)
 
 
-def _form(rt: WorkerRuntime, a: FormGroups) -> Event:
+def _form(rt: WorkerRuntime, a: FormGroups) -> Changed:
     m = rt.seen
     assert m is not None and m.generation == a.generation
     try:
@@ -137,13 +145,15 @@ def _form(rt: WorkerRuntime, a: FormGroups) -> Event:
     except TransportError as exc:  # its host is gone (the leader's node, lost after it published): a failed
         store, unreachable = None, str(exc)  # formation, not an exception out of the script
     gen = Generation(m, rt.worker_id, store)
-    rt.gen = gen
     if unreachable:
         rt.forget_store()
-        return FormFailed(unreachable)
+        return Changed(FormFailed(unreachable), gen=gen)
     restoring.roll_back_early(rt, gen)
     reason = ""
     phases: dict[str, float] = {}
+    notes: ReportNotes | Keep = KEEP
+    # The transfers a replacement started during its setup are taken by this formation, whatever it does.
+    taken: Changed = Changed(gen=gen, transfer_ahead=None) if ahead.takes_ahead(rt, m) else Changed(gen=gen)
     try:
         started = time.monotonic()
         ahead.run_or_collect(rt, gen, a.deadline)
@@ -160,15 +170,15 @@ def _form(rt: WorkerRuntime, a: FormGroups) -> Event:
     except (IntegrityError, RecoveryError) as exc:  # from the transfers run ahead
         reason = f"{type(exc).__name__}: {exc}"
         if isinstance(exc, IntegrityError):
-            rt.notes = rt.notes.failed(exc)
+            notes = rt.notes.failed(exc)
     if reason:
         rt.forget_store()  # a broken client never recovers (a partition, a store restart): connect anew
-        return FormFailed(reason)
+        return replace(taken, event=FormFailed(reason), notes=notes)
     gen.bound = True
     if m.decision is not None:
         rt.ledger.emit(EventKind.GROUPS_REFORMED, generation=m.generation, ahead_s=phases.get("ahead_s", 0.0),
                        arrive_s=phases.get("arrive_s", 0.0), connect_s=phases.get("connect_s", 0.0))
-    return Formed(m.generation, -1)
+    return replace(taken, event=Formed(m.generation, -1))
 
 
 def _mark_ready(rt: WorkerRuntime, a: MarkReady) -> Event | None:

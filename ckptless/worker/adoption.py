@@ -37,8 +37,8 @@ import os
 import sys
 
 from ckptless.data import set_world
-from ckptless.recovery.decision import RecoveryPlan
-from ckptless.recovery.wire import Membership
+from ckptless.recovery import RecoveryPlan
+from ckptless.recovery import Membership
 from ckptless.state import HIDDEN_PREFIX
 from ckptless.state import StateRegistry
 from ckptless.worker import exit_file, groups, rank_reads
@@ -96,10 +96,7 @@ def take_rank(rt: WorkerRuntime, rank: int, world_size: int) -> None:
     for name, obj in rt.registry.items():
         if set_world(obj, rank, world_size):
             log.info("protected %s now reads the data of rank %d", name, rank)
-    if rt.snapshots is not None:
-        rt.snapshots.close()
-        rt.snapshots = None
-        rt.make_snapshot_writer()
+    rt.renew_snapshot_writer()
 
 
 def reexec(rt: WorkerRuntime, rank: int | None) -> None:

@@ -15,10 +15,10 @@ import time
 
 from ckptless import chaos_hooks
 from ckptless.errors import TransportError
-from ckptless.recovery.decision import RecoveryPlan
-from ckptless.recovery.executor import adopt_copies
-from ckptless.recovery.transfer import Received, execute_transfers
-from ckptless.recovery.wire import Membership
+from ckptless.recovery import RecoveryPlan
+from ckptless.recovery import adopt_copies
+from ckptless.recovery import Received, execute_transfers
+from ckptless.recovery import Membership
 from ckptless.worker import exit_guard, groups
 from ckptless.worker.generation import Generation
 from ckptless.worker.mirror_peers import mirror_peers
@@ -46,16 +46,16 @@ def runs_ahead(m: Membership) -> bool:
     return isinstance(d, RecoveryPlan) and bool(d.transfers) and not d.node_local
 
 
-def start_during_setup(rt: WorkerRuntime) -> None:
+def start_during_setup(rt: WorkerRuntime) -> TransferAhead | None:
     """A respawned replacement: receive its image while the script runs its setup.
 
     Called by ``init()`` once the membership that names it is known and before
     the script builds its objects. The thread's outcome is collected by
-    :func:`run_or_collect` in ``run()``.
+    :func:`run_or_collect` in ``run()``; the driver keeps what this returns (``rt.transfer_ahead``).
     """
     m = rt.seen
     if m is None or not runs_ahead(m) or rt.replicas == 0:
-        return
+        return None
     deadline = time.monotonic() + rt.ctx.recovery_timeout_s
 
     def work() -> None:
@@ -67,8 +67,8 @@ def start_during_setup(rt: WorkerRuntime) -> None:
     t = threading.Thread(target=work, name=f"ckptless-transfer-g{m.generation}", daemon=True)
     ahead = TransferAhead(m.generation, t)
     exit_guard.watch(t.is_alive, t.join)
-    rt.transfer_ahead = ahead
     t.start()
+    return ahead
 
 
 def _transfer_now(rt: WorkerRuntime, m: Membership, deadline: float) -> Received | None:
@@ -90,13 +90,19 @@ def _transfer_now(rt: WorkerRuntime, m: Membership, deadline: float) -> Received
         raise TransportError(f"transfers of generation {m.generation} failed: {exc}") from exc
 
 
+def takes_ahead(rt: WorkerRuntime, m: Membership) -> bool:
+    """Does forming ``m`` run its transfers here, taking those started during the setup (``rt.transfer_ahead``)?"""
+    return runs_ahead(m) and rt.replicas > 0
+
+
 def run_or_collect(rt: WorkerRuntime, gen: Generation, deadline: float) -> None:
     """Run (or, for a replacement, collect) the plan's transfers before the user's groups form;
-    what they received is kept on ``gen``."""
+    what they received is kept on ``gen``. The transfers started during the setup are taken (the
+    caller's change clears ``rt.transfer_ahead``)."""
     m = gen.membership
-    if not runs_ahead(m) or rt.replicas == 0:
+    if not takes_ahead(rt, m):
         return
-    ahead, rt.transfer_ahead = rt.transfer_ahead, None
+    ahead = rt.transfer_ahead
     if ahead is not None and ahead.generation == m.generation:
         groups.wait_thread(ahead.thread, m.generation, deadline, lambda: abort_reason(rt, m.generation),
                            "transfers did not finish")

@@ -40,15 +40,15 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from ckptless.coordinator.client import EtcdClient, WatchEvent
-from ckptless.coordinator.config import EtcdConfig
-from ckptless.coordinator.keyspace import Keyspace
-from ckptless.coordinator.relay_client import RelaySubscription, RelayWriteTimeout
-from ckptless.coordinator.relay_wire import RelayClosed
+from ckptless.coordinator import EtcdClient, WatchEvent
+from ckptless.coordinator import EtcdConfig
+from ckptless.coordinator import Keyspace
+from ckptless.coordinator import RelaySubscription, RelayWriteTimeout
+from ckptless.coordinator import RelayClosed
 from ckptless.errors import CkptlessError, CoordinatorError, CoordinatorUnavailable, RecoveryError
-from ckptless.recovery.facts import WorkerReport
-from ckptless.recovery.view import JobStatus, report_record_to_json
-from ckptless.recovery.wire import Membership, membership_from_json
+from ckptless.recovery import WorkerReport
+from ckptless.recovery import JobStatus, report_record_to_json
+from ckptless.recovery import Membership, membership_from_json
 from ckptless.worker import abort
 
 T = TypeVar("T")

@@ -27,7 +27,7 @@ from collections.abc import Iterable
 
 import torch
 
-from ckptless.mirror.mirror import MirrorEngine
+from ckptless.mirror import MirrorEngine
 from ckptless.state import Plan
 from ckptless.state import is_dtensor, local_of
 

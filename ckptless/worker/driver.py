@@ -12,6 +12,7 @@ or ``steps()`` to the end), never *how*.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import json
 import logging
@@ -26,10 +27,10 @@ import torch.distributed as dist
 
 from ckptless import environment
 from ckptless.errors import CkptlessError, ConfigError, MirrorError, RecoveryError
-from ckptless.goodput.ledger import EventKind
-from ckptless.mirror.config import MirrorConfig
-from ckptless.recovery.decision import Assignment
-from ckptless.recovery.wire import Membership
+from ckptless.goodput import EventKind
+from ckptless.mirror import MirrorConfig
+from ckptless.recovery import Assignment
+from ckptless.recovery import Membership
 from ckptless.state import host_memory
 from ckptless.state import write_digest
 from ckptless.worker import (abort, actions, ahead, deferral, exit_file, exit_guard, groups, hosted, nccl_env,
@@ -49,11 +50,12 @@ from ckptless.worker.machine import (
     Started,
     State,
     Train,
+    UserError,
     WaitFinalCommit,
     WorkerConfig,
     step,
 )
-from ckptless.worker.runtime import RunSpec, WorkerRuntime
+from ckptless.worker.runtime import Changed, RunSpec, WorkerRuntime
 
 log = logging.getLogger(__name__)
 
@@ -93,14 +95,31 @@ class WorkerDriver:
             self.feed(Started(time.monotonic(), SPARE_WAIT_S if ctx.role == "spare" else None))
             self.drive(self._needs_user_objects)
             if not rt.prebuilt and self._pending and isinstance(self._pending[0], FormGroups):
-                ahead.start_during_setup(rt)  # a replacement: its image moves during the setup
+                rt.transfer_ahead = ahead.start_during_setup(rt)  # a replacement: its image moves during the setup
         else:
             self._start_without_coordinator()
 
     # --- the machine --------------------------------------------------------------------------
     def feed(self, event: Event) -> None:
+        if isinstance(event, UserError) and event.error is not None:
+            self.rt.user_exception = event.error  # re-raised from run() (see _raise_failure)
         self.state, acts = step(self.state, event, self.cfg)
         self._pending.extend(acts)
+
+    def _apply(self, changed: Changed) -> None:
+        """What an executor did: its changes written (here only: the driver owns the runtime), then its event."""
+        if changed.adopt is not None:
+            self._adopt(changed.adopt)
+        self.rt.apply(changed)
+        if changed.event is not None:
+            self.feed(changed.event)
+
+    def _adopt(self, m: Membership) -> None:
+        """A membership that includes this worker: it becomes the one the worker's identity derives from."""
+        first = self.rt.seen is None
+        other_rank = actions.admit(self.rt, m)  # (a spare that cannot take its rank re-executes: never returns)
+        self.rt.seen = m
+        actions.adopted(self.rt, m, first, other_rank)
 
     def _needs_user_objects(self, action: Action) -> bool:
         """Where ``init()`` stops: before anything that needs the script's objects or its run()."""
@@ -119,9 +138,7 @@ class WorkerDriver:
             if pause is not None and pause(action):
                 return
             self._pending.popleft()
-            event = actions.execute(self.rt, action)
-            if event is not None:
-                self.feed(event)
+            self._apply(actions.execute(self.rt, action))
         if isinstance(self.state, Failed):
             self._raise_failure(self.state)
 
@@ -130,12 +147,11 @@ class WorkerDriver:
         while self._pending:
             action = self._pending.popleft()
             if isinstance(action, Train):
-                event: Event | None = yield from training.train_steps(self.rt, action.generation, action.from_step,
-                                                                      action.until_reprotected)
+                changed = Changed.of((yield from training.train_steps(self.rt, action.generation, action.from_step,
+                                                                      action.until_reprotected)))
             else:
-                event = actions.execute(self.rt, action)
-            if event is not None:
-                self.feed(event)
+                changed = actions.execute(self.rt, action)
+            self._apply(changed)
         if isinstance(self.state, Failed):
             self._raise_failure(self.state)
 
@@ -192,7 +208,7 @@ class WorkerDriver:
         m = Membership(c.generation, c.world_size, c.master_addr, c.master_port,
                        tuple(Assignment(r, rt.worker_id if r == c.rank else f"rank{r}", c.node_id, "survivor")
                              for r in range(c.world_size)))
-        actions.adopt(rt, m)
+        self._adopt(m)
         gen = Generation(m, rt.worker_id, rt.store_for(m))
         gen.mirror_group = groups.bind_all(gen.store, c.generation, gen.rank, gen.world_size, c.collective_timeout_s,  # type: ignore[arg-type]
                                            time.monotonic() + c.recovery_timeout_s)
@@ -245,6 +261,11 @@ class WorkerDriver:
                     and deferral.covered(plan, rt.write_order.optimizers)):
                 n = 1  # its captures will leave the replicated prefix live: the second buffer holds a suffix
             rt.standby_buffers = [host_memory.empty(plan.total).zero_() for _ in range(n)]
+
+    def end_at(self, steps: int) -> None:
+        """The loop API's function returned: the run ends at version ``steps`` (``job.train`` learns it then)."""
+        assert self.rt.spec is not None
+        self.rt.spec = dataclasses.replace(self.rt.spec, steps=steps)
 
     def write_digest(self, name: str = "digest") -> None:
         """The protected state's digest, only when a chaos runner asked (``CKPTLESS_DIGEST_DIR``)."""

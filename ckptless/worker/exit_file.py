@@ -24,7 +24,7 @@ import traceback
 from typing import Any
 
 from ckptless import environment
-from ckptless.recovery.view import EXIT_KINDS, MAX_TRACEBACK_CHARS, ErrorSummary, ExitKind
+from ckptless.recovery import EXIT_KINDS, MAX_TRACEBACK_CHARS, ErrorSummary, ExitKind
 
 
 def summarize(exc: BaseException) -> ErrorSummary:

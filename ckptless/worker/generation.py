@@ -19,11 +19,11 @@ import torch
 import torch.distributed as dist
 
 from ckptless.errors import RecoveryError
-from ckptless.mirror.mirror import MirrorEngine
-from ckptless.mirror.store import StoredImage
-from ckptless.recovery.decision import Decision
-from ckptless.recovery.transfer import Received
-from ckptless.recovery.wire import Membership
+from ckptless.mirror import MirrorEngine
+from ckptless.mirror import StoredImage
+from ckptless.recovery import Decision
+from ckptless.recovery import Received
+from ckptless.recovery import Membership
 from ckptless.state import StateImage
 from ckptless.worker import exit_guard, groups, reaper
 from ckptless.worker.mirror_peers import node_of

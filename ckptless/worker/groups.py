@@ -34,7 +34,7 @@ import torch.distributed as dist
 from ckptless import chaos_hooks
 from ckptless.errors import ConfigError, TransportError
 from ckptless.mirror import agreement
-from ckptless.mirror.transport import Deadline
+from ckptless.mirror import Deadline
 from ckptless.state import AnswersLocally
 from ckptless.worker import exit_guard, forming, gloo_peers, reaper, sockets
 from ckptless.worker.rebindable import PLUGIN, RebindableGroup, new_gloo

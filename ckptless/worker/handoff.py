@@ -33,8 +33,8 @@ import logging
 import torch
 import torch.distributed as dist
 
-from ckptless.mirror.ownimage import OwnImageFiles
-from ckptless.mirror.store import StoredImage
+from ckptless.mirror import OwnImageFiles
+from ckptless.mirror import StoredImage
 from ckptless.state import Capturer
 from ckptless.state import Manifest
 from ckptless.worker.runtime import WorkerRuntime
@@ -50,13 +50,17 @@ def agreed(rt: WorkerRuntime, generation: int) -> bool:
     return bool(flag.item())
 
 
-def hand_over(rt: WorkerRuntime, version: int) -> None:
-    """Put this process's own image and its hosted ranks' images of ``version`` where the plan finds them."""
+def capture_own(rt: WorkerRuntime, version: int) -> StoredImage:
+    """This process's own image of ``version``, kept (by the driver) beside, not instead of, the version the
+    generation resumed at (and its committed mark): a peer lost during the handoff leaves some ranks without
+    an image of ``version``, and the plan then falls back to that one."""
     own = rt.capturer.capture(version, rt.generation)
-    # Beside, not instead of, the version the generation resumed at (and its committed mark): a peer
-    # lost during the handoff leaves some ranks without an image of ``version``, and the plan then
-    # falls back to that one.
-    rt.own_images = [*rt.own_images, StoredImage(own.manifest, own.buffer)]
+    return StoredImage(own.manifest, own.buffer)
+
+
+def hand_over(rt: WorkerRuntime, version: int, own: StoredImage) -> None:
+    """Put this process's own image (``own``) and its hosted ranks' images of ``version`` where the plan
+    finds them."""
     _keep_on_node(rt, own.manifest, own.buffer)
     micro = rt.micro
     if micro is None:

@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from typing import IO
 
-from ckptless.goodput.ledger import AttrValue, Event, EventKind
+from ckptless.goodput import AttrValue, Event, EventKind
 
 
 class WorkerLedger:

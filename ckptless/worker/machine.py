@@ -24,10 +24,10 @@ actions and turns what happened into the next event.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal, Union
 
-from ckptless.recovery.view import ErrorSummary
+from ckptless.recovery import ErrorSummary
 
 FailKind = Literal["user_error", "job_ended", "fenced", "internal", "device"]
 
@@ -167,6 +167,8 @@ class UserError:
     """An exception raised by the user's own code: the job fails fast."""
 
     summary: str
+    # The exception itself, re-raised from run() (the driver keeps it; the machine decides on the summary).
+    error: BaseException | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True)

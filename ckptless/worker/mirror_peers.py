@@ -17,9 +17,9 @@ from __future__ import annotations
 
 from ckptless.errors import ConfigError, PlacementError
 from ckptless.mirror import tree
-from ckptless.mirror.placement import compute_placement
-from ckptless.recovery.decision import RecoveryPlan
-from ckptless.recovery.wire import Membership
+from ckptless.mirror import compute_placement
+from ckptless.recovery import RecoveryPlan
+from ckptless.recovery import Membership
 
 
 def node_of(m: Membership) -> list[str]:

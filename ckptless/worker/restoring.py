@@ -26,11 +26,11 @@ from ckptless.errors import (
     TransportError,
     UnrecoverableError,
 )
-from ckptless.goodput.ledger import EventKind
-from ckptless.mirror.partial import MISSING
-from ckptless.recovery.executor import (RestoreInputs, SnapshotLoadFailed, adopt_copies, apply_decision,
+from ckptless.goodput import EventKind
+from ckptless.mirror import MISSING
+from ckptless.recovery import (RestoreInputs, SnapshotLoadFailed, adopt_copies, apply_decision,
                                         build_report, restore_early)
-from ckptless.recovery.decision import DiskFallback, RecoveryPlan
+from ckptless.recovery import DiskFallback, RecoveryPlan
 from ckptless.state import StateImage, StateRegistry, clear_grads, restore
 from ckptless.worker import groups, hosted, reuse
 from ckptless.worker.generation import Generation
@@ -46,7 +46,7 @@ from ckptless.worker.machine import (
     RestoreState,
     Restored,
 )
-from ckptless.worker.runtime import ReportNotes, WorkerRuntime
+from ckptless.worker.runtime import KEEP, Changed, ReportNotes, WorkerRuntime
 from ckptless.worker.training import protect
 
 log = logging.getLogger(__name__)
@@ -76,9 +76,10 @@ def roll_back_early(rt: WorkerRuntime, gen: Generation) -> None:
         log.info("rank %d: early rollback skipped (%s); restoring after the formation", rt.rank, exc)
 
 
-def _start_hosting(rt: WorkerRuntime, gen: Generation, version: int) -> Event | None:
+def _start_hosting(rt: WorkerRuntime, gen: Generation, version: int, notes: ReportNotes) -> Changed:
     """Take over the lost ranks this process hosts: their rank-bound state of ``version`` from the copies
-    of their images it holds (the plan chose it for that: recovery/shrink.py)."""
+    of their images it holds (the plan chose it for that: recovery/shrink.py). The event is None when it
+    took them over (``micro``: what runs their micro-batches); ``notes``: the report's notes after the restore."""
     ranks = []
     names = hosted.rank_bound(rt.registry)
     plan = gen.decision
@@ -88,29 +89,30 @@ def _start_hosting(rt: WorkerRuntime, gen: Generation, version: int) -> Event | 
         try:
             adopt_copies(plan, rt.worker_id, rt.peer_store, rt.ctx.shm_dir or None, rt.ctx.job_id, rt.ctx.node_id)
         except IntegrityError as exc:
-            rt.notes = rt.notes.failed(exc)
-            return RestoreFailed(f"cannot take a node-local copy to host from: {exc}")
+            return Changed(RestoreFailed(f"cannot take a node-local copy to host from: {exc}"),
+                           notes=notes.failed(exc))
     for r in gen.hosted:
         held = rt.peer_store.get(r, version) if rt.peer_store is not None else None
         if held is None:
-            return RestoreFailed(f"rank {r}'s image of version {version}, which this rank was to host it from, "
-                                 "is no longer held")
+            return Changed(RestoreFailed(f"rank {r}'s image of version {version}, which this rank was to host it "
+                                         "from, is no longer held"))
         try:
             ranks.append(hosted.from_image(held.manifest, held.buffer, names))
         except StateError as exc:
-            return Internal(f"cannot host rank {r}: {exc}")
+            return Changed(Internal(f"cannot host rank {r}: {exc}"))
     if ranks:
-        rt.micro = hosted.MicroBatches(rt.registry, rt.rank, gen.world_size, ranks, hosted.ddp_modules(rt.registry),
-                                       groups.local_only)
-    return None
+        return Changed(micro=hosted.MicroBatches(rt.registry, rt.rank, gen.world_size, ranks,
+                                                 hosted.ddp_modules(rt.registry), groups.local_only))
+    return Changed()
 
 
-def restore_state(rt: WorkerRuntime, a: RestoreState) -> Event:
+def restore_state(rt: WorkerRuntime, a: RestoreState) -> Changed:
     gen = rt.gen
     assert gen is not None and gen.decision is not None
     inputs = _inputs(rt, gen)
     gen.restored_early = gen.received = None
     reason, internal, bad_snapshot = "", "", None
+    failed_by: BaseException | None = None
     try:
         if isinstance(gen.decision, DiskFallback):
             with groups.local_only():  # a disk load moves no bytes between ranks
@@ -122,16 +124,15 @@ def restore_state(rt: WorkerRuntime, a: RestoreState) -> Event:
         reason = str(exc)
     except (TransportError, IntegrityError, SnapshotError) as exc:
         reason = f"{type(exc).__name__}: {exc}"
-        rt.notes = rt.notes.failed(exc)
+        failed_by = exc
     except (StateError, UnrecoverableError, RecoveryError) as exc:
         internal = f"cannot restore generation {a.generation}'s state: {type(exc).__name__}: {exc}"
     if internal:
-        return Internal(internal)
+        return Changed(Internal(internal))
     if reason:  # the next report re-reads every replica (and names a snapshot or a node copy that failed)
-        rt.notes = rt.notes.failed(bad_snapshot=bad_snapshot)
-        return RestoreFailed(reason)
-    rt.notes = ReportNotes()
-    rt.trained = out.resume_step  # the timeline goes on from here: a later fall-back counts from it
+        return Changed(RestoreFailed(reason), notes=rt.notes.failed(failed_by, bad_snapshot))
+    # Restored: the notes start afresh, the timeline goes on from here (a later fall-back counts from it).
+    restored = Changed(notes=ReportNotes(), trained=out.resume_step, recovered=True)
     g = a.generation
     if out.source == "disk":
         lost = out.steps_lost
@@ -144,33 +145,34 @@ def restore_state(rt: WorkerRuntime, a: RestoreState) -> Event:
         rt.ledger.emit(EventKind.TRANSFER_DONE, generation=g, bytes=out.bytes_received,
                        replica_bytes=out.bytes_from_replicas)
         rt.ledger.emit(EventKind.ROLLBACK_DONE, step=out.resume_step, generation=g, source=out.source)
-    rt.recoveries += 1
     if gen.physical is not None:  # fewer ranks: no mirroring in this generation; host the lost ranks
-        failed_hosting = _start_hosting(rt, gen, out.resume_step)
-        if failed_hosting is not None:
-            return failed_hosting
+        hosting = _start_hosting(rt, gen, out.resume_step, ReportNotes())
+        restored = replace(restored, micro=hosting.micro, notes=hosting.notes if hosting.notes is not KEEP
+                           else ReportNotes())
+        if hosting.event is not None:
+            return replace(restored, event=hosting.event)
         log.warning("rank %d: resumed at step %d in generation %d with %d processes for %d ranks%s", rt.rank,
                     out.resume_step, g, gen.physical[1], gen.world_size,
                     f", hosting ranks {gen.hosted}" if gen.hosted else "")
-        return Restored(out.resume_step)
+        return replace(restored, event=Restored(out.resume_step))
     # Re-protect the resume version under the new membership, in the background, moving only
     # the images a holder lacks (the replacement's own, and those the lost rank held): until it
     # commits, a further failure is planned from the replicas the previous generation left.
     # The image just restored from is that version already: mirrored as is, not captured again.
     failed = protect(rt, out.resume_step, MISSING, restored=out.image)
-    rt.own_images = []  # restored from, now mirrored or dropped: their buffers may go to the new engine
+    # The own images were restored from, now mirrored or dropped: their buffers may go to the new engine.
+    restored = replace(restored, own_images=[], standby_buffers=[])
     engine = rt.engine()
     if engine is not None:
-        reuse.donate_retired(rt.own_images, engine)
+        reuse.donate_retired([], engine)
         if rt.standby_buffers:  # a pre-built spare: the rest of its pool was faulted in while it waited
             engine.donate(rt.standby_buffers)
-    rt.standby_buffers = []
     if failed is not None:
-        return failed
+        return replace(restored, event=failed)
     via = (f"{out.source}: {out.bytes_received - out.bytes_from_replicas} bytes from holders, "
            f"{out.bytes_from_replicas} from live replicas" if out.bytes_from_replicas else out.source)
     log.warning("rank %d: resumed at step %d in generation %d (%s)", rt.rank, out.resume_step, g, via)
-    return Restored(out.resume_step)
+    return replace(restored, event=Restored(out.resume_step))
 
 
 def engine_pool_in_memory(rt: WorkerRuntime) -> bool:
@@ -196,7 +198,7 @@ def _restore_locally(registry: StateRegistry, image: StateImage, verify: bool = 
 STUCK_DUMP_S = 30.0
 
 
-def leave(rt: WorkerRuntime, a: LeaveGroups) -> Event:
+def leave(rt: WorkerRuntime, a: LeaveGroups) -> Changed:
     """Leave the failed generation: unbind its groups (their communicators are torn down off this thread:
     ``worker/reaper.py``), keep the own images, reset per-iteration state; then the machine reports."""
     started = time.monotonic()
@@ -204,16 +206,17 @@ def leave(rt: WorkerRuntime, a: LeaveGroups) -> Event:
     log.warning("rank %d: leaving generation %d: %s", rt.rank, a.generation, a.reason)
     faulthandler.dump_traceback_later(STUCK_DUMP_S, exit=False)
     rt.heartbeat.recovering()
+    left = Changed()
     if rt.micro is not None:  # the hosted ranks go with this generation (a further incident plans them lost)
         rt.micro.close()
-        rt.micro = None
+        left = Changed(micro=None)
     gen = rt.gen
     if gen is not None:
         if gen.engine is not None:
-            rt.committed = gen.engine.committed_version
+            left = replace(left, committed=gen.engine.committed_version)
         own = gen.leave()
-        if own:
-            rt.own_images = own
+        if own:  # kept for the restore (and listed in the report)
+            left = replace(left, own_images=own)
     else:
         groups.release_all(a.generation)
     try:  # a restore writes the live tensors: the last capture's copies out of them must be done
@@ -227,7 +230,7 @@ def leave(rt: WorkerRuntime, a: LeaveGroups) -> Event:
         log.info("rank %d: reset FSDP2 state of %s after the failure", rt.rank, reset)
     now = time.monotonic()
     rt.ledger.emit(EventKind.GENERATION_LEFT, generation=a.generation, seconds=round(now - started, 4))
-    return Left(now)
+    return replace(left, event=Left(now))
 
 
 def report(rt: WorkerRuntime, a: Report) -> Event:

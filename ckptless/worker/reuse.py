@@ -24,9 +24,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from ckptless.mirror.mirror import MirrorEngine
-from ckptless.mirror.partial import PairSpec
-from ckptless.mirror.store import StoredImage
+from ckptless.mirror import MirrorEngine
+from ckptless.mirror import PairSpec
+from ckptless.mirror import StoredImage
 from ckptless.state import StateImage
 from ckptless.worker.generation import release_retired_buffers, retired_engines_left, take_retired_buffers
 

@@ -22,6 +22,7 @@ import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
@@ -30,15 +31,15 @@ import torch.distributed as dist
 
 from ckptless import chaos_hooks, environment
 from ckptless.errors import NodeCopyError, TransportError
-from ckptless.goodput.ledger import EventKind
-from ckptless.mirror.config import MirrorConfig
-from ckptless.mirror.mirror import MirrorEngine
-from ckptless.mirror.partial import PairSpec
-from ckptless.mirror.reattach import attach
-from ckptless.mirror.replica_check import StrikeBook
-from ckptless.mirror.store import PeerStore, StoredImage
-from ckptless.recovery.transfer import Received
-from ckptless.recovery.wire import Membership
+from ckptless.goodput import EventKind
+from ckptless.mirror import MirrorConfig
+from ckptless.mirror import MirrorEngine
+from ckptless.mirror import PairSpec
+from ckptless.mirror import attach
+from ckptless.mirror import StrikeBook
+from ckptless.mirror import PeerStore, StoredImage
+from ckptless.recovery import Received
+from ckptless.recovery import Membership
 from ckptless.snapshot import SnapshotConfig, SnapshotWriter
 from ckptless.state import Capturer, GradientWindow, StateImage, StateRegistry, WriteOrder, window
 from ckptless.worker import deferral, exit_guard, groups, rank_reads, reuse
@@ -48,6 +49,7 @@ from ckptless.worker.generation import Generation
 from ckptless.worker.heartbeat import Heartbeat
 from ckptless.worker.hosted import MicroBatches
 from ckptless.worker.ledger import WorkerLedger
+from ckptless.worker.machine import Event
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +93,42 @@ class TransferAhead:
     thread: threading.Thread
     received: Received | None = None
     error: BaseException | None = None
+
+
+class Keep(Enum):
+    """A field of :class:`Changed` left as it is (``None`` is a value some fields take)."""
+
+    KEEP = "keep"
+
+
+KEEP = Keep.KEEP
+
+
+@dataclass(frozen=True)
+class Changed:
+    """What one executor did: the event it ends with and the runtime fields it changed.
+
+    Why: the driver is the one writer of the per-worker state (issue 40). An
+    executor reads the runtime and returns what it changed; the driver applies
+    it (:meth:`WorkerRuntime.apply`) before it feeds the event to the machine.
+    Built once per action, never per step.
+    """
+
+    event: Event | None = None
+    adopt: Membership | None = None  # a membership that includes this worker: the driver adopts it (``seen``)
+    gen: Generation | Keep = KEEP  # the generation being formed (set even if forming it fails)
+    notes: ReportNotes | Keep = KEEP
+    own_images: list[StoredImage] | Keep = KEEP
+    trained: int | Keep = KEEP
+    recovered: bool = False  # one more recovery restored (``recoveries``)
+    micro: MicroBatches | None | Keep = KEEP
+    committed: int | None | Keep = KEEP
+    standby_buffers: list[torch.Tensor] | Keep = KEEP
+    transfer_ahead: TransferAhead | None | Keep = KEEP
+
+    @staticmethod
+    def of(outcome: Event | Changed | None) -> Changed:
+        return outcome if isinstance(outcome, Changed) else Changed(outcome)
 
 
 class WorkerRuntime:
@@ -156,6 +194,27 @@ class WorkerRuntime:
         # A generation with fewer ranks: the lost ranks this process runs micro-batches for (worker/hosted.py).
         self.micro: MicroBatches | None = None
 
+    def apply(self, c: Changed) -> None:
+        """Write what an executor changed (called by the driver only)."""
+        if c.gen is not KEEP:
+            self.gen = c.gen
+        if c.notes is not KEEP:
+            self.notes = c.notes
+        if c.own_images is not KEEP:
+            self.own_images = c.own_images
+        if c.trained is not KEEP:
+            self.trained = c.trained
+        if c.recovered:
+            self.recoveries += 1
+        if c.micro is not KEEP:
+            self.micro = c.micro
+        if c.committed is not KEEP:
+            self.committed = c.committed
+        if c.standby_buffers is not KEEP:
+            self.standby_buffers = c.standby_buffers
+        if c.transfer_ahead is not KEEP:
+            self.transfer_ahead = c.transfer_ahead
+
     # --- identity (derived from the generation, never copied) ---------------------------------
     @property
     def rank(self) -> int:
@@ -209,6 +268,13 @@ class WorkerRuntime:
             self.snapshots = SnapshotWriter(
                 SnapshotConfig(Path(self.ctx.snapshot_dir), self.ctx.job_id, every=self.ctx.snapshot_every),
                 self.registry, self.rank, self.world_size)
+
+    def renew_snapshot_writer(self) -> None:
+        """A spare took another rank as built: its snapshot writer (if any) is made anew, for that rank."""
+        if self.snapshots is not None:
+            self.snapshots.close()
+            self.snapshots = None
+            self.make_snapshot_writer()
 
     def layout_changed(self) -> None:
         """New objects were protected: the next capture plans its layout anew, and every protected

@@ -15,8 +15,8 @@ from typing import Any
 
 from ckptless import chaos_hooks
 from ckptless.errors import MirrorError, SilentDataCorruption, StateError, TransportError
-from ckptless.goodput.ledger import EventKind
-from ckptless.mirror.partial import PairSpec
+from ckptless.goodput import EventKind
+from ckptless.mirror import PairSpec
 from ckptless.state import StateImage
 from ckptless.worker import exit_file, groups, handoff, reuse
 from ckptless.worker.faults import device_failure, is_fault
@@ -30,7 +30,7 @@ from ckptless.worker.machine import (
     Stepped,
     UserError,
 )
-from ckptless.worker.runtime import RunResult, WorkerRuntime
+from ckptless.worker.runtime import KEEP, Changed, RunResult, WorkerRuntime
 
 log = logging.getLogger(__name__)
 
@@ -55,8 +55,7 @@ def protect(rt: WorkerRuntime, version: int, pairs: PairSpec = None, restored: S
     except SilentDataCorruption as exc:  # replicas differ (mirror/replica_check.py): the job's policy
         return sdc_event(rt, exc)
     except StateError as exc:  # the script's state cannot be captured: the user's to fix
-        rt.user_exception = exc
-        return UserError(f"{type(exc).__name__}: {exc}")
+        return UserError(f"{type(exc).__name__}: {exc}", exc)
     return Fault(reason) if reason else None
 
 
@@ -78,18 +77,16 @@ def classify(rt: WorkerRuntime, exc: BaseException) -> Event:
     if isinstance(exc, SystemExit):
         if exc.code in (None, 0):
             raise exc
-        rt.user_exception = exc
-        return UserError(f"SystemExit: {exc.code}")
+        return UserError(f"SystemExit: {exc.code}", exc)
     failed = device_failure(exc)  # the GPU itself failed: neither the user's error nor recoverable here
     if failed is not None:
         return failed
     if rt.recovery and is_fault(exc, rt.generation, rt.incident_check()):
         return Fault(f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}")
-    rt.user_exception = exc
-    return UserError(f"{type(exc).__name__}: {exc}")
+    return UserError(f"{type(exc).__name__}: {exc}", exc)
 
 
-def train(rt: WorkerRuntime, generation: int, from_step: int, until_reprotected: bool) -> Event:
+def train(rt: WorkerRuntime, generation: int, from_step: int, until_reprotected: bool) -> Event | Changed:
     """Run steps until the end, a failure, or (after a recovery) the re-protection committed."""
     it = train_steps(rt, generation, from_step, until_reprotected)
     try:
@@ -101,11 +98,12 @@ def train(rt: WorkerRuntime, generation: int, from_step: int, until_reprotected:
 
 
 def train_steps(rt: WorkerRuntime, generation: int, from_step: int,
-                until_reprotected: bool) -> Generator[int, Event | NoMoreSteps | None, Event]:
+                until_reprotected: bool) -> Generator[int, Event | NoMoreSteps | None, Event | Changed]:
     """The training loop as a generator: yields each step to run, receives how it ended (None: done).
 
     Why a generator: the callback API (``run``) and the loop API (``for step in job.steps(n)``) are
-    the same loop; only who runs the user's code differs. Returns the machine's next event.
+    the same loop; only who runs the user's code differs. Returns the machine's next event (with what
+    it changed in the runtime, when growing back: the driver applies it).
     ``rt.spec.steps`` is read at every step: ``job.train`` learns it only when the loop ends.
     ``until_reprotected``: this is the first training after a restore, from the resume version
     ``from_step``; it returns once that version is committed again under the new membership.
@@ -183,16 +181,19 @@ def _ended_before(rt: WorkerRuntime, step: int) -> Event:
     return Stepped(step, done=True)
 
 
-def _grow_back(rt: WorkerRuntime, generation: int, step: int) -> Event | None:
+def _grow_back(rt: WorkerRuntime, generation: int, step: int) -> Changed | None:
     """A generation with fewer ranks asked to grow back: every process leaves at this boundary, its
     state (and its hosted ranks') handed over as images of version ``step`` (worker/handoff.py)."""
+    own = None
     try:
         if not handoff.agreed(rt, generation):
             return None
-        handoff.hand_over(rt, step)
+        own = handoff.capture_own(rt, step)
+        handoff.hand_over(rt, step, own)
+        event = Fault(f"growing back to full width at step {step}: spares take the hosted ranks")
     except Exception as exc:  # noqa: BLE001 - a peer lost meanwhile: the usual fault path
-        return Fault(f"{type(exc).__name__} while growing back at step {step}: {str(exc)[:200]}")
-    return Fault(f"growing back to full width at step {step}: spares take the hosted ranks")
+        event = Fault(f"{type(exc).__name__} while growing back at step {step}: {str(exc)[:200]}")
+    return Changed(event, own_images=[*rt.own_images, own] if own is not None else KEEP)
 
 
 def _one_step(rt: WorkerRuntime, step: int) -> Generator[int, Any, Any]:
@@ -228,8 +229,7 @@ def sdc_event(rt: WorkerRuntime, exc: SilentDataCorruption) -> Event:
     replicas), or the job stops with the error (a stop, not the script's bug: the leader says so)."""
     if exc.replace:
         return DeviceFailed(exit_file.summarize(exc))
-    rt.user_exception = exc
-    return UserError(f"{type(exc).__name__}: {exc}")
+    return UserError(f"{type(exc).__name__}: {exc}", exc)
 
 
 def final_commit(rt: WorkerRuntime) -> Event:

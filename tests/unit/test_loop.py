@@ -17,6 +17,7 @@ tests/e2e/test_own_loop_e2e.py.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import hashlib
 import random
 from collections.abc import Callable, Generator
@@ -108,6 +109,10 @@ class FakeDriver:
 
     def prepare(self, train_step: Any, steps: int, start_step: int) -> None:
         self.rt.spec = RunSpec(train_step, steps, start_step)
+
+    def end_at(self, steps: int) -> None:
+        assert self.rt.spec is not None
+        self.rt.spec = dataclasses.replace(self.rt.spec, steps=steps)
 
     def _capture(self) -> dict[str, Any]:
         return {name: copy.deepcopy(obj.state_dict()) for name, obj in self.rt.registry.items()}
