@@ -82,15 +82,38 @@ class LoaderState:
 
     def __init__(self, loader: Any) -> None:
         self.loader = loader
+        self._loaded = False
 
     def state_dict(self) -> dict[str, Any]:
+        # A StatefulDataLoader's state_dict() right after load_state_dict() makes the iterator that
+        # resumes there, and a DataLoader iterator draws its base seed from torch's stream (or the
+        # loader's generator) when made: the capture a restore is followed by would draw once more than
+        # the fault-free run, whose one draw (its first capture's) is in every version already.
+        saved = _streams(self.loader) if self._loaded else None
+        self._loaded = False
         sd = self.loader.state_dict()
+        if saved is not None:
+            _put_back(self.loader, saved)
         return {"pickled": sorted(k for k, v in sd.items() if isinstance(v, bytes)),
                 "state": {k: pickle.loads(v) if isinstance(v, bytes) else v for k, v in sd.items()}}
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         pickled = set(sd["pickled"])
         self.loader.load_state_dict({k: pickle.dumps(v) if k in pickled else v for k, v in sd["state"].items()})
+        self._loaded = True
+
+
+def _streams(loader: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The streams a DataLoader iterator draws its base seed from: torch's, and the loader's generator."""
+    gen = getattr(loader, "generator", None)
+    return torch.get_rng_state(), None if gen is None else gen.get_state()
+
+
+def _put_back(loader: Any, saved: tuple[torch.Tensor, torch.Tensor | None]) -> None:
+    torch.set_rng_state(saved[0])
+    gen = getattr(loader, "generator", None)
+    if gen is not None and saved[1] is not None:
+        gen.set_state(saved[1])
 
 
 class TrainState:
@@ -158,12 +181,13 @@ class _Loop:
     def __call__(self) -> None:
         t, config = self.trainer, self.trainer.config
         self.calls += 1
-        if self.calls == 1 and self.job.generation == 0 and self.job.recoveries == 0:
+        first_start = self.calls == 1 and self.job.generation == 0 and self.job.recoveries == 0
+        if first_start:
             # The job's first start: torchtitan's own resume from disk (a no-op without a checkpoint).
             # Never after a recovery, nor in a replacement: the state then is the resume version's.
             t.checkpointer.load(step=config.checkpoint.load_step)
         with config.profiler.build(global_step=t.step, base_folder=config.dump_folder) as profiler:
-            data_iterator = t.batch_generator(t.dataloader)  # a new iterator: the loader resumes at its state
+            data_iterator = t.batch_generator(self._iterator(first_start))
             while t.should_continue_training():
                 self.job.begin_step()
                 t.step += 1
@@ -177,6 +201,19 @@ class _Loop:
                 if config.validator.enable and t.validator.should_validate(t.step):
                     t.validator.validate(t.model_parts, t.step)
                 profiler.step()
+
+    def _iterator(self, first_start: bool) -> Any:
+        """A new iterator over the loader, which resumes at the loader's (restored) state, made before
+        the first step: making one draws a base seed (torch's stream, or the loader's generator), a draw
+        the fault-free run made once, before its first version (its first capture's ``state_dict()``
+        makes the iterator ``iter()`` then takes). After a recovery that draw is in the restored streams
+        already: the new iterator's own is undone (:class:`LoaderState` does the same for the capture)."""
+        loader = self.trainer.dataloader
+        saved = None if first_start else _streams(loader)
+        it = iter(loader)
+        if saved is not None:
+            _put_back(loader, saved)
+        return it
 
 
 def train(trainer: Trainer) -> None:
