@@ -71,11 +71,21 @@ def use_cpu() -> None:
     """Point torchtitan's device at the CPU; before any other torchtitan module is imported (they bind
     ``device_type``/``device_module`` from ``tools.utils`` at their import)."""
     global _CPU
+    import sys
+
     import torchtitan.tools.utils as tt_utils
 
     if _CPU is None:
         _CPU = _CpuDevice()
+    was = tt_utils.device_module
     tt_utils.device_type, tt_utils.device_module = "cpu", _CPU
+    # and in the torchtitan modules imported already (a test process may have imported some)
+    for name, module in list(sys.modules.items()):
+        if name.startswith("torchtitan.") and module is not None and module is not tt_utils:
+            if getattr(module, "device_module", None) is was:
+                module.device_module = _CPU  # type: ignore[attr-defined]
+            if isinstance(getattr(module, "device_type", None), str):
+                module.device_type = "cpu"  # type: ignore[attr-defined]
 
 
 def _classes() -> dict[str, Any]:
