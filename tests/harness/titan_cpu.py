@@ -165,7 +165,8 @@ def _sum_reductions(parallelize_fn: Any) -> Any:
 
 
 def tiny_config(*, steps: int, dump_folder: str, vocab: int = 64, dim: int = 32, layers: int = 2,
-                seq_len: int = 16, batch: int = 2, global_batch: int = -1, checkpoint_interval: int = 0) -> Any:
+                seq_len: int = 16, batch: int = 2, global_batch: int = -1, checkpoint_interval: int = 0,
+                fuse_qkv: bool = True) -> Any:
     """A ``Trainer.Config``: torchtitan's llama3 at tiny sizes, FSDP2 over every rank (``dp_shard=-1``),
     float32 (Gloo reduces no bfloat16 on every build), no compile, no activation checkpointing, the
     ``partial_dtensor`` SPMD backend (0.3's default, ``spmd_types``, refuses to shard even its own
@@ -186,7 +187,7 @@ def tiny_config(*, steps: int, dump_folder: str, vocab: int = 64, dim: int = 32,
     c = _classes()
     heads = 4
     layer_cfgs = _build_llama3_layers(
-        fuse_qkv=True, n_layers=layers, dim=dim, n_heads=heads,
+        fuse_qkv=fuse_qkv, n_layers=layers, dim=dim, n_heads=heads,
         hidden_dim=compute_ffn_hidden_dim(dim, multiple_of=16),
         rope=ComplexRoPE.Config(dim=dim // heads, max_seq_len=4 * seq_len, theta=10000, scaling="none"),
         attn_backend="flex")
@@ -223,3 +224,11 @@ def tiny_cpu() -> Any:
     examples/torchtitan_train.py runs of the tests): :func:`tiny_config` with 12 steps; torchtitan's
     command line overrides the rest (``--training.steps``, ``--dump_folder``, ``--checkpoint.interval``)."""
     return tiny_config(steps=12, dump_folder="./outputs")
+
+
+def tiny_cpu_unfused() -> Any:
+    """:func:`tiny_cpu` with separate ``wq``/``wk``/``wv`` (llama3's ``fuse_qkv=False``): the fused block's
+    ``state_dict`` hook gathers each ``wqkv`` to Replicate (a collective in every ``state_dict()``), with
+    ``allgather_into_tensor_coalesced``, which the NCCL stand-in's Gloo underneath lacks
+    (tests/gpu/test_shared_gpu.py on CPU)."""
+    return tiny_config(steps=12, dump_folder="./outputs", fuse_qkv=False)
