@@ -39,6 +39,12 @@ job ckptless cannot recover, all holders of a rank's image lost, restarts from c
 or from that checkpoint). Not run here: ``set_pg_timeouts`` after the first step (ckptless detects
 failures and owns the groups' deadlines) and the rank-0 sleep at the end.
 
+Cost to know (docs/scale.md): llama3's fused QKV (``fuse_qkv=True``, its default) registers a
+``state_dict`` hook that gathers each layer's ``wqkv`` to Replicate over the FSDP group, so every capture
+runs that all-gather and the image holds the QKV weights replicated (W times their sharded size). Bitwise
+at 2 ranks here; protecting the raw sharded parameters (torchtitan's own checkpoints need the hook) is
+the fix not made yet.
+
 Refused (``ConfigError``): pipeline parallelism (several model parts and a schedule whose in-flight
 state a survivor would carry; untested), CUDA graphs (``fwd_bwd_fn`` replays captured pointers:
 ``--training.disable_cuda_graphs``), TorchFT. Not in the image: the validator's loader (0.3 reads it from
