@@ -28,7 +28,8 @@ if moved:
     sys.exit(f"compat venv: pip install ckptless would replace the installed torch by {moved[0]}")
 print("compat venv: pip install 'ckptless[data,hf,lightning]' leaves torch as installed")
 PY
-grep -v '^torch==' "$constraints" > "$venv/constraints.txt"
+# torch's line out, and triton's (the CUDA build of torch pins its own triton).
+grep -v -E '^(torch|triton)==' "$constraints" > "$venv/constraints.txt"
 "$py" -m pip install --quiet -e '.[test]' -c "$venv/constraints.txt"
 "$py" - "$torch_version" <<'PY'
 import sys

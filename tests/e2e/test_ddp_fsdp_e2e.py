@@ -278,7 +278,8 @@ def test_init_process_group_before_ckptless_init(module_etcd: EmbeddedEtcd, tmp_
 
 PORTING = REPO / "docs" / "porting.md"
 EXAMPLE_OF = {"ddp": DDP_SCRIPT, "fsdp": FSDP_SCRIPT, "trainer": str(REPO / "examples" / "ddp_trainer.py"),
-              "gpt": str(REPO / "examples" / "gpt_trainer.py"), "prefetch": str(REPO / "examples" / "prefetch_train.py")}
+              "gpt": str(REPO / "examples" / "gpt_trainer.py"), "prefetch": str(REPO / "examples" / "prefetch_train.py"),
+              "torchtitan": str(REPO / "examples" / "torchtitan_train.py")}
 
 
 def _porting_block(kind: str, what: str) -> str:
@@ -316,7 +317,7 @@ def _apply_unified_diff(original: str, diff: str) -> str:
     return "".join(out + src[pos:])
 
 
-@pytest.mark.parametrize("kind", ["ddp", "fsdp", "trainer", "gpt", "prefetch"])
+@pytest.mark.parametrize("kind", ["ddp", "fsdp", "trainer", "gpt", "prefetch", "torchtitan"])
 def test_porting_guide_diff_applies_to_its_original(kind: str, tmp_path: Path) -> None:
     """The diff applies to the original printed beside it, the result compiles, and every line it adds
     is in the example that the kill tests above run (the guide shows what is tested)."""

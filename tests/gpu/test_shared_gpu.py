@@ -15,7 +15,10 @@ Cases (3 agents x 1 rank; a fourth, spare-only agent where said):
   the communicators are built, so the others sit in NCCL's init): generation 2 forms, bitwise;
 * a pre-built spare on a spare-only agent takes the middle rank;
 * a DDP job and an FSDP2 job (``examples/*.py --device cuda``), a rank killed in backward while its peers
-  are in DDP's all-reduce / FSDP2's reduce-scatter (two or more communicators hung on one device at once).
+  are in DDP's all-reduce / FSDP2's reduce-scatter (two or more communicators hung on one device at once);
+* torchtitan's own Trainer (examples/torchtitan_train.py through ckptless.integrations.torchtitan), FSDP2 over
+  the 3 ranks, killed twice under ``ckptless-chaos``'s kill-twice: bitwise (each process its own
+  ``NCCL_HOSTID``, set by tests/harness/titan_site; torchtitan's wheels travel in .whl/).
 
 Each case writes ``<case>.json`` (its timings) to ``$CKPTLESS_GPU_OUT``. ``TEST_SHARED_GPU_ON_CPU=1`` runs
 this file on CPU with the stand-in for NCCL (tests/harness/nccl_like.py): it checks the file's own logic
@@ -230,3 +233,37 @@ def test_ddp_and_fsdp2_killed_in_backward(module_etcd: EmbeddedEtcd, tmp_path: P
     assert_bitwise_equal(finals, want)
     _no_backstop(c)
     assert all(dt < LEFT_WITHIN_S for dt in left.values()), f"survivors left late: {left}"
+
+
+TITAN_SITE = str(REPO / "tests" / "harness" / "titan_site")
+
+
+@pytest.mark.xdist_group("titan")
+def test_torchtitan_fsdp2_killed_twice(tmp_path: Path, gpu_out: Path) -> None:
+    """torchtitan's own Trainer (examples/torchtitan_train.py, tests/harness/titan_cpu.py's tiny llama3:
+    FSDP2 over 3 ranks, AdamW, accumulation 2, its CheckpointManager every 3 steps, CUDA graphs off as the
+    integration requires) on NCCL, 3 ranks on the one GPU (2 on the stand-in): rank 0 SIGKILLed at step 4 and its replacement
+    at step 8, bitwise equal to the fault-free run. On CPU (the stand-in) torchtitan's device is the CPU."""
+    pytest.importorskip("torchtitan.trainer", reason="torchtitan's wheels travel in .whl/ (tools/gpu_wheels.sh)")
+    from ckptless.chaos.script import ScriptJob, run_script
+
+    env = _job_env(CKPTLESS_TEST_NCCL_HOSTID_PER_PROCESS="1",
+                   **({"CKPTLESS_TEST_TITAN_CPU": "1"} if EMULATED else {"CUDA_VISIBLE_DEVICES": "0"}))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (TITAN_SITE, env.get("PYTHONPATH", "")) if p)  # the stand-in's too
+    # On the stand-in, 2 ranks, separate q/k/v and no DCP checkpoints: the fused QKV's state_dict hook and
+    # uneven FSDP2 shards over 3 ranks make DTensor gather with allgather_into_tensor_coalesced, which the
+    # stand-in's Gloo underneath lacks (NCCL has it).
+    world = 2 if EMULATED else WORLD
+    disk = () if EMULATED else ("--checkpoint.enable", "--checkpoint.interval", "3")
+    config = "tiny_cpu_unfused" if EMULATED else "tiny_cpu"
+    job = ScriptJob(script=REPO / "examples" / "torchtitan_train.py", nnodes=world, nproc_per_node=1, env=env,
+                    args=("--module", "tests.harness.titan_cpu", "--config", config, "--dump_folder",
+                          "{out}/titan", "--training.steps", "12", "--training.global_batch_size", str(4 * world),
+                          *disk))
+    v = run_script("kill-twice", job, tmp_path, rank=0, at=[4, 8], log=lambda line: print(line, flush=True))
+    _record(gpu_out, "torchtitan", line=v.line, passed=v.passed)
+    assert v.passed, v.line + "\n" + "\n".join(v.reasons)
+    assert v.faulty is not None and v.faulty.generation == 2
+    text = "".join(p.read_text(errors="replace") for p in (tmp_path / "kill-twice" / "logs").glob("agent*.log"))
+    for line in BACKSTOP_LINES:
+        assert line not in text, f"{line!r} in the job's logs"
