@@ -82,7 +82,11 @@ class LoaderState:
     pickles its ``StatefulDataLoader`` state into ``bytes`` ("for backward compatibility" with DCP
     checkpoints), which the image does not hold as such; here each pickled value is its unpickled
     structure (ints, lists, tensors: compared and checksummed as the rest), pickled again for
-    ``load_state_dict``. The loader's position is the data position (``__ckptless_data_position__``)."""
+    ``load_state_dict``. The loader's position is the data position (``__ckptless_data_position__``).
+
+    The one ``pickle.loads`` here reads only the bytes this process's own loader has just made in
+    ``state_dict()``; what crosses the network or reaches disk is the unpickled structure, in the
+    image's typed encoding, never pickled bytes (a peer's image is decoded without unpickling)."""
 
     __ckptless_data_position__ = True
 
