@@ -9,6 +9,7 @@ test_nccl_machinery_e2e.py) meet what a GPU cluster would do to ckptless, not a 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -26,7 +27,8 @@ sys.path.insert(0, sys.argv[1])
 from tests.harness.nccl_like import NcclLikeGroup
 case, rank, port = sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 t = datetime.timedelta
-def say(*a): print(*a, flush=True)
+def say(*a):  # one write(2): a thread's traceback on stderr (the same pipe) never lands inside the line
+    os.write(1, (" ".join(map(str, a)) + "\n").encode())
 if case == "monitor":  # a process whose first group forms after the key exists
     store = dist.TCPStore("127.0.0.1", port, None, False, timeout=t(seconds=20))
     g = NcclLikeGroup(dist.PrefixStore("late/", store), 0, 1, t(seconds=20), "late")
@@ -163,5 +165,7 @@ def test_a_unique_id_get_holds_the_store_client(tmp_path: Path) -> None:
     _server = dist.TCPStore("127.0.0.1", port, None, True, timeout=datetime.timedelta(seconds=20),
                             wait_for_workers=False)
     out = _run(tmp_path, "uid_get", (1,), port=port)[0].stdout
-    waited = float(out.split("add waited")[1].split()[0])
+    found = re.search(r"^add waited (\d+(?:\.\d+)?)$", out, re.M)
+    assert found, out
+    waited = float(found.group(1))
     assert 1.0 <= waited <= 3.0, out
