@@ -34,6 +34,7 @@ TITAN = ScriptJob(
     env={"CKPTLESS_TEST_TITAN_CPU": "1", "PYTHONPATH": str(REPO / "tests" / "harness" / "titan_site")})
 
 
+@pytest.mark.rotating(2)  # CI budget (tests/harness/rotation.py): ~25 s; tests/unit/test_torchtitan.py runs daily
 @pytest.mark.timeout(300)
 def test_torchtitan_trainer_killed_twice_resumes_bitwise(tmp_path: Path) -> None:
     v = run_script("kill-twice", TITAN, tmp_path, rank=0, at=[4, 8], log=lambda line: print(line, flush=True))
