@@ -114,7 +114,7 @@ def test_two_agents_form_one_job_on_external_etcd(etcd: EmbeddedEtcd, tmp_path: 
         assert nodes == [], "a clean exit must leave no node key behind"
 
 
-@pytest.mark.rotating(2)  # CI budget: tests/harness/rotation.py
+@pytest.mark.rotating(3)  # CI budget: tests/harness/rotation.py
 def test_worker_kill_recorded_and_agent_kill_detected(etcd: EmbeddedEtcd, tmp_path: Path) -> None:
     ks = Keyspace("kills")
     client = EtcdClient(EtcdConfig((etcd.endpoint,)))

@@ -61,7 +61,7 @@ def _run(name: str, rank: int, at: list[int], out: Path, job: ScriptJob = JOB) -
     return v
 
 
-@pytest.mark.rotating(0)  # CI budget: tests/harness/rotation.py (the two kills run on turn 1)
+@pytest.mark.rotating(0)  # CI budget: tests/harness/rotation.py (the two kills run on turn 3)
 @pytest.mark.timeout(420)
 def test_lightning_at_4_ranks_killed_at_an_epochs_first_batch_resumes_bitwise(tmp_path: Path) -> None:
     # Issue 38's kill: rank 3 at step 9. Resumed at 8 (epoch 0's last batch, after its mid-epoch
@@ -70,7 +70,7 @@ def test_lightning_at_4_ranks_killed_at_an_epochs_first_batch_resumes_bitwise(tm
     assert "generation 1" in v.line, v.line
 
 
-@pytest.mark.rotating(1)  # CI budget: tests/harness/rotation.py (the single kill runs on turn 0)
+@pytest.mark.rotating(3)  # CI budget: tests/harness/rotation.py (the single kill runs on turn 0)
 @pytest.mark.timeout(420)
 def test_lightning_at_4_ranks_killed_twice_resumes_bitwise(tmp_path: Path) -> None:
     # Rank 1 right after a mid-epoch validation (step 4: batches 0-3 trained, validated after the 4th),

@@ -40,7 +40,7 @@ def _steps(out: Path, scenario: str) -> int:
     return int(doc["step"])
 
 
-@pytest.mark.rotating(0)  # CI budget: tests/harness/rotation.py (job.train's loop is killed daily under the
+@pytest.mark.rotating(3)  # CI budget: tests/harness/rotation.py (job.train's loop is killed daily under the
 @pytest.mark.timeout(300)  # HF and Lightning integrations, tests/e2e/test_integrations_e2e.py, and unit-tested)
 def test_ddp_trainer_class_killed_twice_mid_epoch_resumes_bitwise(tmp_path: Path,
                                                                   capsys: pytest.CaptureFixture[str]) -> None:

@@ -46,7 +46,7 @@ def _finals(out: Path) -> dict[int, dict[str, object]]:
     return {r: torch.load(out / f"final_rank{r}.pt", weights_only=True) for r in range(2)}
 
 
-@pytest.mark.rotating(0)  # CI budget: tests/harness/rotation.py
+@pytest.mark.rotating(3)  # CI budget: tests/harness/rotation.py
 @pytest.mark.timeout(420)
 def test_whole_job_restart_resumes_from_the_newest_snapshot(tmp_path: Path) -> None:
     base_out, out = tmp_path / "base", tmp_path / "run"

@@ -37,7 +37,7 @@ from .test_ddp_fsdp_e2e import DDP_SCRIPT, _baseline, _run
 from .test_shrink_e2e import SHRINK, STEPS, _max_diff
 
 
-@pytest.mark.rotating(1)  # CI budget: tests/harness/rotation.py (a non-leader node's loss runs on turn 2)
+@pytest.mark.rotating(3)  # CI budget: tests/harness/rotation.py (a non-leader node's loss runs on turn 2)
 def test_leader_node_lost_without_spares_the_survivors_go_on_with_fewer_ranks_then_grow_back(
         module_etcd: EmbeddedEtcd, tmp_path: Path) -> None:
     want = _baseline(module_etcd, tmp_path, DDP_SCRIPT, STEPS)

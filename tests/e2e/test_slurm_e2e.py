@@ -41,7 +41,7 @@ def _finals(out: Path) -> dict[int, dict[str, object]]:
     return finals
 
 
-@pytest.mark.rotating(2)  # CI budget: tests/harness/rotation.py (the kill and recovery are the launcher's, tested daily)
+@pytest.mark.rotating(3)  # CI budget: tests/harness/rotation.py (the kill and recovery are the launcher's, tested daily)
 @pytest.mark.timeout(300)
 def test_sbatch_recipe_on_local_slurm_survives_a_kill_bitwise(module_etcd: EmbeddedEtcd, tmp_path: Path) -> None:
     why = slurm.missing()
