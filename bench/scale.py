@@ -147,6 +147,34 @@ def leader_events(gdir: Path) -> list[dict[str, Any]]:
     return [json.loads(x) for x in f.read_text().splitlines() if x.strip()] if f.exists() else []
 
 
+def replacement_phases(evs: list[dict[str, Any]], out: Path, t_kill: float) -> dict[str, Any]:
+    """Where the replacement's time went, from the kill (a slow recovery names its phase): ``rep_start_s``
+    its ``job_start``; ``rep_adopted_s`` its ``membership_adopted`` (``rep_store_s`` / ``rep_group_s``: its store
+    connect and default group in it); ``rep_built_s`` its setup's end (the worker's ``built`` line);
+    ``rep_formed_s`` its ``groups_reformed``; ``wait_ahead_s`` / ``wait_arrive_s`` the longest any other rank
+    waited for the transfers run ahead and at the check-in (the survivors wait for the replacement there)."""
+    mine = [e for e in evs if e.get("rank") == VICTIM and e["t_monotonic"] > t_kill]
+
+    def at(kind: str) -> dict[str, Any] | None:
+        return next((e for e in mine if e["kind"] == kind), None)
+
+    row: dict[str, Any] = {}
+    for name, kind in (("rep_start_s", "job_start"), ("rep_adopted_s", "membership_adopted"),
+                       ("rep_formed_s", "groups_reformed")):
+        e = at(kind)
+        row[name] = (e["t_monotonic"] - t_kill) if e is not None else float("nan")
+    adopted = at("membership_adopted")
+    row["rep_store_s"] = float(adopted["attrs"]["store_s"]) if adopted else float("nan")
+    row["rep_group_s"] = float(adopted["attrs"]["group_s"]) if adopted else float("nan")
+    built = [json.loads(x) for x in (out / f"built_rank{VICTIM}.jsonl").read_text().splitlines() if x.strip()] \
+        if (out / f"built_rank{VICTIM}.jsonl").exists() else []
+    row["rep_built_s"] = (built[-1]["t_built"] - t_kill) if built and built[-1]["t_built"] > t_kill else float("nan")
+    others = [e for e in evs if e["kind"] == "groups_reformed" and e.get("rank") != VICTIM and e["t_monotonic"] > t_kill]
+    row["wait_ahead_s"] = max((float(e["attrs"]["ahead_s"]) for e in others), default=float("nan"))
+    row["wait_arrive_s"] = max((float(e["attrs"]["arrive_s"]) for e in others), default=float("nan"))
+    return row
+
+
 def run_one(world: int, state_bytes: int, step_sleep: float, work: Path, log: Any) -> dict[str, Any]:
     job = f"scale{world}-{uuid.uuid4().hex[:6]}"
     out = work / job
@@ -213,6 +241,7 @@ def run_one(world: int, state_bytes: int, step_sleep: float, work: Path, log: An
             for p in procs:
                 p.wait(300)
             mem = [json.loads(f.read_text()) for f in out.glob("mem_rank*.json")]
+            phases = replacement_phases(evs, out, t_kill)
             row = {"world": world, "resumed_s": resumed, "learned_s": learned, "left_s": left,
                    "planned_s": (min(plans) - t_kill) if plans else float("nan"),
                    "sockets_before": sockets_before, "sockets_after": sockets_after,
@@ -221,7 +250,7 @@ def run_one(world: int, state_bytes: int, step_sleep: float, work: Path, log: An
                    "etcd_events_per_rank": (c2["events"] - c1["events"]) / world,
                    "etcd_kib_per_rank": (c2["bytes"] - c1["bytes"]) / world / 1024,
                    "idle_events_s": idle, "peak_rss_mib": max(m["peak_rss"] for m in mem) / 2**20,
-                   "load1": os.getloadavg()[0]}
+                   "load1": os.getloadavg()[0], **phases}
             log(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}))
             return row
         finally:
@@ -267,6 +296,17 @@ def main() -> int:
               f"{r['etcd_kib_per_rank']:.1f} | {r['idle_events_s']:.1f} | {r['peak_rss_mib']:.0f} | "
               f"{r['window_cpu_s']:.2f} / {r['window_cpu_s'] / r['window_cpu_per_core_s']:.0f} = {r['window_cpu_per_core_s']:.2f} | "
               f"{r['load1']:.1f} |")
+    print("\nThe replacement, from the kill (s): its start, membership adopted (store connect + default group in "
+          "it), setup built, groups formed; the longest any other rank waited for the transfers run ahead / at "
+          "the check-in\n")
+    print("| W | kill -> resumed s | start | adopted (store + group) | built | formed | others' ahead wait | "
+          "others' check-in wait |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        if "failed" not in r:
+            print(f"| {r['world']} | {r['resumed_s']:.2f} | {r['rep_start_s']:.2f} | {r['rep_adopted_s']:.2f} "
+                  f"({r['rep_store_s']:.3f} + {r['rep_group_s']:.3f}) | {r['rep_built_s']:.2f} | "
+                  f"{r['rep_formed_s']:.2f} | {r['wait_ahead_s']:.2f} | {r['wait_arrive_s']:.2f} |")
     if a.json is not None:
         a.json.write_text(json.dumps({"rows": rows}, indent=1))
     return 0

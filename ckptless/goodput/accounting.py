@@ -62,7 +62,8 @@ BADPUT = tuple(c for c in Category if c is not Category.PRODUCTIVE)
 # Events that mark a moment without closing an interval of the walk.
 MARKERS = frozenset({EventKind.SNAPSHOT_SAVED, EventKind.REPROTECT_DONE, EventKind.FAULT_INJECTED,
                      EventKind.INCIDENT_OPENED, EventKind.PLAN_PUBLISHED, EventKind.REPLACEMENT_WAITING,
-                     EventKind.MIRROR_LINK, EventKind.GENERATION_LEFT})
+                     EventKind.MIRROR_LINK, EventKind.GENERATION_LEFT,
+                     EventKind.MEMBERSHIP_ADOPTED})
 
 _PHASE = {
     EventKind.FAILURE_DETECTED: Category.DETECTION,

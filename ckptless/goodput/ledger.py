@@ -59,6 +59,10 @@ class EventKind(str, Enum):
     # A survivor finished leaving a broken generation (marker, right before its report to the leader);
     # attrs: seconds (from its failure_detected: what leaving cost its training thread).
     GENERATION_LEFT = "generation_left"
+    # A process adopted its first membership (marker, once per process); attrs: store_s (connecting the
+    # generation's store), group_s (making the default group). A replacement's init() is on every survivor's
+    # path (they wait for it at formation): issue 35 caught one taking 5 s with no record of where.
+    MEMBERSHIP_ADOPTED = "membership_adopted"
 
 
 class LedgerFormatError(ConfigError):

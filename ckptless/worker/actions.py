@@ -126,8 +126,14 @@ def adopted(rt: WorkerRuntime, m: Membership, first: bool, other_rank: bool) -> 
     rt.ledger.set_rank(rank)
     if first and rt.ctx.role == "spare":  # its start had no rank to be written under: the report's
         rt.ledger.emit(EventKind.JOB_START, generation=m.generation, role="spare")  # "replacement ready"
+    started = time.monotonic()
     try:
-        groups.ensure_default_group(rt.store_for(m), rank, m.world_size, rt.ctx.collective_timeout_s)
+        store = rt.store_for(m)
+        connected = time.monotonic()
+        groups.ensure_default_group(store, rank, m.world_size, rt.ctx.collective_timeout_s)
+        if first:
+            rt.ledger.emit(EventKind.MEMBERSHIP_ADOPTED, generation=m.generation,
+                           store_s=round(connected - started, 4), group_s=round(time.monotonic() - connected, 4))
     except TransportError as exc:
         # The generation's store went with its host (the leader's node lost just after it published, issue
         # 35): forming this generation fails the usual way and the next membership is awaited. Raised
