@@ -420,7 +420,9 @@ class NodeAgent:
             # A node that offers no GPU (a CPU host, or CKPTLESS_NODE_GPUS=0 on a GPU host): its workers make
             # no CUDA context and no NCCL communicator (ckptless/worker/device.py), whatever torch can see.
             common["CKPTLESS_CUDA_BACKEND"] = "none"
-        preload = environment.current().preload or "ckptless.job"
+        # ckptless.job always (a respawn's script imports it first thing: 0.3 s here), then the user's list
+        # ("-name" there drops a default: launcher/forkserver_program.py)
+        preload = ",".join(m for m in ("ckptless.job", environment.current().preload) if m)
         envs = []
         standby = st.spares.standby_ranks(result.world_size, cfg.spares, prefer=self._orphaned_ranks())
         standby_of: dict[int, int | None] = {}  # a spare's local rank -> the rank it pre-builds as

@@ -1,8 +1,8 @@
 """The fork server's own program: what runs inside ``python -u forkserver_program.py <fd> <path0>``.
 
 The server (see launcher/forkserver.py for why warm respawns and how the
-worker ends up the agent's child) preloads torch, torch.distributed and
-``$CKPTLESS_PRELOAD``, checks that forking it gives a clean single-threaded
+worker ends up the agent's child) preloads torch, torch.distributed,
+``$CKPTLESS_PRELOAD`` and, where it imports, :data:`OPTIONAL_PRELOAD`, checks that forking it gives a clean single-threaded
 process, and then answers spawn requests: it forks an intermediate that forks
 the worker and exits, and the worker becomes what ``python -u script|-m
 mod|-c code`` would have been, once the agent says "go".
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import array
 import contextlib
+import gc
 import json
 import os
 import select
@@ -32,6 +33,11 @@ import time
 from typing import Any, NoReturn
 
 DEFAULT_PRELOAD = ("torch", "torch.distributed")
+#: Imported too when they can be (a failure skips the module, it does not turn warm spawns off), unless
+#: ``CKPTLESS_PRELOAD`` names them with a leading ``-``. ``torch._dynamo``: a script's first
+#: ``torch.optim`` optimizer imports it (0.42 s here, 0.5-1 s at 32 ranks on two cores, measured for issue 35),
+#: and a respawn's setup is on every survivor's path: they wait for it at the formation.
+OPTIONAL_PRELOAD = ("torch._dynamo",)
 MAX_MSG = 4 << 20  # one request or reply (a worker's env and argv), both directions
 _PR_SET_PDEATHSIG = 1
 _SERVER_SETUP_TIMEOUT = 10.0  # server side: the new worker reports its pid (ms normally)
@@ -54,11 +60,25 @@ def _server_main(sock_fd: int, path0: str) -> None:
 
         from ckptless import environment  # the worker's own ckptless: sys.path[0] is its path now
 
-        names += [m.strip() for m in environment.current().preload.split(",") if m.strip()]
+        asked = [m.strip() for m in environment.current().preload.split(",") if m.strip()]
+        removed = {m[1:] for m in asked if m.startswith("-")}
+        names += [m for m in asked if not m.startswith("-") and m not in removed and m not in names]
         global _PRCTL
         _PRCTL = ctypes.CDLL(None, use_errno=True).prctl
         for name in names:
             importlib.import_module(name)
+        for name in OPTIONAL_PRELOAD:
+            if name not in removed and name not in names:
+                with contextlib.suppress(Exception):  # an older or trimmed torch: the script imports it itself
+                    importlib.import_module(name)
+                    names.append(name)
+        # What the preloads made lives as long as any worker: frozen out of the cyclic GC here, a worker's
+        # full collections scan only what it made itself. ckptless's run() collects once after the setup,
+        # and on a respawn that held the GIL for 0.19 s (torch + torch._dynamo, measured for issue 35)
+        # while the transfers of its image waited to start. (Frozen before forking also keeps a worker's
+        # collections from writing to, so copying, the pages it shares with the server.)
+        gc.collect()
+        gc.freeze()
         problem = _fork_safety_problem()
     except BaseException as exc:  # noqa: BLE001 - any preload failure disables warm spawns
         problem = f"preloading {names} failed: {type(exc).__name__}: {exc}"

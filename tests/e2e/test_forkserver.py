@@ -43,7 +43,9 @@ G0 = {k: (type(v).__name__, getattr(v, "path", None), getattr(v, "name", None))
 import os, sys, time
 T0 = time.monotonic()
 TASKS = len(os.listdir("/proc/self/task"))
-MODS = {m: m in sys.modules for m in ("torch", "helper", "preloaded_mod")}
+MODS = {m: m in sys.modules for m in ("torch", "helper", "preloaded_mod", "torch._dynamo")}
+import gc
+FROZEN = gc.get_freeze_count()
 import json, signal, threading, faulthandler
 
 
@@ -67,7 +69,7 @@ mode = os.environ.get("PROBE_MODE", "exit")
 if mode == "facts":
     import helper
     say({"t0": T0, "pid": os.getpid(), "ppid": os.getppid(), "pgid": os.getpgid(0), "sid": os.getsid(0),
-         "tasks": TASKS, "mods": MODS, "helper": helper.WHO, "argv": sys.argv, "orig_argv": sys.orig_argv,
+         "tasks": TASKS, "mods": MODS, "frozen": FROZEN, "helper": helper.WHO, "argv": sys.argv, "orig_argv": sys.orig_argv,
          "cwd": os.getcwd(), "env": dict(os.environ), "path": sys.path, "globals": G0, "fds": fds(),
          "signals": {int(s): repr(signal.getsignal(s)) for s in signal.valid_signals()},
          "mask": sorted(int(s) for s in signal.pthread_sigmask(signal.SIG_BLOCK, [])),
@@ -150,7 +152,8 @@ def respawn_warm(g: WorkerGroup, **env: str) -> int:
 
 def comparable(facts: dict[str, Any]) -> dict[str, Any]:
     """Facts that must be equal; object addresses in reprs differ between any two processes."""
-    out = {k: v for k, v in facts.items() if k not in ("t0", "pid", "ppid", "pgid", "sid", "mods", "env", "helper")}
+    out = {k: v for k, v in facts.items() if k not in ("t0", "pid", "ppid", "pgid", "sid", "mods", "env", "helper",
+                                                         "frozen")}
     out["globals"] = {k: re.sub(r" at 0x[0-9a-f]+", "", v) if isinstance(v, str) else v
                       for k, v in facts["globals"].items()}
     out["globals_order"] = list(facts["globals"])
@@ -176,9 +179,12 @@ def test_warm_worker_is_like_a_fresh_python(tmp_path: Path, fifo: Fifo, probe_di
     assert warm["pid"] == warm_pid == warm["pgid"] == warm["sid"] and warm["ppid"] == os.getpid()
     assert cold["pid"] == cold["pgid"] == cold["sid"] and cold["ppid"] == os.getpid()
     assert warm["env"] == dict(cold["env"], PROBE_GEN="2")
-    assert cold["mods"] == {"torch": False, "helper": False, "preloaded_mod": False}
-    assert warm["mods"] == {"torch": True, "helper": False, "preloaded_mod": False}
+    assert cold["mods"] == {"torch": False, "helper": False, "preloaded_mod": False, "torch._dynamo": False}
+    # torch._dynamo by default (issue 35: a first optimizer imports it, 0.4-1 s of the respawn's setup)
+    assert warm["mods"] == {"torch": True, "helper": False, "preloaded_mod": False, "torch._dynamo": True}
     assert warm["helper"] == warm["pid"], "the script's own module must be imported in the worker"
+    # the preloads' objects are frozen out of the cyclic GC in the server (a worker's collections skip them)
+    assert cold["frozen"] == 0 and warm["frozen"] > 10_000
     assert warm["tasks"] == cold["tasks"] == 1
     assert comparable(warm) == comparable(cold)
 
@@ -381,7 +387,8 @@ def test_rng_and_hash_seed_like_fresh_processes(tmp_path: Path, fifo: Fifo, prob
 
 
 def test_preload_env_imports_in_server_only(tmp_path: Path, fifo: Fifo, probe_dir: Path) -> None:
-    env = {"PROBE_MODE": "facts", "CKPTLESS_PRELOAD": "preloaded_mod, json", "PYTHONPATH": str(probe_dir)}
+    env = {"PROBE_MODE": "facts", "CKPTLESS_PRELOAD": "preloaded_mod, json, -torch._dynamo",
+           "PYTHONPATH": str(probe_dir)}
     g = started(make_group(tmp_path, fifo, [str(probe_dir / "probe.py")], env))
     try:
         fifo.line()
@@ -390,7 +397,8 @@ def test_preload_env_imports_in_server_only(tmp_path: Path, fifo: Fifo, probe_di
         server = g.forkserver_pid()
     finally:
         g.stop(5.0)
-    assert warm["mods"] == {"torch": True, "helper": False, "preloaded_mod": True}
+    # "-torch._dynamo": the default optional preload is left to the script
+    assert warm["mods"] == {"torch": True, "helper": False, "preloaded_mod": True, "torch._dynamo": False}
     marks = (tmp_path / "mark").read_text().split()
     assert marks == [str(server)], "a preloaded module is imported once, in the server"
 
