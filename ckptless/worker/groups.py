@@ -36,7 +36,7 @@ from ckptless.errors import ConfigError, TransportError
 from ckptless.mirror import agreement
 from ckptless.mirror import Deadline
 from ckptless.state import AnswersLocally
-from ckptless.worker import exit_guard, forming, gloo_peers, reaper, sockets
+from ckptless.worker import exit_guard, forming, gloo_peers, reaper, sockets, store_client
 from ckptless.worker.rebindable import PLUGIN, RebindableGroup, new_gloo
 
 log = logging.getLogger(__name__)
@@ -74,23 +74,10 @@ def _register_plugin() -> None:
         dist.Backend.register_backend(PLUGIN, _creator, extended_api=True, devices=["cpu", "cuda"])
 
 
-#: The connect timeout of a worker's store client. torch's client retries a refused or unanswered connect
-#: until this timeout, backs off and tries once more (measured: ~70 s for a 30 s timeout when the store's
-#: agent had died with its node; 28.5 s for 15 s on a closed port), so a store that is not there is given
-#: up in about twice this (a failed formation: the leader re-plans with a live store), not in minutes.
-CONNECT_S = 8.0
-
-
 def connect_store(host: str, port: int, timeout_s: float) -> dist.Store:
-    """A client of the agent's store: given up after about 2 x :data:`CONNECT_S` if it cannot connect, its
-    operations bounded by ``timeout_s`` (the collective timeout) once connected."""
-    try:
-        store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=min(timeout_s, CONNECT_S)),
-                              use_libuv=True)
-        store.set_timeout(timedelta(seconds=timeout_s))
-        return store
-    except (RuntimeError, OSError) as exc:
-        raise TransportError(f"cannot reach the agent's store at {host}:{port}: {exc}") from exc
+    """A client of the agent's store (hedged: :mod:`ckptless.worker.store_client`), its operations bounded by
+    ``timeout_s`` (the collective timeout) once connected."""
+    return store_client.connect(host, port, timeout_s)
 
 
 def ensure_default_group(store: dist.Store, rank: int, world_size: int, timeout_s: float) -> None:

@@ -328,6 +328,7 @@ _C10D = "torch._C._distributed_c10d"
 _DDP = "torch.nn.parallel.distributed:DistributedDataParallel"
 _FSDP = "torch.distributed.fsdp._fully_shard"
 RB, GR, NC = "ckptless/worker/rebindable.py", "ckptless/worker/groups.py", "ckptless/worker/nccl.py"
+SC = "ckptless/worker/store_client.py"
 DDP_PY, FSDP_PY = "ckptless/state/ddp.py", "ckptless/state/fsdp.py"
 
 TOUCHPOINTS: tuple[Touchpoint, ...] = (
@@ -377,7 +378,7 @@ TOUCHPOINTS: tuple[Touchpoint, ...] = (
     Touchpoint(GR, "dist.distributed_c10d.init_process_group = _guarded_init_process_group",
                "`init_process_group` replaced in `torch.distributed` and `distributed_c10d` (a clear error)",
                attr("torch.distributed.distributed_c10d:init_process_group")),
-    Touchpoint(GR, "use_libuv=True", "`TCPStore(use_libuv=)`",
+    Touchpoint(SC, "use_libuv=True", "`TCPStore(use_libuv=)`",
                lambda: "yes" if "use_libuv" in (_resolve("torch.distributed:TCPStore").__init__.__doc__ or "")
                else "no: TCPStore(use_libuv=)"),
     # --- NCCL ---
