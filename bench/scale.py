@@ -22,7 +22,9 @@ before the kill and three steps after the recovery (``socket_kinds_*``: that
 worker's sockets by kind: unix, listen, etcd, store, peer); ``window_cpu_s`` CPU
 seconds the survivors, the replacement and the agents spent from the kill to
 every rank stepping (``window_cpu_per_core_s``: divided by this machine's
-cores, the least wall time that work takes here); ``etcd_events_per_rank``
+cores, the least wall time that work takes here; ``window_agents_cpu_s`` the agents' share,
+``replacement_cpu_s`` the replacement's whole life until then; ``bench_loop_gap_s`` the longest pause
+of this bench's own polling loop meanwhile: a stall of the whole machine would show there); ``etcd_events_per_rank``
 watch events etcd sent (``etcd_debugging_mvcc_events_total``) from the kill to
 every rank stepping, per rank; ``etcd_kib_per_rank`` gRPC bytes etcd sent
 meanwhile, per rank; ``idle_events_s`` events etcd sent per second of
@@ -210,15 +212,21 @@ def run_one(world: int, state_bytes: int, step_sleep: float, work: Path, log: An
             victim_pid = int(doc["pid"])
             watched = [p for p in before.values() if p != victim_pid] + agent_pids
             cpu_kill = sum(cpu_seconds(p) for p in watched)
+            agents_kill = sum(cpu_seconds(p) for p in agent_pids)
             t_kill = time.monotonic()
             os.kill(victim_pid, signal.SIGKILL)
             deadline = time.monotonic() + 600
+            last, gap = t_kill, 0.0  # this loop's longest pause: a stall of the whole machine shows here too
             while True:
+                now = time.monotonic()
+                gap, last = max(gap, now - last), now
                 evs = read_events(gdir)
                 done = {e["rank"] for e in evs if e["kind"] == "first_step_after_recovery"}
                 if len(done) == world:
                     fresh = [p for p in rank_pids(out, world).values() if p not in before.values()]
                     window_cpu = sum(cpu_seconds(p) for p in watched + fresh) - cpu_kill
+                    agents_cpu = sum(cpu_seconds(p) for p in agent_pids) - agents_kill
+                    fresh_cpu = sum(cpu_seconds(p) for p in fresh)  # the replacement's whole life so far
                     break
                 if time.monotonic() > deadline or any(p.poll() not in (None, 0) for p in procs):
                     raise RuntimeError(f"W={world}: the recovery did not finish")
@@ -246,7 +254,8 @@ def run_one(world: int, state_bytes: int, step_sleep: float, work: Path, log: An
                    "planned_s": (min(plans) - t_kill) if plans else float("nan"),
                    "sockets_before": sockets_before, "sockets_after": sockets_after,
                    "socket_kinds_before": kinds_before, "socket_kinds_after": kinds_after,
-                   "window_cpu_s": window_cpu, "window_cpu_per_core_s": window_cpu / len(os.sched_getaffinity(0)),
+                   "bench_loop_gap_s": gap, "window_cpu_s": window_cpu, "window_agents_cpu_s": agents_cpu,
+                   "replacement_cpu_s": fresh_cpu, "window_cpu_per_core_s": window_cpu / len(os.sched_getaffinity(0)),
                    "etcd_events_per_rank": (c2["events"] - c1["events"]) / world,
                    "etcd_kib_per_rank": (c2["bytes"] - c1["bytes"]) / world / 1024,
                    "idle_events_s": idle, "peak_rss_mib": max(m["peak_rss"] for m in mem) / 2**20,

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import socket
 import threading
 import time
 from datetime import timedelta
@@ -73,6 +74,7 @@ def connect(host: str, port: int, timeout_s: float, hedge_after_s: float = HEDGE
                          daemon=True).start()
 
     start()
+    probe: dict[str, str] = {}
     errors: dict[int, BaseException] = {}
     deadline = time.monotonic() + max_attempts * (2 * per_attempt + 5.0)  # torch retries each attempt once
     while True:
@@ -83,6 +85,8 @@ def connect(host: str, port: int, timeout_s: float, hedge_after_s: float = HEDGE
                 raise TransportError(f"cannot reach the agent's store at {host}:{port}: no connect attempt "
                                      f"ended within {deadline - started[0]:.0f}s") from None
             if len(started) < max_attempts:
+                if len(started) == 1:
+                    _probe(host, port, probe)
                 start()
             continue
         if isinstance(out, BaseException):
@@ -93,8 +97,29 @@ def connect(host: str, port: int, timeout_s: float, hedge_after_s: float = HEDGE
             continue
         if i > 0:
             _report_late(results, started, i, took, host, port, 2 * per_attempt + 5.0)
+        elapsed = time.monotonic() - started[0]
+        if elapsed > 2 * hedge_after_s:
+            log.warning("the store at %s:%s took %.2fs to connect (%d attempts; %s)", host, port, elapsed,
+                        len(started), ", ".join(f"{k} {v}" for k, v in probe.items()) or "no probe")
         out.set_timeout(timedelta(seconds=timeout_s))
         return out
+
+
+def _probe(host: str, port: int, into: dict[str, str]) -> None:
+    """Where a slow connect waits, for its warning: the name lookup and a bare TCP connect, each timed."""
+
+    def run() -> None:
+        t0 = time.monotonic()
+        try:
+            addrs = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+            into["lookup"] = f"{time.monotonic() - t0:.3f}s"
+            t1 = time.monotonic()
+            with socket.create_connection((str(addrs[0][4][0]), port), timeout=CONNECT_S):
+                into["bare connect"] = f"{time.monotonic() - t1:.3f}s"
+        except OSError as exc:
+            into["probe"] = f"failed after {time.monotonic() - t0:.3f}s: {exc}"
+
+    threading.Thread(target=run, name="ckptless-store-probe", daemon=True).start()
 
 
 def _report_late(results: queue.Queue[tuple[int, float, _Outcome]], started: list[float], won: int, took: float,

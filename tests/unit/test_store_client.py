@@ -94,7 +94,7 @@ def test_a_stalled_connect_is_hedged(server: dist.TCPStore, caplog: pytest.LogCa
         assert server.get("hedged") == b"yes"
         # without the hedge the connect waits out the stall (3 s); with it, one hedge interval and a connect
         assert took < 2.0, took
-        assert relay.accepted == 2
+        assert relay.accepted >= 2  # the stalled one, the hedge (and the slow connect's bare probe)
         assert any("attempt 2 connected" in r.getMessage() for r in caplog.records)
         deadline = time.monotonic() + 30
         while not any("first connect attempt connected after" in r.getMessage() for r in caplog.records):
