@@ -124,34 +124,16 @@ def new_user_gloo(store: dist.Store, generation: int, rank: int, size: int,
     per generation, every recovery) where a data-parallel step uses a ring and a
     binomial broadcast. Why connect some pairs now: in the formation a dead peer
     aborts it at its deadline; in the user's step it would cost Gloo's connect
-    timeout (pytorch/gloo#520: up to 5 x). So the formation connects the pairs
-    Gloo's algorithms pick for what a data-parallel step runs: a dissemination
-    barrier, a broadcast from rank 0 (binomial tree) and a ring allreduce
-    (:func:`ckptless.worker.gloo_peers.collective_peers`, about 2 log2 W + 1 peers),
-    with one message each way to each, all at once: one round trip. (It ran those
-    three collectives on one element until issue 35: the ring alone is 2 (W - 1)
-    hops one after another, 0.1-0.2 s of every recovery at W = 32 on this
-    machine's two cores, and the first step's allreduce pays them again.) A pair
-    outside those (all_to_all, another root, send/recv) connects on first use,
-    found by address and ended with its generation (:mod:`ckptless.worker.gloo_peers`);
-    a peer that died before that first message costs that collective Gloo's
-    connect timeout (docs/failure-model.md)."""
+    timeout (pytorch/gloo#520: up to 5 x). Which pairs, and how (one message each
+    way, all at once): :func:`ckptless.worker.gloo_peers.connect_collective_peers`.
+    A pair outside those (all_to_all, another root, send/recv) connects on first
+    use, found by address and ended with its generation; a peer that died before
+    that first message costs that collective Gloo's connect timeout
+    (docs/failure-model.md)."""
     pg = new_gloo(gloo_peers.PeerRecordingStore(store, generation), rank, size, timeout, lazy=True)
     nccl.start_sequence_numbers(pg)
-    peers = gloo_peers.collective_peers(rank, size)
-    if peers:
-        out = torch.zeros(1)
-        ins = [torch.zeros(1) for _ in peers]
-        works = [pg.recv([t], p, _HELLO_TAG) for t, p in zip(ins, peers)]
-        works += [pg.send([out], p, _HELLO_TAG) for p in peers]
-        for w in works:  # bounded by the group's timeout; the formation's deadline aborts it sooner
-            w.wait()
+    gloo_peers.connect_collective_peers(pg, rank, size)
     return pg
-
-
-#: The tag of the formation's one message each way between a user group's collective peers (a fresh
-#: communicator of the generation: nothing of the user's is in flight on it yet).
-_HELLO_TAG = 0x7FF00010
 
 
 def _keep_work(opts: Any) -> Any:
