@@ -136,7 +136,8 @@ _HELLO_TAG = 0x7FF00010
 
 
 def connect_collective_peers(pg: Any, rank: int, size: int) -> None:
-    """Connect a lazy Gloo group's (``pg``: a ``ProcessGroupGloo``) pairs that its barrier, broadcast from 0 and allreduce will use (collective).
+    """Connect the pairs of a lazy ``ProcessGroupGloo`` that its barrier, broadcast from 0 and allreduce
+    will use (collective).
 
     One message each way with each of :func:`collective_peers`, all posted at once: one round trip. Until
     issue 35 the formation ran those three collectives on one element instead; the ring alone is
