@@ -34,9 +34,10 @@ from ckptless import chaos_hooks
 from ckptless.coordinator import Compare, Delete, EtcdClient, Put, WatchEvent
 from ckptless.coordinator import Election
 from ckptless.coordinator import Keyspace
-from ckptless.coordinator import Session
-from ckptless.errors import CkptlessError, CoordinatorError, CoordinatorUnavailable, NotLeader
+from ckptless.coordinator import NodeInfo, Session
+from ckptless.errors import CkptlessError, CoordinatorError, CoordinatorUnavailable, NotLeader, RendezvousError
 from ckptless.recovery.facts import PlanPolicy
+from ckptless.recovery.store_choice import store_for_generation
 from ckptless.recovery.gather import plan_from_view
 from ckptless.recovery.leader_machine import (
     INITIAL,
@@ -288,6 +289,17 @@ class RecoveryLeader:
             return PlanFailed(f"{type(exc).__name__}: {exc}", self._now())
         return Planned(decision, tuple(notes), self._now(), replacement_key(view))
 
+    def _live_stores(self) -> list[tuple[str, tuple[str, int]]]:
+        """(node id, its store's address) of every agent whose lease is alive (one read: O(nodes))."""
+        out = []
+        for kv in self._client.get_prefix(self._ks.nodes_prefix)[0]:
+            try:
+                info = NodeInfo.from_json(json.loads(kv.value))
+            except (ValueError, RendezvousError):
+                continue  # a malformed record: that node's store is not kept
+            out.append((info.node_id, (info.host, info.store_port)))
+        return out
+
     def _publish(self, decision: RecoveryPlan | DiskFallback, from_generation: int) -> Event:
         view = self._view
         assert view is not None and view.membership is not None
@@ -296,8 +308,9 @@ class RecoveryLeader:
         current = 0 if gen_kv is None else int(json.loads(gen_kv.value)["generation"])
         if current != from_generation:
             return PublishRejected(True, f"generation is {current}, the plan is for {from_generation}", self._now())
-        new = Membership(decision.generation, m.world_size, self.store_host, self.store_port,
-                         decision.assignments, decision)
+        store_host, store_port = store_for_generation((m.store_host, m.store_port), (self.store_host, self.store_port),
+                                                      self._live_stores(), (a.worker_id for a in decision.assignments))
+        new = Membership(decision.generation, m.world_size, store_host, store_port, decision.assignments, decision)
         token = uuid.uuid4().hex
         spare_ids = {a.worker_id for a in decision.assignments if a.source == "spare"}
         ops: list[Put | Delete] = [
