@@ -19,6 +19,7 @@ only for its path and the protocol's message limit.
 from __future__ import annotations
 
 import array
+import atexit
 import contextlib
 import gc
 import json
@@ -79,6 +80,10 @@ def _server_main(sock_fd: int, path0: str) -> None:
         # collections from writing to, so copying, the pages it shares with the server.)
         gc.collect()
         gc.freeze()
+        # ... but at exit they are collectable again, as in a cold process: a frozen object is never freed,
+        # and nanobind (triton's bindings, imported with torch._dynamo where triton is installed) then
+        # prints "leaked N instances" on every warm worker's exit (CI's clean venv, issue 35).
+        atexit.register(gc.unfreeze)
         problem = _fork_safety_problem()
     except BaseException as exc:  # noqa: BLE001 - any preload failure disables warm spawns
         problem = f"preloading {names} failed: {type(exc).__name__}: {exc}"
