@@ -53,9 +53,13 @@ def test_correct_script_passes_kill_worker(tmp_path: Path, capsys: pytest.Captur
     kinds = [(e["kind"], e["rank"]) for e in lead]
     assert ("incident_opened", None) in kinds and ("plan_published", None) in kinds, kinds
     opened = next(e for e in lead if e["kind"] == "incident_opened")
-    assert opened["attrs"]["lost"] == "1" and opened["generation"] == 0
+    # The incident opens on its first symptom: rank 1's exit record, or a survivor's report of the failed
+    # collective when that reached etcd first (recovery/leader_machine.py _open: the ranks known lost then,
+    # none yet); the plan names the lost rank either way.
+    assert opened["attrs"]["lost"] in ("1", "") and opened["generation"] == 0, opened
     published = next(e for e in lead if e["kind"] == "plan_published")
     assert published["attrs"]["decision"] == "memory" and published["generation"] == 1
+    assert published["attrs"]["lost"] == "1", published
     rep = build_report(load_run(tmp_path / "kill-worker" / "goodput"))
     assert len(rep.analysis.incidents) == 1
     # the mirrors' network, named and measured at start: in the report, and warned about on stderr
