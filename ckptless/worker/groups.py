@@ -411,8 +411,8 @@ def mirror_group(store: dist.Store, generation: int, rank: int, world_size: int,
     """
     try:
         mirror_store = dist.PrefixStore(f"ckptless/gen{generation}/mirror/", store)
-        pg = new_gloo(gloo_peers.PeerRecordingStore(mirror_store, generation), rank, world_size,
-                      timedelta(seconds=timeout_s), lazy=True)
+        recording = gloo_peers.PeerRecordingStore(mirror_store, generation, expect=sorted(set(peers) - {rank}))
+        pg = new_gloo(recording, rank, world_size, timedelta(seconds=timeout_s), lazy=True)
         if peers:
             left = timeout_s if deadline is None else max(0.001, deadline - time.monotonic())
             agreement.connect(cast(dist.ProcessGroup, pg), sorted(set(peers) - {rank}), Deadline(left))

@@ -130,7 +130,8 @@ def new_user_gloo(store: dist.Store, generation: int, rank: int, size: int,
     use, found by address and ended with its generation; a peer that died before
     that first message costs that collective Gloo's connect timeout
     (docs/failure-model.md)."""
-    pg = new_gloo(gloo_peers.PeerRecordingStore(store, generation), rank, size, timeout, lazy=True)
+    recording = gloo_peers.PeerRecordingStore(store, generation, expect=gloo_peers.collective_peers(rank, size))
+    pg = new_gloo(recording, rank, size, timeout, lazy=True)
     nccl.start_sequence_numbers(pg)
     gloo_peers.connect_collective_peers(pg, rank, size)
     return pg
