@@ -52,7 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from _control_plane_layout import cpu_seconds  # noqa: E402
-from _recovery_common import PY, WORKER, child_env, kill_group, read_events, wait_file  # noqa: E402
+from _recovery_common import PY, WORKER, EventTail, child_env, kill_group, read_events, wait_file  # noqa: E402
 
 from ckptless.coordinator.embedded import EmbeddedEtcd  # noqa: E402
 
@@ -217,10 +217,11 @@ def run_one(world: int, state_bytes: int, step_sleep: float, work: Path, log: An
             os.kill(victim_pid, signal.SIGKILL)
             deadline = time.monotonic() + 600
             last, gap = t_kill, 0.0  # this loop's longest pause: a stall of the whole machine shows here too
+            tail = EventTail(gdir)
             while True:
                 now = time.monotonic()
                 gap, last = max(gap, now - last), now
-                evs = read_events(gdir)
+                evs = tail.poll()
                 done = {e["rank"] for e in evs if e["kind"] == "first_step_after_recovery"}
                 if len(done) == world:
                     fresh = [p for p in rank_pids(out, world).values() if p not in before.values()]
