@@ -123,3 +123,15 @@ def test_invalid_inputs_raise_config_error(kwargs: dict, field: str) -> None:
     with pytest.raises(ConfigError) as ei:
         compute_placement(**kwargs)
     assert ei.value.field == field
+
+
+def test_placements_are_memoised_by_their_arguments_and_errors_are_not() -> None:
+    # A rank asks for its generation's placement three times per recovery (issue 35): once computed.
+    nodes = ["a", "a", "b", "b", "c", "c"]
+    first = compute_placement(6, 2, "ring", nodes)
+    assert compute_placement(6, 2, "ring", tuple(nodes)) is first
+    assert compute_placement(6, 2, "ring", ["a", "a", "b", "b", "c", "d"]) is not first
+    assert compute_placement(6, 2, "ring", ["a", "a", "b", "b", "c", "d"]).holders_of != () and first.k == 2
+    for _ in range(2):  # a refused argument is refused every time, not remembered as a placement
+        with pytest.raises(ConfigError):
+            compute_placement(6, 6, "ring", nodes)
