@@ -411,11 +411,12 @@ def mirror_group(store: dist.Store, generation: int, rank: int, world_size: int,
     """
     try:
         mirror_store = dist.PrefixStore(f"ckptless/gen{generation}/mirror/", store)
-        recording = gloo_peers.PeerRecordingStore(mirror_store, generation, expect=sorted(set(peers) - {rank}))
+        others = sorted(set(peers) - {rank})
+        recording = gloo_peers.PeerRecordingStore(mirror_store, generation, expect=others)
         pg = new_gloo(recording, rank, world_size, timedelta(seconds=timeout_s), lazy=True)
         if peers:
             left = timeout_s if deadline is None else max(0.001, deadline - time.monotonic())
-            agreement.connect(cast(dist.ProcessGroup, pg), sorted(set(peers) - {rank}), Deadline(left))
+            agreement.connect(cast(dist.ProcessGroup, pg), others, Deadline(left))
     except (RuntimeError, ValueError) as exc:
         raise TransportError(f"forming generation {generation}'s mirror group failed on rank {rank}: {exc}") from exc
     return cast(dist.ProcessGroup, pg)
