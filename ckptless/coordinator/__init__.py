@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 from ckptless import lazy
 
 __all__ = [
-    "Compare", "Delete", "EtcdClient", "Put", "WatchEvent", "EtcdConfig", "Election", "EmbeddedEtcd", "Keyspace",
+    "Compare", "Delete", "EtcdClient", "Get", "Put", "WatchEvent", "EtcdConfig", "Election", "EmbeddedEtcd", "Keyspace",
     "validate_job_id", "RelaySubscription", "RelayWriteTimeout", "RelayServer", "RelayClosed", "RelayWriter",
     "NodeInfo", "Rendezvous", "RendezvousResult", "RoundState", "config_disagreement", "Session",
 ]
@@ -15,7 +15,7 @@ __all__ = [
 
 # Imported on first use (ckptless/lazy.py): an importer of one module pays for no other.
 if TYPE_CHECKING:
-    from ckptless.coordinator.client import Compare, Delete, EtcdClient, Put, WatchEvent
+    from ckptless.coordinator.client import Compare, Delete, EtcdClient, Get, Put, WatchEvent
     from ckptless.coordinator.config import EtcdConfig
     from ckptless.coordinator.election import Election
     from ckptless.coordinator.embedded import EmbeddedEtcd
@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from ckptless.coordinator.session import Session
 
 __getattr__ = lazy.exports(__name__, {
-    "client": "Compare Delete EtcdClient Put WatchEvent",
+    "client": "Compare Delete EtcdClient Get Put WatchEvent",
     "config": "EtcdConfig",
     "election": "Election",
     "embedded": "EmbeddedEtcd",
