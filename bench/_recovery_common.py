@@ -91,9 +91,5 @@ class EventTail:
 
 
 def read_events(gdir: Path) -> list[dict[str, Any]]:
-    evs = []
-    for f in sorted(gdir.glob("rank*.jsonl")):
-        for line in f.read_text().splitlines():
-            if line.strip():
-                evs.append(json.loads(line))
-    return evs
+    """Every complete event the ranks' ledgers hold now."""
+    return EventTail(gdir).poll()
