@@ -177,7 +177,7 @@ def replacement_phases(evs: list[dict[str, Any]], out: Path, t_kill: float) -> d
     return row
 
 
-def run_one(world: int, state_bytes: int, step_sleep: float, work: Path, log: Any) -> dict[str, Any]:
+def run_one(world: int, state_bytes: int, step_sleep: float, work: Path, log: Any, settle: float = 3.0) -> dict[str, Any]:
     job = f"scale{world}-{uuid.uuid4().hex[:6]}"
     out = work / job
     gdir = out / "goodput"
@@ -201,7 +201,7 @@ def run_one(world: int, state_bytes: int, step_sleep: float, work: Path, log: An
             doc = wait_file(out / "pause0.json", 600, procs)
             # Steady training of the others while the victim holds: idle etcd traffic, sockets before.
             c0, t0 = etcd_counters(etcd.endpoint), time.monotonic()
-            time.sleep(3.0)  # the measured window (what is counted is etcd's traffic in it)
+            time.sleep(settle)  # the measured window (what is counted is etcd's traffic in it)
             c1 = etcd_counters(etcd.endpoint)
             idle = (c1["events"] - c0["events"]) / (time.monotonic() - t0)
             before = rank_pids(out, world)
@@ -261,6 +261,9 @@ def run_one(world: int, state_bytes: int, step_sleep: float, work: Path, log: An
                    "etcd_kib_per_rank": (c2["bytes"] - c1["bytes"]) / world / 1024,
                    "idle_events_s": idle, "peak_rss_mib": max(m["peak_rss"] for m in mem) / 2**20,
                    "load1": os.getloadavg()[0], **phases}
+            if fresh_cpu > 0.5:  # a warm respawn spends ~0.03-0.05 s; this one imported torch itself
+                log(f"W={world}: the respawn was cold ({fresh_cpu:.2f} s of CPU): the kill came before the fork "
+                    "server was ready; not the scenario measured (raise --settle)")
             log(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}))
             return row
         finally:
@@ -275,6 +278,9 @@ def main() -> int:
     ap.add_argument("--worlds", type=int, nargs="+", default=[4, 8, 16, 32])
     ap.add_argument("--state-kib", type=int, default=64)
     ap.add_argument("--step-sleep", type=float, default=0.2)
+    ap.add_argument("--settle", type=float, default=3.0,
+                    help="seconds of steady training before the kill (the agents' fork servers must be ready by then: "
+                         "on one core at W = 32 they need ~20 s; a cold respawn shows as replacement_cpu_s > 0.5)")
     ap.add_argument("--repeat", type=int, default=1, help="run each W this many times (issue 35: 10 each at W 4 and 32)")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--work", type=Path, default=None,
@@ -289,7 +295,8 @@ def main() -> int:
                 work = (a.work or Path(tmp)) / f"try{i}"
                 work.mkdir(parents=True, exist_ok=True)
                 try:
-                    rows.append(run_one(w, a.state_kib * 1024, a.step_sleep, work, lambda s: print(s, flush=True)))
+                    rows.append(run_one(w, a.state_kib * 1024, a.step_sleep, work, lambda s: print(s, flush=True),
+                                        a.settle))
                 except RuntimeError as exc:  # a run that did not recover is a result too: counted, not hidden
                     print(f"W={w} try {i}: {exc}", flush=True)
                     rows.append({"world": w, "failed": str(exc), "load1": os.getloadavg()[0]})
