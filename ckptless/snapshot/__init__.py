@@ -19,7 +19,7 @@ Public API::
 See docs/snapshots.md for the on-disk layout and the completion protocol.
 """
 
-from ckptless.snapshot.choose import choose_snapshot, latest_complete, list_complete
+from ckptless.snapshot.choose import choose_snapshot, latest_complete, list_complete, verify_rank
 from ckptless.snapshot.config import SnapshotConfig
 from ckptless.snapshot.integrity import FileSum, SnapshotIntegrityError
 from ckptless.snapshot.reader import (
@@ -35,5 +35,5 @@ __all__ = [
     "FORMAT", "MARKER", "SET_ASIDE", "FileSum", "PartRecord", "SnapshotConfig", "SnapshotEntry", "SnapshotInfo",
     "SnapshotIntegrityError", "SnapshotWriter", "StoredSnapshot", "WorldMismatch", "check_world",
     "choose_snapshot", "foreign_owner", "forget_verified", "latest_complete", "list_complete", "load_snapshot", "plan_retention",
-    "read_marker", "scan_steps", "set_aside", "step_dir", "stored_snapshots", "verify_snapshot",
+    "read_marker", "scan_steps", "set_aside", "step_dir", "stored_snapshots", "verify_rank", "verify_snapshot",
 ]

@@ -30,7 +30,10 @@ from collections.abc import Collection
 from pathlib import Path
 
 from ckptless.errors import SnapshotError
-from ckptless.snapshot.reader import MARKER, SnapshotInfo, scan_steps, verify_snapshot
+from ckptless.snapshot.reader import (
+    FORMAT, MARKER, STEP_RE, SnapshotInfo, _bad, _check_rank_files, _read_marker, _read_part, scan_steps,
+    verify_snapshot,
+)
 
 log = logging.getLogger(__name__)
 
@@ -94,3 +97,27 @@ def list_complete(directory: Path | str, job_id: str, world_size: int, *,
         except (SnapshotError, OSError) as exc:
             log.warning("snapshot skipped: %s", exc)
     return out
+
+
+def verify_rank(path: Path, job_id: str, world_size: int, rank: int) -> SnapshotInfo:
+    """Check one rank's part of a step directory: the marker, that rank's part record, the sizes and
+    every byte of that rank's files (CRC32C, ``.metadata``'s SHA-256).
+
+    What one rank of a whole-job restart checks before it votes on a step (``worker/plain_resume.py``):
+    O(S) bytes for its own files, where ``verify_snapshot(verify_content=True)`` reads every rank's,
+    O(W x S). Format-1 snapshots are refused here as by ``choose_snapshot`` (no per-file checksums).
+    Raises :class:`SnapshotError` naming the file and field, as ``verify_snapshot`` does.
+    """
+    m = STEP_RE.match(path.name)
+    if m is None:
+        raise _bad(path, "<dirname>", path.name, "not a step_NNNNNNNN directory")
+    info = _read_marker(path, job_id, world_size, int(m.group(1)))
+    if info.format < 2:
+        raise _bad(path / MARKER, "format", info.format, f"expected {FORMAT}: format-1 snapshots have no per-file "
+                   "checksums, so their content cannot be verified before loading")
+    if type(rank) is not int or not 0 <= rank < world_size:
+        raise SnapshotError(f"{path}: rank {rank!r} not in [0, {world_size})")
+    rec = _read_part(info, rank, path / MARKER)
+    _check_rank_files(info, rank, rec, content=False)
+    _check_rank_files(info, rank, rec, content=True)
+    return info
