@@ -18,7 +18,7 @@ from ckptless.errors import MirrorError, SilentDataCorruption, StateError, Trans
 from ckptless.goodput import EventKind
 from ckptless.mirror import PairSpec
 from ckptless.state import StateImage
-from ckptless.worker import exit_file, groups, handoff, reuse
+from ckptless.worker import exit_file, groups, handoff, plain_resume, reuse
 from ckptless.worker.faults import device_failure, is_fault
 from ckptless.worker.machine import (
     Committed,
@@ -250,14 +250,21 @@ def final_commit(rt: WorkerRuntime) -> Event:
 
 
 def _resume_from_snapshot(rt: WorkerRuntime) -> int:
-    """No coordinator: a whole-job restart still resumes from the newest verified snapshot (every rank
-    applies the same choice rule to the same directory, so they agree)."""
+    """No coordinator: a whole-job restart still resumes from the newest snapshot whose files verify on
+    every rank, the same step on every rank (``plain_resume``: each rank reads its own files and the
+    ranks vote through the generation's store, O(S) bytes per rank; without a store, a process alone,
+    each reads every rank's: O(W x S))."""
     d = rt.ctx.snapshot_dir
     if not d:
         return 0
     from ckptless.snapshot import choose_snapshot, load_snapshot
 
-    info, _ = choose_snapshot(d, rt.ctx.job_id, rt.world_size)
+    store = rt.gen.store if rt.gen is not None else None
+    if store is not None:
+        info = plain_resume.choose_agreed(d, rt.ctx.job_id, rt.rank, rt.world_size, store, rt.generation,
+                                          rt.ctx.recovery_timeout_s)
+    else:
+        info, _ = choose_snapshot(d, rt.ctx.job_id, rt.world_size)
     if info is None:
         return 0
     step = load_snapshot(info, rt.registry, rt.rank)
