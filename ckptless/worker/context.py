@@ -112,7 +112,8 @@ class WorkerContext:
             job_id=e.get("CKPTLESS_JOB_ID") or e.get("TORCHELASTIC_RUN_ID") or "default",
             node_id=node_id,
             # Under plain torchrun (no ckptless-run) each elastic restart is a new generation: the store keys of
-            # a restarted round never meet the previous round's, and the ledgers show the restart as an incident.
+            # a restarted round never meet the previous round's while the restart count rises (torchrun does not
+            # raise it for a membership change), and the ledgers show the restart as an incident.
             generation=_int(e, "CKPTLESS_GENERATION", _int(e, "TORCHELASTIC_RESTART_COUNT", 0)),
             etcd_endpoint=e.get("CKPTLESS_ETCD_ENDPOINT") or None,
             replicas=_int(e, "CKPTLESS_REPLICAS", 1, low=0),

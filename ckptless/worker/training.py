@@ -252,8 +252,8 @@ def final_commit(rt: WorkerRuntime) -> Event:
 def _resume_from_snapshot(rt: WorkerRuntime) -> int:
     """No coordinator: a whole-job restart still resumes from the newest snapshot whose files verify on
     every rank, the same step on every rank (``plain_resume``: each rank reads its own files and the
-    ranks vote through the generation's store, O(S) bytes per rank; without a store, a process alone,
-    each reads every rank's: O(W x S))."""
+    ranks vote through the generation's store, O(S) bytes per rank). The plain start always binds a
+    generation with a store; the branch without one is defensive (every rank reads every rank's files)."""
     d = rt.ctx.snapshot_dir
     if not d:
         return 0

@@ -140,3 +140,45 @@ def test_a_restart_never_reads_an_earlier_rounds_votes(tmp_path: Path) -> None:
     f.write_bytes(bytes(b))
     reader.forget_verified()
     assert steps_of(vote(d, generation=2, server=server)) == {0: 6, 1: 6, 2: 6}
+
+
+def test_an_earlier_rounds_keys_under_the_same_generation_are_refused(tmp_path: Path) -> None:
+    """torchrun does not raise the restart count for a membership change, and keeps its store: a second
+    round under generation 1 meets the first's keys. Every rank refuses (no rank resumes from a step the
+    others may not take)."""
+    d = snapshots(tmp_path)
+    server = new_server()
+    assert steps_of(vote(d, generation=1, server=server)) == {0: 6, 1: 6, 2: 6}
+    again = vote(d, generation=1, server=server, deadline_s=5.0)
+    assert all(isinstance(v, RecoveryError) and "earlier round" in str(v) for v in again.values()), again
+
+
+def test_any_error_in_a_ranks_own_check_is_a_bad_vote(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Not only SnapshotError: a rank whose check raises anything votes bad (it never leaves the others
+    waiting for a vote), and the step is passed over on every rank."""
+    import ckptless.worker.plain_resume as pr
+
+    d = snapshots(tmp_path)
+    real = pr.verify_rank
+
+    def flaky(path: Path, job_id: str, world_size: int, rank: int) -> SnapshotInfo:
+        if rank == 1 and path.name.endswith("06"):
+            raise ValueError("an unexpected failure")
+        return real(path, job_id, world_size, rank)
+
+    monkeypatch.setattr(pr, "verify_rank", flaky)
+    assert steps_of(vote(d)) == {0: 4, 1: 4, 2: 4}
+
+
+def test_rank_0_unable_to_list_tells_the_others_at_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import ckptless.worker.plain_resume as pr
+
+    d = snapshots(tmp_path)
+
+    def unlistable(directory: Path | str, job_id: str) -> list[tuple[int, Path]]:
+        raise SnapshotError(f"{directory}: cannot list snapshots (permission denied)")
+
+    monkeypatch.setattr(pr, "scan_steps", unlistable)
+    out = vote(d, deadline_s=60.0)
+    assert isinstance(out[0], SnapshotError)
+    assert all(isinstance(out[r], RecoveryError) and "could not list" in str(out[r]) for r in (1, 2)), out
