@@ -4,6 +4,8 @@ step LR schedule and a data position whose state has non-tensor values of severa
 from __future__ import annotations
 
 import random
+import threading
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -70,3 +72,25 @@ def run_and_snapshot(tmp: Path, steps: int, **kw: Any) -> tuple[Job, SnapshotWri
         if w.maybe_snapshot(s):
             w.wait(30)
     return job, w
+
+
+def world_snapshots(tmp: Path, world: int, seeds: Iterable[int], steps: int = 6, keep: int = 2) -> Path:
+    """A world-``world`` run's snapshots (``world`` writers in one process: completion is file based, no
+    collective), one job per seed; every 2 steps, the newest ``keep`` kept."""
+    jobs = [Job(seed=s) for s in seeds]
+    assert len(jobs) == world
+    writers = [SnapshotWriter(cfg(tmp, keep=keep), j.reg, r, world) for r, j in enumerate(jobs)]
+    for s in range(1, steps + 1):
+        for j in jobs:
+            j.step()
+        started = [w.maybe_snapshot(s) for w in writers]
+        assert len(set(started)) == 1
+        if started[0]:
+            waits = [threading.Thread(target=w.wait, args=(30,)) for w in writers]
+            for t in waits:
+                t.start()
+            for t in waits:
+                t.join(60)
+    for w in writers:
+        w.close(30)
+    return tmp / "snaps"

@@ -18,31 +18,18 @@ import pytest
 import torch.distributed as dist
 
 from ckptless.errors import RecoveryError, SnapshotError
-from ckptless.snapshot import SnapshotInfo, SnapshotWriter, scan_steps, verify_rank, verify_snapshot
+from ckptless.snapshot import SnapshotInfo, scan_steps, verify_rank, verify_snapshot
 from ckptless.snapshot import reader
 from ckptless.worker.plain_resume import choose_agreed
 
-from ..harness.snapshot_job import JOB, Job, cfg
+from ..harness.snapshot_job import JOB, world_snapshots
 
 W = 3
 
 
-def snapshots(tmp: Path, steps: int = 6) -> Path:
+def snapshots(tmp: Path) -> Path:
     """A world-3 run's snapshots at steps 4 and 6 (every 2, the newest two kept)."""
-    jobs = [Job(seed=r) for r in range(W)]
-    writers = [SnapshotWriter(cfg(tmp, keep=2), j.reg, r, W) for r, j in enumerate(jobs)]
-    for s in range(1, steps + 1):
-        for j in jobs:
-            j.step()
-        if all([w.maybe_snapshot(s) for w in writers]):
-            waits = [threading.Thread(target=w.wait, args=(30,)) for w in writers]
-            for t in waits:
-                t.start()
-            for t in waits:
-                t.join(60)
-    for w in writers:
-        w.close(30)
-    d = tmp / "snaps"
+    d = world_snapshots(tmp, W, range(W))
     assert [s for s, _ in scan_steps(d, JOB)] == [6, 4]
     return d
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import threading
 from pathlib import Path
 
 import pytest
@@ -26,29 +25,14 @@ from ckptless.snapshot import (
 )
 from ckptless.snapshot.restart import foreign_owner, marker_world, set_aside_name, world_mismatch
 
-from ..harness.snapshot_job import JOB, Job, cfg, run_and_snapshot
+from ..harness.snapshot_job import JOB, Job, cfg, run_and_snapshot, world_snapshots
 
 # --- helpers ---------------------------------------------------------------------
 
 
 def world2_snapshots(tmp: Path, steps: int = 6, keep: int = 2) -> Path:
     """A world-2 run's snapshots (two writers in one process: completion is file based, no collective)."""
-    jobs = [Job(seed=1), Job(seed=2)]
-    writers = [SnapshotWriter(cfg(tmp, keep=keep), j.reg, r, 2) for r, j in enumerate(jobs)]
-    for s in range(1, steps + 1):
-        for j in jobs:
-            j.step()
-        started = [w.maybe_snapshot(s) for w in writers]
-        assert started[0] == started[1]
-        if started[0]:
-            waits = [threading.Thread(target=w.wait, args=(30,)) for w in writers]
-            for t in waits:
-                t.start()
-            for t in waits:
-                t.join(60)
-    for w in writers:
-        w.close(30)
-    return tmp / "snaps"
+    return world_snapshots(tmp, 2, (1, 2), steps, keep)
 
 
 def tree(root: Path) -> dict[str, str]:
